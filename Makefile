@@ -1,0 +1,36 @@
+# One virtual environment per checkout. torch is pinned to the local CPU wheel through
+# constraints.txt, so no install step here can pull CUDA builds.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install run test lint docs fidelity clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e ".[test,docs,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/python recipes/moment_fidelity.py
+
+fidelity: install
+	$(BIN)/python recipes/moment_fidelity.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check lightning_dvi
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -n 2
+
+docs: install
+	$(BIN)/mkdocs build --strict
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .ruff_cache

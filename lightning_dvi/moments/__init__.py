@@ -1,0 +1,45 @@
+"""Pure moment-propagation functions on tensors (no state; imports only torch)."""
+
+from .activations import (
+    heaviside_diag,
+    heaviside_full,
+    heaviside_slope,
+    min_variance,
+    relu_diag,
+    relu_full,
+    relu_slope,
+)
+from .linear import linear_deterministic, linear_diag, linear_full, symmetrize
+from .residual import cross_through_activation, cross_through_linear, residual_diag, residual_full
+from .special import (
+    asin_over_x,
+    asin_residual_over_x3,
+    clip_correlation,
+    normal_cdf,
+    normal_pdf,
+    soft_relu,
+)
+
+__all__ = [
+    "asin_over_x",
+    "asin_residual_over_x3",
+    "clip_correlation",
+    "cross_through_activation",
+    "cross_through_linear",
+    "heaviside_diag",
+    "heaviside_full",
+    "heaviside_slope",
+    "linear_deterministic",
+    "linear_diag",
+    "linear_full",
+    "min_variance",
+    "normal_cdf",
+    "normal_pdf",
+    "relu_diag",
+    "relu_full",
+    "relu_slope",
+    "residual_diag",
+    "residual_full",
+    "soft_relu",
+    "symmetrize",
+]

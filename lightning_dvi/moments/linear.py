@@ -1,0 +1,93 @@
+r"""Moments of a linear layer with factorised Gaussian weights (paper eq. 2, appendix A).
+
+For :math:`a_k = \sum_j h_j W_{kj} + b_k` with independent :math:`W_{kj} \sim
+\mathcal N(M_{kj}, V_{kj})`, :math:`b_k \sim \mathcal N(c_k, u_k)` and input :math:`h`
+independent of the weights:
+
+.. math::
+    E[a] = E[h] M^\top + c,\qquad
+    \operatorname{Cov}(a) = \operatorname{diag}\!\big(E[h^2] V^\top + u\big)
+        + M \operatorname{Cov}(h) M^\top .
+
+Weights use the ``torch.nn.Linear`` layout ``[out_features, in_features]``. Everything is a
+batched matmul; no loops over units.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "linear_deterministic",
+    "linear_diag",
+    "linear_full",
+    "symmetrize",
+]
+
+
+def symmetrize(cov: Tensor) -> Tensor:
+    """Average a covariance with its transpose, removing matmul round-off asymmetry."""
+    return 0.5 * (cov + cov.transpose(-1, -2))
+
+
+def _bias(out: Tensor, b: Tensor | None) -> Tensor:
+    return out if b is None else out + b
+
+
+def linear_deterministic(
+    x: Tensor,
+    w_loc: Tensor,
+    w_var: Tensor,
+    b_loc: Tensor | None = None,
+    b_var: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""Mean and variance of :math:`xW^\top + b` for a deterministic input ``x [..., Din]``.
+
+    The output units are independent (each has its own weights), so the covariance is
+    diagonal: :math:`\operatorname{Var}(a) = x^2 V^\top + u`.
+
+    Returns:
+        ``(mean [..., Dout], var [..., Dout])``.
+    """
+    mean = _bias(x @ w_loc.transpose(-1, -2), b_loc)
+    var = _bias((x * x) @ w_var.transpose(-1, -2), b_var)
+    return mean, var
+
+
+def linear_diag(
+    mean: Tensor,
+    var: Tensor,
+    w_loc: Tensor,
+    w_var: Tensor,
+    b_loc: Tensor | None = None,
+    b_var: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""DDVI linear layer: input units treated as independent.
+
+    :math:`\operatorname{Var}(a) = (E[h]^2 + \operatorname{Var} h)\,V^\top
+    + \operatorname{Var}(h)\,(M^{\circ 2})^\top + u`.
+    """
+    out_mean = _bias(mean @ w_loc.transpose(-1, -2), b_loc)
+    second = mean * mean + var
+    out_var = second @ w_var.transpose(-1, -2) + var @ (w_loc * w_loc).transpose(-1, -2)
+    return out_mean, _bias(out_var, b_var)
+
+
+def linear_full(
+    mean: Tensor,
+    cov: Tensor,
+    w_loc: Tensor,
+    w_var: Tensor,
+    b_loc: Tensor | None = None,
+    b_var: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""DVI linear layer with a full input covariance ``cov [..., Din, Din]``.
+
+    :math:`\operatorname{Cov}(a) = \operatorname{diag}(E[h^2]V^\top + u) + M\Sigma_h M^\top`.
+    """
+    out_mean = _bias(mean @ w_loc.transpose(-1, -2), b_loc)
+    second = mean * mean + cov.diagonal(dim1=-2, dim2=-1)
+    diag = _bias(second @ w_var.transpose(-1, -2), b_var)
+    out_cov = symmetrize(w_loc @ cov @ w_loc.transpose(-1, -2))
+    return out_mean, out_cov + torch.diag_embed(diag)

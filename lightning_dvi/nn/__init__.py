@@ -1,0 +1,37 @@
+"""Declared BNN modules: each runs in ``full``, ``diag``, ``sample`` and ``local`` mode."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+
+from .activations import Heaviside, ReLU
+from .base import BayesModule, Moments
+from .container import Residual, Sequential
+from .linear import BayesLinear, ParameterGroup
+
+__all__ = [
+    "BayesLinear",
+    "BayesModule",
+    "Heaviside",
+    "Moments",
+    "ParameterGroup",
+    "ReLU",
+    "Residual",
+    "Sequential",
+    "bayes_layers",
+    "parameter_groups",
+]
+
+
+def bayes_layers(module: nn.Module) -> Iterator[BayesLinear]:
+    """All :class:`BayesLinear` layers inside ``module``, in registration order."""
+    for m in module.modules():
+        if isinstance(m, BayesLinear):
+            yield m
+
+
+def parameter_groups(module: nn.Module) -> list[ParameterGroup]:
+    """Every prior group (one per weight matrix, one per bias vector) inside ``module``."""
+    return [g for layer in bayes_layers(module) for g in layer.parameter_groups()]

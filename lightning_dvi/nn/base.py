@@ -1,0 +1,81 @@
+"""Base class shared by every declared BNN module."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..gaussian import Gaussian, validate_mode
+
+__all__ = ["BayesModule", "Moments"]
+
+Moments = Tensor | Gaussian
+"""What flows between modules: a tensor (deterministic input or samples) or a Gaussian."""
+
+
+class BayesModule(nn.Module):
+    """A module that propagates moments (``full``/``diag``) or samples (``sample``/``local``).
+
+    Subclasses implement :meth:`propagate` and :meth:`propagate_cross`. Users call the module:
+
+    * ``net(x, mode="full" | "diag")`` returns a :class:`~lightning_dvi.Gaussian` (or a tensor if
+      the module is deterministic, e.g. an activation applied to a tensor);
+    * ``net(x, mode="sample" | "local", num_samples=S)`` returns a tensor ``[S, B, D_out]``.
+
+    In the Monte Carlo modes the input ``x [B, D]`` is expanded to ``[S, B, D]`` once, at the
+    outermost call, and every nested module works on the sample dimension in one batched op.
+    """
+
+    def forward(self, x: Moments, mode: str = "full", num_samples: int | None = None) -> Moments:
+        """Propagate ``x`` through the module.
+
+        Args:
+            x: input tensor ``[B, D_in]`` (or ``[..., D_in]``), or a :class:`Gaussian` in the
+                moment modes.
+            mode: ``"full"``, ``"diag"``, ``"sample"`` or ``"local"``.
+            num_samples: number of weight samples S for ``sample``/``local`` (default 1).
+
+        Raises:
+            ValueError: on an unknown mode, NaN/Inf inputs, a Gaussian input to a Monte Carlo
+                mode, or a non-positive ``num_samples``.
+        """
+        validate_mode(mode)
+        if isinstance(x, Gaussian):
+            if mode in ("sample", "local"):
+                raise ValueError(f"mode={mode!r} needs a tensor input, got a Gaussian")
+            return self.propagate(x, mode)
+        if not isinstance(x, Tensor):
+            raise ValueError(f"input must be a tensor or a Gaussian, got {type(x).__name__}")
+        if x.dim() < 1 or not x.dtype.is_floating_point:
+            raise ValueError(
+                f"input must be a floating tensor [..., D], got {x.dtype} {tuple(x.shape)}"
+            )
+        if not torch.isfinite(x).all():
+            raise ValueError("input contains NaN or Inf")
+        if mode in ("sample", "local"):
+            s = 1 if num_samples is None else num_samples
+            if not isinstance(s, int) or s < 1:
+                raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+            return self.propagate(x.unsqueeze(0).expand(s, *x.shape), mode)
+        if num_samples is not None:
+            raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")
+        return self.propagate(x, mode)
+
+    def propagate(self, x: Moments, mode: str) -> Moments:  # pragma: no cover - abstract
+        """Propagate without input checks; ``x`` is ``[S, B, D]`` in the Monte Carlo modes."""
+        raise NotImplementedError
+
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
+        r"""Map :math:`\operatorname{Cov}(r, \text{input})` to :math:`\operatorname{Cov}(r, \text{output})`.
+
+        Used by :class:`~lightning_dvi.nn.Residual` for the skip-connection cross-covariance.
+        ``cross`` is ``[..., D_r, D_in]`` and ``x`` is this module's input Gaussian.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot be used inside a Residual block (no cross-covariance rule)"
+        )
+
+
+def as_mode(g: Gaussian, mode: str) -> Gaussian:
+    """Convert ``g`` to the storage kind that ``mode`` asks for."""
+    return g.to_full() if mode == "full" else g.to_diag()
