@@ -8,6 +8,7 @@ from torch import nn
 
 from .activations import Heaviside, ReLU
 from .base import BayesModule, Moments
+from .builders import mlp
 from .container import Residual, Sequential
 from .linear import BayesLinear, ParameterGroup
 
@@ -21,6 +22,7 @@ __all__ = [
     "Residual",
     "Sequential",
     "bayes_layers",
+    "mlp",
     "parameter_groups",
 ]
 

@@ -1,0 +1,1 @@
+"""Data: toy generator and LightningDataModules (toy, UCI, digits)."""
