@@ -204,6 +204,18 @@ def heaviside_full(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _with_diagonal(cov: Tensor, diag: Tensor) -> Tensor:
-    """Replace the diagonal of ``cov`` (out of place, differentiably)."""
+    r"""Put the exact variances on the diagonal and enforce Cauchy-Schwarz off it.
+
+    The true covariance satisfies :math:`|C_{jl}| \le \sqrt{C_{jj}C_{ll}}`; the quadratic-Q
+    approximation can break it in the far tails (e.g. Heaviside at :math:`\mu = (13, -37)`,
+    where both sides are ~1e-300), which would make the matrix indefinite. Clamping there only
+    moves the approximation towards the truth.
+    """
+    # clamp before sqrt: an underflowed variance would give sqrt'(0) = inf -> NaN gradients
+    tiny = torch.finfo(diag.dtype).tiny
+    bound = torch.sqrt((diag.unsqueeze(-1) * diag.unsqueeze(-2)).clamp_min(tiny))
+    # fused multiply-adds in broadcast kernels round (j, l) and (l, j) differently
+    cov = 0.5 * (cov + cov.transpose(-1, -2))
+    cov = torch.maximum(torch.minimum(cov, bound), -bound)
     eye = torch.eye(cov.shape[-1], dtype=torch.bool, device=cov.device)
     return torch.where(eye, torch.diag_embed(diag), cov)

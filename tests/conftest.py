@@ -1,0 +1,23 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+UCI_DIR = REPO.parent / "shared" / "data" / "uci"
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def uci_dir() -> Path:
+    """The shared UCI data; under CI its absence is an error, not a skip."""
+    if not UCI_DIR.is_dir():
+        if os.environ.get("CI"):
+            raise FileNotFoundError(f"UCI data expected at {UCI_DIR} under CI")
+        pytest.skip(f"UCI data not found at {UCI_DIR}")
+    return UCI_DIR
