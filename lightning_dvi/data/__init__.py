@@ -1,1 +1,25 @@
-"""Data: toy generator and LightningDataModules (toy, UCI, digits)."""
+"""Data: toy generator and LightningDataModules (toy, UCI, digits).
+
+Every DataModule exposes ``in_features`` and ``num_train`` (the ``N`` of ``KL / N``) right after
+construction; regression ones also ``target_loc`` and ``target_scale`` (training statistics of
+``y``) and ``x_loc``/``x_scale``. Batches are ``(x, y)`` tuples: float32 inputs, float32 targets
+for regression and int64 labels for classification.
+"""
+
+from ._base import EpochSeededSampler
+from .digits import DigitsDataModule
+from .toy import make_toy_heteroscedastic, toy_mean, toy_noise_std, toy_true_log_likelihood
+from .toy_module import ToyHeteroscedasticDataModule
+from .uci import UCIDataModule, count_uci_splits
+
+__all__ = [
+    "DigitsDataModule",
+    "EpochSeededSampler",
+    "ToyHeteroscedasticDataModule",
+    "UCIDataModule",
+    "count_uci_splits",
+    "make_toy_heteroscedastic",
+    "toy_mean",
+    "toy_noise_std",
+    "toy_true_log_likelihood",
+]

@@ -1,0 +1,133 @@
+"""Plumbing shared by the in-memory DataModules: lazy loading, loaders, standardisation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+__all__ = ["EpochSeededSampler", "InMemoryDataModule", "fit_standardizer"]
+
+
+class EpochSeededSampler(RandomSampler):
+    """A random permutation per epoch, drawn from a generator seeded with ``seed + epoch``.
+
+    Lightning calls ``set_epoch`` before every training epoch, so a run resumed from a checkpoint
+    sees the same order as an uninterrupted one (a single generator advanced epoch by epoch would
+    restart from its seed on resume). Without ``set_epoch`` calls each new pass takes the next
+    epoch. Subclassing ``RandomSampler`` keeps Lightning's DDP sampler replacement shuffling.
+
+    Args:
+        data_source: the dataset to permute.
+        seed: base seed.
+    """
+
+    def __init__(self, data_source: Sized, seed: int) -> None:
+        super().__init__(data_source, generator=torch.Generator())
+        self.seed = seed
+        self.epoch = 0
+        self._epoch_was_set = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the permutation of ``epoch`` on the next pass."""
+        self.epoch = epoch
+        self._epoch_was_set = True
+
+    def __iter__(self) -> Iterator[int]:
+        assert self.generator is not None
+        self.generator.manual_seed(self.seed + self.epoch)
+        if not self._epoch_was_set:
+            self.epoch += 1
+        self._epoch_was_set = False
+        return super().__iter__()
+
+
+def fit_standardizer(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Column means and standard deviations (``ddof=0``) of ``values [N, D]``, in float64.
+
+    Constant columns (std at round-off level relative to their mean) get scale 1, so they
+    standardise to zero instead of dividing by ~0.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    loc = values.mean(axis=0)
+    scale = values.std(axis=0)
+    constant = scale <= 1e-12 * np.maximum(1.0, np.abs(loc))
+    return loc, np.where(constant, 1.0, scale)
+
+
+class InMemoryDataModule(LightningDataModule):
+    """A DataModule whose splits are ``TensorDataset`` objects built once, on first use.
+
+    Subclasses implement :meth:`_build`, returning the ``train``, ``val``, ``test`` and
+    ``predict`` datasets (``val``/``test`` may be ``None`` when empty). Loading happens on the
+    first call to :meth:`setup` or to any property that needs the data, so attributes like
+    ``num_train`` can be read right after construction (LightningCLI links read them then).
+    """
+
+    def __init__(self, batch_size: int, seed: int) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.batch_size = batch_size
+        self.seed = seed
+        self._splits: dict[str, TensorDataset | None] | None = None
+
+    def _build(self) -> dict[str, TensorDataset | None]:
+        raise NotImplementedError
+
+    def _datasets(self) -> dict[str, TensorDataset | None]:
+        if self._splits is None:
+            self._splits = self._build()
+        return self._splits
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the datasets (once; later calls do nothing)."""
+        self._datasets()
+
+    @property
+    def train_dataset(self) -> TensorDataset:
+        """The training split as ``(x, y)`` pairs."""
+        dataset = self._datasets()["train"]
+        assert dataset is not None
+        return dataset
+
+    @property
+    def val_dataset(self) -> TensorDataset | None:
+        """The validation split, or ``None`` when there is none."""
+        return self._datasets()["val"]
+
+    @property
+    def test_dataset(self) -> TensorDataset | None:
+        """The test split, or ``None`` when there is none."""
+        return self._datasets()["test"]
+
+    def _loader(self, dataset: TensorDataset | None) -> DataLoader | list[DataLoader]:
+        # An empty list is how Lightning is told that a stage has no data: it skips the loop.
+        if dataset is None or len(dataset) == 0:
+            return []
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=0)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches (:class:`EpochSeededSampler` seeded with ``seed``).
+
+        Under DDP Lightning swaps in its ``DistributedSampler``, which shuffles with the seed
+        of ``seed_everything`` instead.
+        """
+        dataset = self.train_dataset
+        sampler = EpochSeededSampler(dataset, self.seed)
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """Validation batches in order; ``[]`` (no validation) when the split is empty."""
+        return self._loader(self.val_dataset)
+
+    def test_dataloader(self) -> DataLoader | list[DataLoader]:
+        """Test batches in order; ``[]`` when the split is empty."""
+        return self._loader(self.test_dataset)
+
+    def predict_dataloader(self) -> DataLoader | list[DataLoader]:
+        """Prediction batches in order: ``(x, y)`` pairs (see the subclass for which set)."""
+        return self._loader(self._datasets()["predict"])

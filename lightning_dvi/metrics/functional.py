@@ -1,0 +1,182 @@
+r"""Per-point scoring rules and input checks: the functional core under the metric classes.
+
+Every function here is elementwise (one value per data point, no reduction), so the
+:class:`~torchmetrics.Metric` classes only add sums and counts, and DDP sync stays a cheap
+``all_reduce`` of a few scalars.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "categorical_brier",
+    "categorical_nll",
+    "central_interval_hits",
+    "check_gaussian_inputs",
+    "check_probabilities",
+    "gaussian_crps",
+    "gaussian_nll",
+    "level_name",
+]
+
+_LOG_2PI = math.log(2.0 * math.pi)
+_INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def check_gaussian_inputs(mean: Tensor, var: Tensor, target: Tensor) -> None:
+    """Raise ``ValueError`` unless ``(mean, var, target)`` is a valid Gaussian predictive batch.
+
+    Args:
+        mean: predictive means.
+        var: predictive variances, same shape, non-negative.
+        target: observed targets, same shape.
+
+    Raises:
+        ValueError: naming the problem: shape mismatch, a non-floating dtype, NaN or infinite
+            entries, or negative variances.
+    """
+    if not (mean.shape == var.shape == target.shape):
+        raise ValueError(
+            "mean, var and target must have the same shape, got "
+            f"{tuple(mean.shape)}, {tuple(var.shape)} and {tuple(target.shape)}"
+        )
+    for name, tensor in (("mean", mean), ("var", var), ("target", target)):
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
+        if torch.isnan(tensor).any():
+            raise ValueError(f"{name} contains NaN")
+        if torch.isinf(tensor).any():
+            raise ValueError(f"{name} contains infinite values")
+    if (var < 0).any():
+        raise ValueError(f"var must be non-negative, got a minimum of {var.min().item():.6g}")
+
+
+def check_probabilities(probs: Tensor, target: Tensor, atol: float | None = None) -> None:
+    """Raise ``ValueError`` unless ``probs [B, K]`` and ``target [B]`` are a valid class batch.
+
+    Args:
+        probs: class probabilities, rows in ``[0, 1]`` summing to one.
+        target: integer class labels in ``[0, K)``.
+        atol: tolerance on the row sums and the ``[0, 1]`` range; by default
+            ``max(1e-3, 4 * eps(dtype))`` so float32 softmax passes and so do half precisions.
+
+    Raises:
+        ValueError: naming the problem: wrong rank or dtype, batch-size mismatch, NaN, values
+            outside ``[0, 1]``, rows not summing to one, or labels out of range.
+    """
+    if probs.ndim != 2:
+        raise ValueError(f"probs must have shape [B, K], got {tuple(probs.shape)}")
+    if target.ndim != 1:
+        raise ValueError(f"target must have shape [B], got {tuple(target.shape)}")
+    if probs.shape[0] != target.shape[0]:
+        raise ValueError(
+            f"probs and target disagree on the batch size: {probs.shape[0]} vs {target.shape[0]}"
+        )
+    if not probs.is_floating_point():
+        raise ValueError(f"probs must be a floating-point tensor, got dtype {probs.dtype}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise ValueError(f"target must hold integer class labels, got dtype {target.dtype}")
+    if torch.isnan(probs).any():
+        raise ValueError("probs contains NaN")
+    if atol is None:
+        atol = max(1e-3, 4.0 * torch.finfo(probs.dtype).eps)
+    if ((probs < -atol) | (probs > 1.0 + atol)).any():
+        raise ValueError(
+            f"probs must lie in [0, 1], got values in [{probs.min().item():.6g}, "
+            f"{probs.max().item():.6g}]"
+        )
+    # Sum in at least float32 so half-precision rows are not judged by their own rounding.
+    row_error = (probs.to(torch.promote_types(probs.dtype, torch.float32)).sum(-1) - 1.0).abs()
+    if (row_error > atol).any():
+        raise ValueError(
+            f"probs rows must sum to 1 (tolerance {atol:g}); the worst row is off by "
+            f"{row_error.max().item():.6g}"
+        )
+    num_classes = probs.shape[1]
+    if target.numel() and (target.min() < 0 or target.max() >= num_classes):
+        raise ValueError(
+            f"target labels must lie in [0, {num_classes}), got values in "
+            f"[{target.min().item()}, {target.max().item()}]"
+        )
+
+
+def gaussian_nll(mean: Tensor, var: Tensor, target: Tensor) -> Tensor:
+    r"""Negative log-density :math:`\tfrac12\log(2\pi\sigma^2) + (y-\mu)^2 / (2\sigma^2)`.
+
+    Zero variances are floored at the dtype's smallest normal number, so a degenerate
+    predictive scores a huge finite value instead of NaN.
+    """
+    var = var.clamp_min(torch.finfo(var.dtype).tiny)
+    return 0.5 * (_LOG_2PI + torch.log(var) + (target - mean) ** 2 / var)
+
+
+def gaussian_crps(mean: Tensor, var: Tensor, target: Tensor) -> Tensor:
+    r"""Closed-form CRPS of :math:`\mathcal N(\mu, \sigma^2)` at :math:`y` (lower is better).
+
+    .. math::
+        \mathrm{CRPS} = \sigma\left[z\,(2\Phi(z) - 1) + 2\varphi(z) - \tfrac{1}{\sqrt\pi}\right],
+        \qquad z = \frac{y - \mu}{\sigma},
+
+    with the limit :math:`|y - \mu|` (the absolute error) at :math:`\sigma = 0`.
+    """
+    residual = target - mean
+    std = var.sqrt()
+    degenerate = std == 0
+    # A placeholder scale of 1 keeps z finite where sigma = 0; those entries are replaced below.
+    safe_std = torch.where(degenerate, torch.ones_like(std), std)
+    z = residual / safe_std
+    # erf(z / sqrt 2) = 2 Phi(z) - 1, without the cancellation of 2 * ndtr(z) - 1 near z = 0.
+    score = safe_std * (
+        z * torch.erf(z * _INV_SQRT_2)
+        + 2.0 * _INV_SQRT_2PI * torch.exp(-0.5 * z * z)
+        - _INV_SQRT_PI
+    )
+    return torch.where(degenerate, residual.abs(), score)
+
+
+def central_interval_hits(mean: Tensor, var: Tensor, target: Tensor, levels: Tensor) -> Tensor:
+    r"""Whether each target lies in each central predictive interval (bounds included).
+
+    The central interval of level :math:`p` is :math:`\mu \pm \sigma\,\Phi^{-1}(\tfrac12 +
+    \tfrac p2)`: level 0 is the point :math:`\mu`, level 1 the whole line.
+
+    Args:
+        mean: predictive means, shape ``[B]`` (any shape is flattened).
+        var: predictive variances, same shape.
+        target: targets, same shape.
+        levels: interval levels in ``[0, 1]``, shape ``[L]`` (best kept on the CPU).
+
+    Returns:
+        Boolean tensor ``[B, L]``.
+    """
+    residual = (target - mean).reshape(-1, 1).abs()
+    std = var.reshape(-1, 1).sqrt()
+    # Quantiles in float64 on the CPU (exact levels; some accelerators lack float64), then cast.
+    half_width = torch.special.ndtri(0.5 + 0.5 * levels.detach().cpu().double())
+    half_width = half_width.to(device=std.device, dtype=std.dtype).reshape(1, -1)
+    # inf * 0 is NaN: at level 1 every target is inside, whatever the variance.
+    bound = torch.where(torch.isposinf(half_width), half_width, half_width * std)
+    return residual <= bound
+
+
+def categorical_nll(probs: Tensor, target: Tensor, eps: float = 1e-12) -> Tensor:
+    r"""Per-point :math:`-\log p_y`, with :math:`p_y` clamped below at ``eps``."""
+    picked = probs.gather(-1, target.long().unsqueeze(-1)).squeeze(-1)
+    return -torch.log(picked.clamp_min(eps))
+
+
+def categorical_brier(probs: Tensor, target: Tensor) -> Tensor:
+    r"""Per-point Brier score :math:`\sum_k (p_k - [y = k])^2` (summed over classes, in [0, 2])."""
+    one_hot = torch.nn.functional.one_hot(target.long(), probs.shape[-1]).to(probs)
+    return ((probs - one_hot) ** 2).sum(dim=-1)
+
+
+def level_name(level: float) -> str:
+    """Log name of an interval level: ``0.9 -> "coverage_90"``, ``0.975 -> "coverage_97.5"``."""
+    return f"coverage_{100.0 * level:g}"

@@ -1,0 +1,343 @@
+r"""Calibration metrics for Gaussian regression predictives, as torchmetrics ``Metric`` classes.
+
+Every metric here is updated with ``update(mean, var, target)``: the predictive mean and variance
+of :math:`y` and the observed targets, all tensors of the same shape (usually ``[B]``) and all in
+whatever units the caller passes. Models trained on standardised targets convert back to the
+original units first, as the literature reports them: ``mean * s + m``, ``var * s**2``.
+
+States are sums and counts (``dist_reduce_fx="sum"``), so DDP sync is an ``all_reduce`` of a few
+numbers. States use torch's default dtype, as in torchmetrics; call ``metric.set_dtype(torch.float64)``
+to accumulate in double precision.
+
+Definitions follow uncertainty-toolbox (Chung et al., 2021): central-interval coverage, mean
+absolute and root-mean-square calibration error over a grid of levels, sharpness as the root mean
+predictive variance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import MeanSquaredError, Metric, MetricCollection
+
+from .functional import (
+    central_interval_hits,
+    check_gaussian_inputs,
+    gaussian_crps,
+    gaussian_nll,
+    level_name,
+)
+
+__all__ = [
+    "RMSE",
+    "GaussianCRPS",
+    "GaussianNLL",
+    "IntervalCoverage",
+    "RegressionCalibrationError",
+    "RegressionMetrics",
+    "Sharpness",
+    "regression_metrics",
+]
+
+
+class _GaussianMetric(Metric):
+    """Base for metrics updated with ``(mean, var, target)``; owns the input validation."""
+
+    full_state_update = False
+
+    def __init__(self, validate_args: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.validate_args = validate_args
+
+    def _check(self, mean: Tensor, var: Tensor, target: Tensor) -> None:
+        if self.validate_args:
+            check_gaussian_inputs(mean, var, target)
+
+
+class _MeanOfScores(_GaussianMetric):
+    """Mean over points of a per-point score; subclasses set ``_score`` and ``_state``."""
+
+    _state: str
+
+    def __init__(self, validate_args: bool = True, **kwargs: Any) -> None:
+        super().__init__(validate_args=validate_args, **kwargs)
+        # Distinct state names per metric: MetricCollection's compute groups merge metrics
+        # whose states share names and values, which must never happen between two scores.
+        self.add_state(f"{self._state}_sum", torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state(f"{self._state}_count", torch.tensor(0), dist_reduce_fx="sum")
+
+    @staticmethod
+    def _score(mean: Tensor, var: Tensor, target: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:
+        """Accumulate a batch of predictives and targets."""
+        self._check(mean, var, target)
+        scores = self._score(mean, var, target)
+        setattr(self, f"{self._state}_sum", getattr(self, f"{self._state}_sum") + scores.sum())
+        setattr(
+            self, f"{self._state}_count", getattr(self, f"{self._state}_count") + scores.numel()
+        )
+
+    def compute(self) -> Tensor:
+        """Mean score over all points seen (NaN before any point)."""
+        total = getattr(self, f"{self._state}_sum")
+        return total / getattr(self, f"{self._state}_count").to(total)
+
+
+class GaussianNLL(_MeanOfScores):
+    r"""Mean negative log predictive density, :math:`\frac1N\sum_i -\log\mathcal N(y_i; \mu_i, \sigma_i^2)`.
+
+    Lower is better. Zero variances are floored at the dtype's smallest normal number.
+
+    Example:
+        >>> m = GaussianNLL()
+        >>> m.update(torch.zeros(3), torch.ones(3), torch.zeros(3))
+        >>> round(m.compute().item(), 4)
+        0.9189
+    """
+
+    is_differentiable = True
+    higher_is_better = False
+    _state = "nll"
+    _score = staticmethod(gaussian_nll)
+
+
+class GaussianCRPS(_MeanOfScores):
+    r"""Mean closed-form CRPS of the Gaussian predictive (lower is better).
+
+    :math:`\sigma[z(2\Phi(z) - 1) + 2\varphi(z) - 1/\sqrt\pi]` with :math:`z = (y - \mu)/\sigma`;
+    in the units of :math:`y`, and equal to the absolute error when :math:`\sigma = 0`.
+    """
+
+    is_differentiable = True
+    higher_is_better = False
+    _state = "crps"
+    _score = staticmethod(gaussian_crps)
+
+
+class Sharpness(_MeanOfScores):
+    r"""Root mean predictive variance :math:`\sqrt{\frac1N\sum_i\sigma_i^2}` (uncertainty-toolbox).
+
+    In the units of :math:`y`; smaller means sharper, which is only good when calibrated.
+    """
+
+    is_differentiable = True
+    higher_is_better = None
+    _state = "sharpness_var"
+
+    @staticmethod
+    def _score(mean: Tensor, var: Tensor, target: Tensor) -> Tensor:
+        return var
+
+    def compute(self) -> Tensor:
+        """Square root of the mean predictive variance."""
+        return super().compute().sqrt()
+
+
+class RMSE(MeanSquaredError):  # noqa: N818 (the parent name ends in "Error", not an exception)
+    """Root mean squared error of the predictive mean: torchmetrics' ``MeanSquaredError``.
+
+    Only the signature changes, to ``update(mean, var, target)`` (``var`` is checked, then
+    ignored), so it sits in one collection with the other Gaussian metrics.
+    """
+
+    full_state_update = False
+
+    def __init__(self, validate_args: bool = True, **kwargs: Any) -> None:
+        super().__init__(squared=False, **kwargs)
+        self.validate_args = validate_args
+
+    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:  # type: ignore[override]
+        """Accumulate squared errors of ``mean`` against ``target``."""
+        if self.validate_args:
+            check_gaussian_inputs(mean, var, target)
+        super().update(mean.reshape(-1), target.reshape(-1))
+
+
+def _check_levels(levels: Sequence[float]) -> tuple[float, ...]:
+    out = tuple(float(level) for level in levels)
+    if not out:
+        raise ValueError("levels must not be empty")
+    for level in out:
+        if not 0.0 < level < 1.0:
+            raise ValueError(f"interval levels must lie in (0, 1), got {level}")
+    # Distinct log names, not just distinct values: 0.9 and 0.9000001 would share a key.
+    if len({level_name(level) for level in out}) != len(out):
+        raise ValueError(f"interval levels must be distinct, got {out}")
+    return out
+
+
+class IntervalCoverage(_GaussianMetric):
+    r"""Fraction of targets inside the central predictive intervals of the given levels.
+
+    The interval of level :math:`p` is :math:`\mu \pm \sigma\,\Phi^{-1}(\tfrac12 + \tfrac p2)`
+    (bounds included). A calibrated predictive covers a fraction :math:`p`.
+
+    Args:
+        levels: interval levels in ``(0, 1)``.
+        validate_args: check inputs on every update.
+        kwargs: passed to :class:`torchmetrics.Metric`.
+
+    ``compute()`` returns a dict of scalar tensors keyed ``coverage_<100 p>``, e.g.
+    ``{"coverage_50": ..., "coverage_90": ..., "coverage_95": ...}`` for the default levels.
+    """
+
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(
+        self,
+        levels: Sequence[float] = (0.5, 0.9, 0.95),
+        validate_args: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(validate_args=validate_args, **kwargs)
+        self.levels = _check_levels(levels)
+        # A plain attribute, not a buffer: it stays a float64 CPU tensor whatever the device.
+        self._level_tensor = torch.tensor(self.levels, dtype=torch.float64)
+        self.add_state(
+            "coverage_hits", torch.zeros(len(self.levels), dtype=torch.long), dist_reduce_fx="sum"
+        )
+        self.add_state("coverage_count", torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:
+        """Count the targets inside each interval."""
+        self._check(mean, var, target)
+        hits = central_interval_hits(mean, var, target, self._level_tensor)
+        self.coverage_hits = self.coverage_hits + hits.sum(dim=0)
+        self.coverage_count = self.coverage_count + hits.shape[0]
+
+    def compute(self) -> dict[str, Tensor]:
+        """Observed coverage per level, keyed ``coverage_<100 p>``."""
+        # Metric.dtype is torch's default dtype unless set_dtype changed it.
+        fractions = self.coverage_hits.to(self.dtype) / self.coverage_count.to(self.dtype)
+        return {level_name(level): fractions[i] for i, level in enumerate(self.levels)}
+
+
+class RegressionCalibrationError(_GaussianMetric):
+    r"""Expected vs observed coverage of central intervals over a grid of levels.
+
+    With levels :math:`p_j` = ``linspace(0, 1, num_levels)`` and observed coverages
+    :math:`\hat p_j` (as in :class:`IntervalCoverage`), returns uncertainty-toolbox's
+
+    * ``mace``: mean absolute calibration error :math:`\frac1L\sum_j|\hat p_j - p_j|`;
+    * ``rmsce``: root-mean-square calibration error :math:`\sqrt{\frac1L\sum_j(\hat p_j - p_j)^2}`.
+
+    Both are 0 for a perfectly calibrated predictive and at most 1; lower is better.
+
+    Args:
+        num_levels: number of grid levels, endpoints included (uncertainty-toolbox uses 100).
+        validate_args: check inputs on every update.
+        kwargs: passed to :class:`torchmetrics.Metric`.
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+
+    def __init__(self, num_levels: int = 100, validate_args: bool = True, **kwargs: Any) -> None:
+        super().__init__(validate_args=validate_args, **kwargs)
+        if num_levels < 2:
+            raise ValueError(f"num_levels must be at least 2, got {num_levels}")
+        self.num_levels = num_levels
+        self._level_tensor = torch.linspace(0.0, 1.0, num_levels, dtype=torch.float64)
+        self.add_state(
+            "calibration_hits", torch.zeros(num_levels, dtype=torch.long), dist_reduce_fx="sum"
+        )
+        self.add_state("calibration_count", torch.tensor(0), dist_reduce_fx="sum")
+
+    def _grid(self) -> Tensor:
+        return self._level_tensor.to(device=self.calibration_hits.device, dtype=self.dtype)
+
+    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:
+        """Count the targets inside each interval of the grid."""
+        self._check(mean, var, target)
+        hits = central_interval_hits(mean, var, target, self._level_tensor)
+        self.calibration_hits = self.calibration_hits + hits.sum(dim=0)
+        self.calibration_count = self.calibration_count + hits.shape[0]
+
+    def _observed(self) -> Tensor:
+        return self.calibration_hits.to(self.dtype) / self.calibration_count.to(self.dtype)
+
+    def curve(self) -> tuple[Tensor, Tensor]:
+        """``(expected, observed)`` coverage on the grid, synced like ``compute()``.
+
+        For calibration plots: a calibrated model lies on the diagonal.
+        """
+        with self.sync_context(should_sync=self._to_sync):
+            return self._grid(), self._observed()
+
+    def compute(self) -> dict[str, Tensor]:
+        """``{"mace": ..., "rmsce": ...}`` as scalar tensors of the metric's dtype."""
+        error = self._observed() - self._grid()
+        return {"mace": error.abs().mean(), "rmsce": error.pow(2).mean().sqrt()}
+
+
+class RegressionMetrics(MetricCollection):
+    """All regression metrics in one collection, updated with ``(mean, var, target)``.
+
+    Inputs are validated once per update here (the members skip their own checks).
+
+    ``compute()`` returns a flat dict of scalar tensors, keyed (after ``prefix``) ``nll``,
+    ``rmse``, ``crps``, ``coverage_<100 p>`` per coverage level, ``mace``, ``rmsce`` and
+    ``sharpness``, ready for ``LightningModule.log_dict``. Two members return dicts, so log the
+    computed dict (update in each step; ``log_dict(metrics.compute())`` then ``reset()`` at epoch
+    end; ``compute`` syncs across processes) rather than the metric objects themselves.
+
+    Args:
+        prefix: prepended to every key, e.g. ``"val/"``.
+        coverage_levels: levels of the central intervals whose coverage is reported.
+        num_calibration_levels: grid size for ``mace`` and ``rmsce``.
+        validate_args: check inputs on every update.
+
+    Example:
+        >>> metrics = RegressionMetrics(prefix="test/")
+        >>> metrics.update(torch.zeros(4), torch.ones(4), torch.randn(4))
+        >>> sorted(metrics.compute())[:3]
+        ['test/coverage_50', 'test/coverage_90', 'test/coverage_95']
+    """
+
+    def __init__(
+        self,
+        prefix: str = "",
+        coverage_levels: Sequence[float] = (0.5, 0.9, 0.95),
+        num_calibration_levels: int = 100,
+        validate_args: bool = True,
+    ) -> None:
+        super().__init__(
+            {
+                "nll": GaussianNLL(validate_args=False),
+                "rmse": RMSE(validate_args=False),
+                "crps": GaussianCRPS(validate_args=False),
+                "coverage": IntervalCoverage(coverage_levels, validate_args=False),
+                "calibration": RegressionCalibrationError(
+                    num_calibration_levels, validate_args=False
+                ),
+                "sharpness": Sharpness(validate_args=False),
+            },
+            prefix=prefix or None,
+            # Merging states by value after the first batch is unsafe for sums and never saves
+            # much here.
+            compute_groups=False,
+        )
+        self.validate_args = validate_args
+
+    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:  # type: ignore[override]
+        """Validate once, then update every member."""
+        if self.validate_args:
+            check_gaussian_inputs(mean, var, target)
+        super().update(mean, var, target)
+
+    def forward(self, mean: Tensor, var: Tensor, target: Tensor) -> dict[str, Any]:  # type: ignore[override]
+        """Validate, update every member, and return this batch's values."""
+        if self.validate_args:
+            check_gaussian_inputs(mean, var, target)
+        return super().forward(mean, var, target)
+
+
+def regression_metrics(prefix: str = "", **kwargs: Any) -> RegressionMetrics:
+    """Shorthand for :class:`RegressionMetrics` (``kwargs`` go to its constructor)."""
+    return RegressionMetrics(prefix=prefix, **kwargs)
