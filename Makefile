@@ -27,10 +27,11 @@ lint: install
 
 test: install
 	$(BIN)/ruff check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 	$(BIN)/python -m pytest -q -n 2
 
 docs: install
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache
