@@ -10,6 +10,7 @@ from lightning_dvi.moments import (
     linear_deterministic,
     linear_diag,
     linear_full,
+    linear_full_from_diag,
     relu_full,
     relu_slope,
     residual_full,
@@ -117,3 +118,13 @@ def test_skip_connection_total_moments_match_mc():
     assert ((out.mean(0) - mean).abs() <= 3 * sd / math.sqrt(N)).all()
     mc_cov = torch.cov(out.T)
     assert ((mc_cov - cov).abs() / torch.outer(sd, sd)).max() < 2e-2
+
+
+def test_full_from_diag_equals_full_with_diagonal_covariance():
+    gen = torch.Generator().manual_seed(5)
+    m = torch.randn(6, 4, generator=gen, dtype=DT)
+    v = torch.rand(6, 4, generator=gen, dtype=DT)
+    params = _params(gen, 4, 3)
+    fast = linear_full_from_diag(m, v, *params)
+    slow = linear_full(m, torch.diag_embed(v), *params)
+    torch.testing.assert_close(fast, slow)

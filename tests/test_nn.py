@@ -161,3 +161,25 @@ def test_bad_construction():
         BayesLinear(2, 2, init_scale=-1.0)
     with pytest.raises(ValueError, match="scale_transform"):
         BayesLinear(2, 2, scale_transform="square")
+
+
+def test_full_mode_keeps_exactly_diagonal_stages_cheap_but_equal():
+    # Internally the first layer and its activation stay in diag storage; the result must equal
+    # propagation with explicit full covariances everywhere.
+    from lightning_dvi.moments import linear_full, relu_full
+
+    torch.manual_seed(4)
+    net = mlp(2, [5, 5], 2).double()
+    x = torch.randn(3, 2, dtype=torch.float64)
+    out = net(x, mode="full")
+    g_mean, g_cov = x, None
+    for layer in net:
+        if isinstance(layer, BayesLinear):
+            w_loc, w_var, b_loc, b_var = layer._moments()
+            if g_cov is None:
+                g_cov = torch.zeros(3, 2, 2, dtype=torch.float64)
+            g_mean, g_cov = linear_full(g_mean, g_cov, w_loc, w_var, b_loc, b_var)
+        else:
+            g_mean, g_cov = relu_full(g_mean, g_cov)
+    torch.testing.assert_close(out.mean, g_mean)
+    torch.testing.assert_close(out.cov, g_cov)

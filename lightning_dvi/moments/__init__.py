@@ -9,7 +9,13 @@ from .activations import (
     relu_full,
     relu_slope,
 )
-from .linear import linear_deterministic, linear_diag, linear_full, symmetrize
+from .linear import (
+    linear_deterministic,
+    linear_diag,
+    linear_full,
+    linear_full_from_diag,
+    symmetrize,
+)
 from .residual import cross_through_activation, cross_through_linear, residual_diag, residual_full
 from .special import (
     asin_over_x,
@@ -32,6 +38,7 @@ __all__ = [
     "linear_deterministic",
     "linear_diag",
     "linear_full",
+    "linear_full_from_diag",
     "min_variance",
     "normal_cdf",
     "normal_pdf",

@@ -22,6 +22,7 @@ __all__ = [
     "linear_deterministic",
     "linear_diag",
     "linear_full",
+    "linear_full_from_diag",
     "symmetrize",
 ]
 
@@ -90,4 +91,26 @@ def linear_full(
     second = mean * mean + cov.diagonal(dim1=-2, dim2=-1)
     diag = _bias(second @ w_var.transpose(-1, -2), b_var)
     out_cov = symmetrize(w_loc @ cov @ w_loc.transpose(-1, -2))
+    return out_mean, out_cov + torch.diag_embed(diag)
+
+
+def linear_full_from_diag(
+    mean: Tensor,
+    var: Tensor,
+    w_loc: Tensor,
+    w_var: Tensor,
+    b_loc: Tensor | None = None,
+    b_var: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""Full output covariance for an input whose covariance is exactly diagonal.
+
+    Same result as :func:`linear_full` with ``cov = diag(var)``, but
+    :math:`M\operatorname{diag}(v)M^\top` costs one ``[Dout, Din] x [Din, Dout]`` product per
+    example instead of two ``Din``-square ones. This is the second layer of every network: a
+    deterministic input makes the first layer's covariance, and its activation's, diagonal.
+    """
+    out_mean = _bias(mean @ w_loc.transpose(-1, -2), b_loc)
+    second = mean * mean + var
+    diag = _bias(second @ w_var.transpose(-1, -2), b_var)
+    out_cov = symmetrize((w_loc * var.unsqueeze(-2)) @ w_loc.transpose(-1, -2))
     return out_mean, out_cov + torch.diag_embed(diag)

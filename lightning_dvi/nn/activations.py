@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .. import moments as M
 from ..gaussian import Gaussian
-from .base import BayesModule, Moments, as_mode
+from .base import BayesModule, Moments
 
 __all__ = ["Heaviside", "ReLU"]
 
@@ -27,7 +27,9 @@ class _Activation(BayesModule):
     def propagate(self, x: Moments, mode: str) -> Moments:
         if not isinstance(x, Gaussian):
             return self.apply(x)
-        x = as_mode(x, mode)
+        if mode == "diag":
+            x = x.to_diag()
+        # a diag input in full mode has rho = 0 exactly, so the output is exactly diagonal too
         if x.is_full:
             mean, cov = type(self)._full(x.mean, x.cov)
             return Gaussian(mean, cov=cov, validate=False)

@@ -24,6 +24,10 @@ class BayesModule(nn.Module):
 
     In the Monte Carlo modes the input ``x [B, D]`` is expanded to ``[S, B, D]`` once, at the
     outermost call, and every nested module works on the sample dimension in one batched op.
+
+    In ``full`` mode a Gaussian whose covariance is exactly diagonal travels between modules in
+    diag storage (a first layer fed a deterministic input, and the activation after it), which
+    skips the :math:`O(D^3)` work on zeros; the outermost call returns full storage.
     """
 
     def forward(self, x: Moments, mode: str = "full", num_samples: int | None = None) -> Moments:
@@ -43,7 +47,7 @@ class BayesModule(nn.Module):
         if isinstance(x, Gaussian):
             if mode in ("sample", "local"):
                 raise ValueError(f"mode={mode!r} needs a tensor input, got a Gaussian")
-            return self.propagate(x, mode)
+            return _finish(self.propagate(x, mode), mode)
         if not isinstance(x, Tensor):
             raise ValueError(f"input must be a tensor or a Gaussian, got {type(x).__name__}")
         if x.dim() < 1 or not x.dtype.is_floating_point:
@@ -59,7 +63,7 @@ class BayesModule(nn.Module):
             return self.propagate(x.unsqueeze(0).expand(s, *x.shape), mode)
         if num_samples is not None:
             raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")
-        return self.propagate(x, mode)
+        return _finish(self.propagate(x, mode), mode)
 
     def propagate(self, x: Moments, mode: str) -> Moments:  # pragma: no cover - abstract
         """Propagate without input checks; ``x`` is ``[S, B, D]`` in the Monte Carlo modes."""
@@ -79,3 +83,12 @@ class BayesModule(nn.Module):
 def as_mode(g: Gaussian, mode: str) -> Gaussian:
     """Convert ``g`` to the storage kind that ``mode`` asks for."""
     return g.to_full() if mode == "full" else g.to_diag()
+
+
+def _finish(out: Moments, mode: str) -> Moments:
+    # In full mode, modules pass a diag Gaussian along while its covariance is *exactly*
+    # diagonal (deterministic input -> first linear layer -> activation); users asked for
+    # mode="full" get a full covariance back.
+    if mode == "full" and isinstance(out, Gaussian):
+        return out.to_full()
+    return out

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .. import moments as M
 from ..gaussian import Gaussian
-from .base import BayesModule, Moments, as_mode
+from .base import BayesModule, Moments
 
 __all__ = ["BayesLinear", "ParameterGroup"]
 
@@ -179,13 +179,16 @@ class BayesLinear(BayesModule):
             mean, var = M.linear_deterministic(x, w_loc, w_var, b_loc, b_var)  # type: ignore[arg-type]
             return mean + var.sqrt() * torch.randn_like(mean)
         if isinstance(x, Tensor):
+            # independent weights per output unit: the covariance is exactly diagonal
             mean, var = M.linear_deterministic(x, w_loc, w_var, b_loc, b_var)
-            if mode == "full":
-                return Gaussian(mean, cov=torch.diag_embed(var), validate=False)
             return Gaussian(mean, var=var, validate=False)
-        x = as_mode(x, mode)
+        if mode == "diag":
+            x = x.to_diag()
         if x.is_full:
             mean, cov = M.linear_full(x.mean, x.cov, w_loc, w_var, b_loc, b_var)  # type: ignore[arg-type]
+            return Gaussian(mean, cov=cov, validate=False)
+        if mode == "full":
+            mean, cov = M.linear_full_from_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
             return Gaussian(mean, cov=cov, validate=False)
         mean, var = M.linear_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
         return Gaussian(mean, var=var, validate=False)
