@@ -1,0 +1,200 @@
+r"""DeterministicGuide: a mean-field Normal guide whose weight sites support a DVI moment pass."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from typing import Any
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.distributions.util import sum_rightmost
+from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide.initialization import init_to_feasible
+from pyro.nn.module import pyro_method
+from pyro.poutine import get_mask
+from torch import Tensor
+from torch.distributions import biject_to
+
+from .moment_tensor import MomentTensor
+
+__all__ = ["DeterministicGuide", "is_weight_prior", "unwrap_independent"]
+
+_MODES = ("diag", "full")
+
+
+def unwrap_independent(fn: Any) -> tuple[Any, int]:
+    """Strip ``Independent`` wrappers; return the base distribution and the dims they added."""
+    dims = 0
+    while isinstance(fn, torch.distributions.Independent):
+        dims += fn.reinterpreted_batch_ndims
+        fn = fn.base_dist
+    return fn, dims
+
+
+def is_weight_prior(fn: Any) -> bool:
+    """A site is a *weight site* when its prior is a (batched, ``to_event``'d) Normal."""
+    base, _ = unwrap_independent(fn)
+    return isinstance(base, torch.distributions.Normal)
+
+
+class DeterministicGuide(AutoNormal):
+    r"""Mean-field Normal guide that also runs a deterministic (DVI) moment pass of the model.
+
+    Sites are found by tracing the model once, as :class:`~pyro.infer.autoguide.AutoNormal`
+    does. Two kinds are distinguished:
+
+    * **weight sites** (prior a ``Normal``, possibly ``.expand(...).to_event(k)``): the guide
+      samples :math:`q(w) = \mathcal N(\mu, \sigma^2)` *directly at the site*, so KL terms stay
+      analytic and ``Predictive`` sees ordinary samples. In a moment pass
+      (:meth:`moment_posteriors`) the site yields a :class:`MomentTensor` carrying
+      :math:`(\mu, \sigma^2)` instead, and the model propagates moments;
+    * **other latents** (noise scales with Uniform/Gamma/LogNormal/HalfNormal priors, and any
+      site listed in ``sampled_sites``): an AutoNormal-style Normal in unconstrained space pushed
+      through ``biject_to(support)``, estimated by one reparameterised sample per pass.
+
+    ``median()``, ``quantiles()``, ``pyro.clear_param_store()`` and Pyro's
+    ``module_local_params`` setting behave as for AutoNormal.
+
+    Args:
+        model: the Pyro model (unchanged; a callable or PyroModule).
+        mode: ``"diag"`` (dDVI: per-unit variances) or ``"full"`` (DVI: full covariance of each
+            layer's units per data point).
+        init_scale: initial posterior standard deviation of every site (unconstrained space for
+            non-weight latents), as AutoNormal's ``init_scale``.
+        init_loc_fn: initialisation of the posterior means of non-weight latents (default
+            ``init_to_feasible``). Weight matrices (2-d or more) start at
+            :math:`\mathcal N(0, 2/\text{fan\_in})` (He; zero means would make every hidden unit
+            identical in a deterministic pass, with no sampling noise to break the symmetry),
+            other weight sites at zero.
+        sampled_sites: names of Normal-prior sites to treat by one sample rather than by moments
+            (e.g. a log noise scale that the model exponentiates).
+        create_plates: as for AutoNormal (e.g. to share a subsampling plate with the model).
+
+    Example:
+        >>> # guide = DeterministicGuide(model); svi = SVI(model, guide, optim, DeterministicELBO())
+    """
+
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        mode: str = "diag",
+        *,
+        init_scale: float = 0.05,
+        init_loc_fn: Callable[[dict], Tensor] = init_to_feasible,
+        sampled_sites: Iterable[str] = (),
+        create_plates: Callable[..., Any] | None = None,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'diag' or 'full', got {mode!r}")
+        self.mode = mode
+        self.sampled_sites = frozenset(sampled_sites)
+        self._user_init_loc_fn = init_loc_fn
+        self.weight_sites: tuple[str, ...] = ()
+        super().__init__(
+            model,
+            init_loc_fn=self._init_loc,
+            init_scale=float(init_scale),
+            create_plates=create_plates,
+        )
+
+    # ------------------------------------------------------------------ setup
+    def _is_weight_site(self, site: dict) -> bool:
+        return site["name"] not in self.sampled_sites and is_weight_prior(site["fn"])
+
+    def _init_loc(self, site: dict) -> Tensor:
+        if not self._is_weight_site(site):
+            return self._user_init_loc_fn(site)
+        value = torch.zeros_like(site["fn"].sample())
+        if value.dim() >= 2:
+            value.normal_(0.0, math.sqrt(2.0 / value.shape[-1]))
+        return value
+
+    def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
+        # AutoNormal already refuses discrete latents (ValueError with Pyro's own advice).
+        super()._setup_prototype(*args, **kwargs)
+        self.weight_sites = tuple(
+            name
+            for name, site in self.prototype_trace.iter_stochastic_nodes()
+            if self._is_weight_site(site)
+        )
+        unknown = self.sampled_sites - set(self.prototype_trace.nodes)
+        if unknown:
+            raise ValueError(f"sampled_sites not found in the model: {sorted(unknown)}")
+
+    # ------------------------------------------------------------------ sampling
+    def _sample_transformed(self, name: str, site: dict) -> Tensor:
+        """AutoNormal's treatment of one latent: a Normal pushed through ``biject_to``."""
+        transform = biject_to(site["fn"].support)
+        loc, scale = self._get_loc_and_scale(name)
+        unconstrained = pyro.sample(
+            name + "_unconstrained",
+            dist.Normal(loc, scale).to_event(self._event_dims[name]),
+            infer={"is_auxiliary": True},
+        )
+        value = transform(unconstrained)
+        if get_mask() is False:
+            log_density: Tensor | float = 0.0
+        else:
+            log_density = transform.inv.log_abs_det_jacobian(value, unconstrained)
+            log_density = sum_rightmost(
+                log_density, log_density.dim() - value.dim() + site["fn"].event_dim
+            )
+        delta = dist.Delta(value, log_density=log_density, event_dim=site["fn"].event_dim)
+        return pyro.sample(name, delta)
+
+    def _each_site(self, visit: Callable[[str, dict], None], args: tuple, kwargs: dict) -> None:
+        """Call ``visit(name, site)`` for every latent site inside the site's plates."""
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        plates = self._create_plates(*args, **kwargs)
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            with ExitStack() as stack:
+                for frame in site["cond_indep_stack"]:
+                    if frame.vectorized:
+                        stack.enter_context(plates[frame.name])
+                visit(name, site)
+
+    def forward(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        """Sample every latent site (weights from their Normal posterior); used by Predictive."""
+        result: dict[str, Tensor] = {}
+
+        def visit(name: str, site: dict) -> None:
+            if name in self.weight_sites:
+                loc, scale = self._get_loc_and_scale(name)
+                posterior = dist.Normal(loc, scale).to_event(self._event_dims[name])
+                result[name] = pyro.sample(name, posterior)
+            else:
+                result[name] = self._sample_transformed(name, site)
+
+        self._each_site(visit, args, kwargs)
+        return result
+
+    @pyro_method
+    def moment_posteriors(self, *args: Any, **kwargs: Any) -> dict[str, MomentTensor]:
+        r"""The guide's side of a moment pass.
+
+        Samples the non-weight latents (one reparameterised draw each, recorded by any enclosing
+        trace) and returns every weight site's posterior as a :class:`MomentTensor` holding
+        :math:`(\mu, \sigma^2)`. Runs as a ``pyro_method`` so the guide's parameters are
+        registered with ``pyro.param`` (``SVI.step`` only updates parameters seen that way).
+        """
+        weights: dict[str, MomentTensor] = {}
+
+        def visit(name: str, site: dict) -> None:
+            if name in self.weight_sites:
+                loc, scale = self._get_loc_and_scale(name)
+                weights[name] = MomentTensor(
+                    loc, var=scale * scale, mode=self.mode, sources=(name,)
+                )
+            else:
+                self._sample_transformed(name, site)
+
+        self._each_site(visit, args, kwargs)
+        return weights
+
+    def extra_repr(self) -> str:
+        """Mode and site counts for ``repr``."""
+        return f"mode={self.mode!r}, weight_sites={len(self.weight_sites)}"

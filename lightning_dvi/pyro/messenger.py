@@ -1,0 +1,170 @@
+r"""The poutine Messenger that turns a model run into a DVI moment pass.
+
+At each site of the model it does one of three things:
+
+* **weight site** (in the guide's ``weight_sites``): the value becomes the guide's
+  :class:`~lightning_dvi.pyro.moment_tensor.MomentTensor` and the site's distribution is replaced
+  by a term whose ``log_prob`` is :math:`-\mathrm{KL}(q\,\|\,p)` (analytic, Normal prior;
+  optionally the empirical-Bayes optimum replaces a zero-mean prior);
+* **observed site** whose distribution depends on the network: the distribution is replaced by a
+  term whose ``log_prob(y)`` is the closed-form :math:`\mathbb E_q\log p(y\mid f)`;
+* anything else is left alone (replayed non-weight latents keep their prior ``log_prob``).
+
+Because the replacement terms are ordinary sites of an ordinary trace, Pyro's own
+``scale_and_mask`` applies plate subsampling scales and masks exactly as for Trace_ELBO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from pyro.distributions import Delta, MaskedDistribution, TorchDistribution
+from pyro.distributions.util import sum_rightmost
+from pyro.poutine.messenger import Messenger
+from torch import Tensor
+
+from ..likelihoods.functional import normal_expected_log_prob
+from ..priors.functional import optimal_variance
+from .guide import unwrap_independent
+from .moment_tensor import MomentTensor, unsupported
+
+__all__ = ["MomentPassMessenger", "carries_moments"]
+
+
+class _SiteTerm(TorchDistribution):
+    """A stand-in distribution whose ``log_prob`` is a precomputed ELBO term (never sampled)."""
+
+    arg_constraints: dict = {}  # noqa: RUF012 - torch's class-level convention
+
+    def __init__(
+        self, term: Callable[[Any], Tensor], batch_shape: torch.Size, event_shape: torch.Size
+    ) -> None:
+        self._term = term
+        super().__init__(batch_shape, event_shape, validate_args=False)
+
+    def log_prob(self, value: Any) -> Tensor:
+        """The ELBO term of this site (a KL with minus sign, or an expected log-likelihood)."""
+        return self._term(value)
+
+    def sample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
+        """Not samplable: this object exists only inside a moment pass."""
+        raise RuntimeError("a DVI moment-pass site term cannot be sampled")
+
+
+def carries_moments(obj: Any, _depth: int = 0) -> bool:
+    """Whether a distribution (or any distribution it wraps) has moment-tensor parameters."""
+    if isinstance(obj, MomentTensor):
+        return True
+    if _depth > 4 or not isinstance(obj, torch.distributions.Distribution):
+        return False
+    return any(carries_moments(v, _depth + 1) for v in vars(obj).values())
+
+
+def _plain(x: Any, what: str) -> Any:
+    if isinstance(x, MomentTensor):
+        raise unsupported(what)
+    return x
+
+
+def gaussian_kl_elementwise(q_loc: Tensor, q_var: Tensor, p_loc: Tensor, p_var: Tensor) -> Tensor:
+    r""":math:`\mathrm{KL}(\mathcal N(\mu_q,v_q)\,\|\,\mathcal N(\mu_p,v_p))` per element (broadcast)."""
+    return 0.5 * ((q_var + (q_loc - p_loc).square()) / p_var - 1.0 - (q_var / p_var).log())
+
+
+class MomentPassMessenger(Messenger):
+    """Run a model as a DVI moment pass (see the module docstring).
+
+    Args:
+        weights: ``{site name: MomentTensor}`` from
+            :meth:`~lightning_dvi.pyro.DeterministicGuide.moment_posteriors`.
+        eb_hyper: ``(alpha, beta)`` of the empirical-Bayes inverse-gamma hyper-prior, or ``None``
+            for the model's own priors.
+    """
+
+    def __init__(
+        self, weights: Mapping[str, MomentTensor], eb_hyper: tuple[float, float] | None = None
+    ) -> None:
+        super().__init__()
+        self.weights = dict(weights)
+        self.eb_hyper = eb_hyper
+        self.visited: set[str] = set()
+
+    def _pyro_sample(self, msg: dict) -> None:
+        name = msg["name"]
+        if name in self.weights:
+            self._weight_site(msg)
+        elif msg["is_observed"]:
+            term = self._observed_term(name, msg["fn"])
+            if term is not None:
+                msg["fn"] = term
+        elif carries_moments(msg["fn"]):
+            raise unsupported(f"latent site {name!r}, whose prior depends on network weights")
+
+    # ------------------------------------------------------------------ weight sites
+    def _weight_site(self, msg: dict) -> None:
+        name, prior = msg["name"], msg["fn"]
+        if name in self.visited:
+            raise unsupported(f"weight site {name!r} sampled twice in one model run")
+        if msg["is_observed"]:
+            raise unsupported(f"observing weight site {name!r}")
+        self.visited.add(name)
+        q = self.weights[name]
+        base, _ = unwrap_independent(prior)
+        if not isinstance(base, torch.distributions.Normal):
+            raise unsupported(
+                f"weight site {name!r} with a {type(base).__name__} prior",
+                "the analytic KL needs a Normal prior (mark the site in sampled_sites)",
+            )
+        p_loc = _plain(base.loc, f"the prior of weight site {name!r} depending on other weights")
+        p_var = _plain(base.scale, f"the prior of weight site {name!r} depending on weights") ** 2
+        if self.eb_hyper is not None and not bool((p_loc != 0).any()):
+            # Empirical Bayes: the zero-mean prior's variance becomes its closed-form optimum.
+            p_var = optimal_variance(q.dvi_mean, q.dvi_var.sqrt(), *self.eb_hyper)
+        event_dim = prior.event_dim
+
+        def neg_kl(value: Any) -> Tensor:
+            kl = gaussian_kl_elementwise(q.dvi_mean, q.dvi_var, p_loc, p_var)
+            kl = kl.expand(torch.broadcast_shapes(kl.shape, prior.shape()))
+            return -sum_rightmost(kl, event_dim)
+
+        msg["value"] = q
+        msg["fn"] = _SiteTerm(neg_kl, prior.batch_shape, prior.event_shape)
+        msg["done"] = True
+
+    # ------------------------------------------------------------------ observed sites
+    def _observed_term(self, name: str, fn: Any) -> _SiteTerm | None:
+        if not carries_moments(fn):
+            return None
+        expected = _expected_log_prob(name, fn)
+        return _SiteTerm(expected, fn.batch_shape, fn.event_shape)
+
+
+def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
+    """``y -> E_q log p(y | f)`` for a likelihood whose parameters are moment tensors."""
+    if isinstance(fn, torch.distributions.Independent):
+        inner = _expected_log_prob(name, fn.base_dist)
+        k = fn.reinterpreted_batch_ndims
+        return lambda y: sum_rightmost(inner(y), k)
+    if isinstance(fn, MaskedDistribution):
+        inner, mask = _expected_log_prob(name, fn.base_dist), fn._mask
+        return lambda y: torch.where(mask, inner(y), torch.zeros((), dtype=y.dtype))
+    if isinstance(fn, Delta):  # pyro.deterministic: contributes nothing to the ELBO
+        return lambda y: torch.zeros(fn.batch_shape, dtype=y.dtype, device=y.device)
+    expected = getattr(fn, "expected_log_prob", None)
+    if expected is not None:  # the library's moment-aware likelihoods
+        return expected
+    if isinstance(fn, torch.distributions.Normal):
+        loc, scale = fn.loc, fn.scale
+        if isinstance(scale, MomentTensor):
+            raise unsupported(
+                f"observed site {name!r}: a Normal whose scale depends on the network",
+                "use lightning_dvi.pyro.HeteroscedasticGaussian(outputs) for a learned noise",
+            )
+        return lambda y: normal_expected_log_prob(loc.dvi_mean, loc.dvi_var, y, scale * scale)
+    raise unsupported(
+        f"observed site {name!r} with a {type(fn).__name__} likelihood depending on the network",
+        "supported: Normal (fixed or latent scale), lightning_dvi.pyro.HeteroscedasticGaussian, "
+        "lightning_dvi.pyro.Categorical",
+    )

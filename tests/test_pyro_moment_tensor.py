@@ -1,0 +1,189 @@
+"""MomentTensor rules, and every refusal of the moment pass (NotImplementedError naming it)."""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule, PyroSample
+from torch import nn
+
+from lightning_dvi import moments as M
+from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide, MomentTensor
+
+
+@pytest.fixture(autouse=True)
+def _pyro_state():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+
+
+def _weights(out_f=3, in_f=2, mode="diag", name="w"):
+    w = MomentTensor(torch.randn(out_f, in_f), torch.rand(out_f, in_f), mode=mode, sources={name})
+    b = MomentTensor(torch.randn(out_f), torch.rand(out_f), mode=mode, sources={name + "b"})
+    return w, b
+
+
+# ----------------------------------------------------------------------------- rules
+def test_linear_relu_use_the_shared_moment_formulas():
+    x = torch.randn(5, 2)
+    w, b = _weights()
+    h = F.relu(F.linear(x, w, b))
+    mean, var = M.linear_deterministic(x, w.dvi_mean, w.dvi_var, b.dvi_mean, b.dvi_var)
+    mean, var = M.relu_diag(mean, var)
+    torch.testing.assert_close(h.dvi_mean, mean)
+    torch.testing.assert_close(h.dvi_var, var)
+    w2, _ = _weights(4, 3, name="w2")
+    out = h @ w2.mT  # matmul with an [in, out] weight is a linear layer too
+    ref_mean, ref_var = M.linear_diag(mean, var, w2.dvi_mean, w2.dvi_var)
+    torch.testing.assert_close(out.dvi_mean, ref_mean)
+    torch.testing.assert_close(out.dvi_var, ref_var)
+    assert out.dvi_sources == {"w", "wb", "w2"}
+
+
+def test_plate_expand_and_broadcast_keep_the_variance():
+    # The failure this library refuses to repeat: expand under pyro.plate dropping the variance.
+    x = torch.randn(5, 2)
+    w, b = _weights(1, 2)
+    mu = F.linear(x, w, b).squeeze(-1)
+    with pyro.validation_enabled(False):
+        d = dist.Normal(mu, torch.tensor(0.5)).expand(torch.Size([3, 5]))
+    assert isinstance(d.loc, MomentTensor)
+    torch.testing.assert_close(d.loc.dvi_var, mu.dvi_var.expand(3, 5))
+
+
+def test_full_covariance_shape_ops_gather_the_covariance_exactly():
+    a = torch.randn(4, 3, 3)
+    cov = a @ a.mT
+    mt = MomentTensor(torch.randn(4, 3), cov=cov, mode="full")
+    sub = mt[1:3, [2, 0]]
+    torch.testing.assert_close(sub.dvi_cov, cov[1:3][:, [2, 0]][:, :, [2, 0]])
+    assert not sub.dvi_marginal
+    big = mt.unsqueeze(0).expand(2, 4, 3)
+    torch.testing.assert_close(big.dvi_cov, cov.expand(2, 4, 3, 3))
+    mixed = mt.t()  # the last dim now indexes data points: only marginals survive
+    assert mixed.dvi_marginal and mixed.dvi_cov is None
+    torch.testing.assert_close(mixed.dvi_var, cov.diagonal(dim1=-2, dim2=-1).t())
+
+
+def test_arithmetic_with_constants_and_independent_moments():
+    w, b = _weights()
+    c = torch.tensor([1.0, -2.0])
+    out = 3.0 - (w * c) / 2
+    torch.testing.assert_close(out.dvi_mean, 3.0 - w.dvi_mean * c / 2)
+    torch.testing.assert_close(out.dvi_var, w.dvi_var * (c / 2) ** 2)
+    s = w[:, 0] + b  # different weight sites: independent, variances add
+    torch.testing.assert_close(s.dvi_var, w.dvi_var[:, 0] + b.dvi_var)
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("op", "name"),
+    [
+        (torch.tanh, "tanh"),
+        (torch.exp, "exp"),
+        (lambda t: t.sum(-1), "sum"),
+        (lambda t: F.softplus(t), "softplus"),
+        (lambda t: t > 0, "gt"),
+        (lambda t: t * t, "two moment-carrying"),
+        (lambda t: F.relu(t, inplace=True), "in-place"),
+        (lambda t: t.detach(), "detach"),
+    ],
+)
+def test_unknown_ops_raise_naming_the_op(op, name):
+    w, _ = _weights()
+    with pytest.raises(NotImplementedError, match=name) as info:
+        op(w)
+    assert "Trace_ELBO" in str(info.value)
+
+
+def test_dependent_operands_are_refused():
+    x = torch.randn(5, 3)
+    w, b = _weights(3, 3)
+    h = F.relu(F.linear(x, w, b))
+    with pytest.raises(NotImplementedError, match=r"weight site\(s\) \['w'\]"):
+        F.linear(h, w)  # the same weight twice
+    w2, b2 = _weights(3, 3, name="v")
+    with pytest.raises(NotImplementedError, match="skip connection"):
+        _ = h + F.linear(h, w2, b2)  # a hand-written residual
+
+
+class Net(PyroModule):
+    """Tutorial BNN whose forward pass is chosen per test."""
+
+    def __init__(self, forward_fn, obs_fn=None):
+        super().__init__()
+        self.l1 = PyroModule[nn.Linear](1, 4)
+        self.l1.weight = PyroSample(dist.Normal(0.0, 1.0).expand([4, 1]).to_event(2))
+        self.l1.bias = PyroSample(dist.Normal(0.0, 1.0).expand([4]).to_event(1))
+        self.l2 = PyroModule[nn.Linear](4, 4)
+        self.l2.weight = PyroSample(dist.Normal(0.0, 1.0).expand([4, 4]).to_event(2))
+        self.l2.bias = PyroSample(dist.Normal(0.0, 1.0).expand([4]).to_event(1))
+        self.forward_fn = forward_fn
+        self.obs_fn = obs_fn or (lambda mu: dist.Normal(mu, 0.5))
+
+    def forward(self, x, y=None):
+        mu = self.forward_fn(self, x)[..., 0]
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", self.obs_fn(mu), obs=y)
+        return mu
+
+
+def _dvi_loss(model, mode="diag"):
+    x, y = torch.randn(8, 1), torch.randn(8)
+    guide = DeterministicGuide(model, mode=mode)
+    return DeterministicELBO().loss(model, guide, x, y)
+
+
+@pytest.mark.parametrize(
+    ("forward_fn", "obs_fn", "match"),
+    [
+        (lambda m, x: m.l2(torch.tanh(m.l1(x))), None, "tanh"),
+        (lambda m, x: m.l2(torch.relu(m.l2(torch.relu(m.l1(x))))), None, "l2.weight"),
+        (lambda m, x: (h := torch.relu(m.l1(x))) + m.l2(h), None, "skip connection"),
+        (
+            lambda m, x: m.l2(torch.relu(m.l1(x))),
+            lambda mu: dist.StudentT(3.0, mu, 1.0),
+            "StudentT",
+        ),
+        (
+            lambda m, x: m.l2(torch.relu(m.l1(x))),
+            lambda mu: dist.Normal(torch.zeros(8), torch.relu(mu) + 0.1),
+            "scale depends on the network",
+        ),
+    ],
+)
+def test_unsupported_models_raise_naming_the_op_or_site(forward_fn, obs_fn, match):
+    with pytest.raises(NotImplementedError, match=match):
+        _dvi_loss(Net(forward_fn, obs_fn))
+    # ... while Trace_ELBO, which samples, still handles the same model.
+    x, y = torch.randn(8, 1), torch.randn(8)
+    model = Net(forward_fn, obs_fn)
+    assert torch.isfinite(torch.tensor(Trace_ELBO().loss(model, AutoNormal(model), x, y)))
+
+
+def test_full_mode_refuses_a_layer_after_covariance_was_dropped():
+    fwd = lambda m, x: m.l2(torch.relu(m.l1(x)).t().t())  # noqa: E731
+    assert torch.isfinite(torch.tensor(_dvi_loss(Net(fwd), mode="diag")))
+    with pytest.raises(NotImplementedError, match="dropped"):
+        _dvi_loss(Net(fwd), mode="full")
+
+
+def test_other_guides_discrete_latents_and_bad_modes_are_refused():
+    model = Net(lambda m, x: m.l2(torch.relu(m.l1(x))))
+    x, y = torch.randn(8, 1), torch.randn(8)
+    svi = SVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.01}), DeterministicELBO())
+    with pytest.raises(NotImplementedError, match="DeterministicGuide"):
+        svi.step(x, y)
+
+    def discrete(x, y=None):
+        pyro.sample("k", dist.Bernoulli(0.5))
+
+    with pytest.raises(ValueError, match="discrete"):  # Pyro's own AutoNormal message
+        DeterministicGuide(discrete)(x)
+    with pytest.raises(ValueError, match="mode"):
+        DeterministicGuide(model, mode="sample")
