@@ -187,3 +187,42 @@ def test_other_guides_discrete_latents_and_bad_modes_are_refused():
         DeterministicGuide(discrete)(x)
     with pytest.raises(ValueError, match="mode"):
         DeterministicGuide(model, mode="sample")
+
+
+def _laplace_weights(m):
+    m.l1.weight = PyroSample(dist.Laplace(0.0, 1.0).expand([4, 1]).to_event(2))
+    return m
+
+
+def test_a_layer_of_sampled_weights_is_refused():
+    # A non-Normal weight prior (or a Normal one listed in sampled_sites) would be sampled, not
+    # integrated: refused rather than quietly turning the objective back into Monte Carlo.
+    fwd = lambda m, x: m.l2(torch.relu(m.l1(x)))  # noqa: E731
+    x, y = torch.randn(8, 1), torch.randn(8)
+    model = _laplace_weights(Net(fwd))
+    with pytest.raises(NotImplementedError, match="non-Normal prior"):
+        DeterministicELBO().loss(model, DeterministicGuide(model), x, y)
+    model = Net(fwd)
+    guide = DeterministicGuide(model, sampled_sites=["l2.bias"])
+    with pytest.raises(NotImplementedError, match="sampled_sites"):
+        DeterministicELBO().loss(model, guide, x, y)
+    with pytest.raises(ValueError, match="not found"):
+        DeterministicGuide(model, sampled_sites=["nope"])(x, y)
+
+
+def test_non_centred_hierarchical_scale_is_integrated_exactly():
+    # w = tau * w_raw with tau ~ HalfNormal sampled and w_raw ~ Normal integrated: allowed,
+    # since given tau the layer is still Gaussian.
+    def model(x, y=None):
+        tau = pyro.sample("tau", dist.HalfNormal(1.0))
+        w = tau * pyro.sample("w_raw", dist.Normal(0.0, 1.0).expand([3, 1]).to_event(2))
+        v = pyro.sample("v", dist.Normal(0.0, 1.0).expand([1, 3]).to_event(2))
+        mu = F.linear(torch.relu(F.linear(x, w)), v).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mu, 0.5), obs=y)
+
+    x, y = torch.randn(8, 1), torch.randn(8)
+    guide = DeterministicGuide(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), DeterministicELBO())
+    assert all(torch.isfinite(torch.tensor(svi.step(x, y))) for _ in range(5))
+    assert guide.weight_sites == ("w_raw", "v")

@@ -1,11 +1,22 @@
 """Pyro front-end: swap ``AutoNormal`` / ``Trace_ELBO`` for DVI without changing the model.
 
 ``DeterministicGuide(model)`` and ``DeterministicELBO()`` replace ``AutoNormal(model)`` and
-``Trace_ELBO()``.
+``Trace_ELBO()``; ``HeteroscedasticGaussian`` and ``Categorical`` are observation distributions
+with closed-form expected log-likelihoods; ``PyroBayesNet`` exposes a declared
+``lightning_dvi.nn`` network (skip connections included) to Pyro for full-covariance DVI.
 """
 
+from .distributions import Categorical, HeteroscedasticGaussian
 from .elbo import DeterministicELBO
 from .guide import DeterministicGuide
+from .modules import PyroBayesNet
 from .moment_tensor import MomentTensor
 
-__all__ = ["DeterministicELBO", "DeterministicGuide", "MomentTensor"]
+__all__ = [
+    "Categorical",
+    "DeterministicELBO",
+    "DeterministicGuide",
+    "HeteroscedasticGaussian",
+    "MomentTensor",
+    "PyroBayesNet",
+]

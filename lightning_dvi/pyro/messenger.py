@@ -28,7 +28,7 @@ from torch import Tensor
 from ..likelihoods.functional import normal_expected_log_prob
 from ..priors.functional import optimal_variance
 from .guide import unwrap_independent
-from .moment_tensor import MomentTensor, unsupported
+from .moment_tensor import MomentTensor, SampledTensor, unsupported
 
 __all__ = ["MomentPassMessenger", "carries_moments"]
 
@@ -101,6 +101,8 @@ class MomentPassMessenger(Messenger):
                 msg["fn"] = term
         elif carries_moments(msg["fn"]):
             raise unsupported(f"latent site {name!r}, whose prior depends on network weights")
+        elif isinstance(msg["value"], Tensor):  # a replayed one-sample latent
+            msg["value"] = msg["value"].as_subclass(SampledTensor)
 
     # ------------------------------------------------------------------ weight sites
     def _weight_site(self, msg: dict) -> None:

@@ -1,0 +1,177 @@
+r"""Likelihoods for ``pyro.sample("obs", ..., obs=y)`` that also know their DVI expectation.
+
+Outside a moment pass these are ordinary Pyro distributions (sample, ``log_prob``,
+``Predictive``). When their parameters are :class:`~lightning_dvi.pyro.MomentTensor` outputs of
+a moment pass, :meth:`expected_log_prob` gives the closed-form :math:`\mathbb E_q\log p(y\mid f)`
+of :mod:`lightning_dvi.likelihoods.functional`, which the DeterministicELBO uses in place of
+``log_prob``. A plain ``dist.Normal(f, sigma)`` needs no wrapper: it is recognised directly.
+"""
+
+from __future__ import annotations
+
+import pyro.distributions as dist
+import torch
+from pyro.distributions import TorchDistribution, constraints
+from torch import Tensor
+
+from ..likelihoods.functional import (
+    categorical_delta_expected_log_prob,
+    heteroscedastic_expected_log_prob,
+)
+from .moment_tensor import MomentTensor, unsupported
+
+__all__ = ["Categorical", "HeteroscedasticGaussian"]
+
+
+def _check_moments(name: str, x: MomentTensor) -> None:
+    if x.dvi_mode == "full" and x.dvi_marginal:
+        raise unsupported(
+            f"{name} on outputs whose covariance an earlier shape op dropped",
+            "pass the network's [..., K] output directly",
+        )
+
+
+class HeteroscedasticGaussian(TorchDistribution):
+    r"""Gaussian observation with a learned noise: :math:`y \sim \mathcal N(m, e^{\ell})`.
+
+    ``outputs[..., 0]`` is the mean :math:`m` and ``outputs[..., 1]`` the log noise variance
+    :math:`\ell`, i.e. a network with two outputs, as in the paper's heteroscedastic regression.
+    In a moment pass, with :math:`(m, \ell)` Gaussian,
+
+    .. math::
+        \mathbb E\log p(y) = -\tfrac12\Big[\log 2\pi + \langle\ell\rangle
+        + \big(\Sigma_{mm} + (\langle m\rangle - \Sigma_{m\ell} - y)^2\big)
+        e^{-\langle\ell\rangle + \Sigma_{\ell\ell}/2}\Big]
+
+    (:math:`\Sigma_{m\ell} = 0` in ``diag`` mode).
+
+    Args:
+        outputs: ``[..., 2]``; batch shape ``outputs.shape[:-1]``.
+        validate_args: as for torch distributions.
+
+    Example:
+        >>> d = HeteroscedasticGaussian(torch.tensor([[0.0, 0.0]]))
+        >>> round(d.log_prob(torch.zeros(1)).item(), 4)
+        -0.9189
+    """
+
+    arg_constraints = {"outputs": constraints.real}  # noqa: RUF012
+    support = constraints.real
+    has_rsample = True
+
+    def __init__(self, outputs: Tensor, validate_args: bool | None = None) -> None:
+        if outputs.dim() < 1 or outputs.shape[-1] != 2:
+            raise ValueError(
+                f"HeteroscedasticGaussian needs outputs [..., 2] (mean, log variance), got "
+                f"{tuple(outputs.shape)}"
+            )
+        self.outputs = outputs
+        if isinstance(outputs, MomentTensor):
+            validate_args = False
+        super().__init__(outputs.shape[:-1], torch.Size(), validate_args=validate_args)
+
+    def _normal(self) -> dist.Normal:
+        if isinstance(self.outputs, MomentTensor):
+            raise unsupported("sampling or log_prob of a likelihood whose outputs are moments")
+        return dist.Normal(self.outputs[..., 0], (0.5 * self.outputs[..., 1]).exp())
+
+    @property
+    def mean(self) -> Tensor:
+        """:math:`m`."""
+        return self._normal().mean
+
+    @property
+    def variance(self) -> Tensor:
+        r""":math:`e^\ell`."""
+        return self._normal().variance
+
+    def rsample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
+        """Reparameterised draws of ``y``."""
+        return self._normal().rsample(sample_shape)
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        r""":math:`\log\mathcal N(y; m, e^\ell)`."""
+        return self._normal().log_prob(value)
+
+    def expand(self, batch_shape: torch.Size, _instance: object = None) -> HeteroscedasticGaussian:
+        """Broadcast the outputs (moment tensors keep their covariance)."""
+        shape = torch.Size(batch_shape)
+        if shape == self.batch_shape:
+            return self
+        return type(self)(self.outputs.expand((*shape, 2)), validate_args=False)
+
+    def expected_log_prob(self, value: Tensor) -> Tensor:
+        r""":math:`\mathbb E_q\log p(y\mid m,\ell)` in closed form (``log_prob`` for plain outputs)."""
+        o = self.outputs
+        if not isinstance(o, MomentTensor):
+            return self.log_prob(value)
+        _check_moments("HeteroscedasticGaussian", o)
+        cov_ml = torch.zeros_like(o.dvi_var[..., 0]) if o.dvi_cov is None else o.dvi_cov[..., 0, 1]
+        mean, var = o.dvi_mean, o.dvi_var
+        return heteroscedastic_expected_log_prob(
+            mean[..., 0], var[..., 0], mean[..., 1], var[..., 1], cov_ml, value
+        )
+
+
+class Categorical(dist.Categorical):
+    r"""Pyro's Categorical; with moment-tensor ``logits``, also the DVI expected log-likelihood.
+
+    In a moment pass the logits :math:`a \sim \mathcal N(\mu, C)` and the softmax likelihood is
+    integrated by the second-order delta method (paper appendix B.4):
+
+    .. math::
+        \mathbb E\log\operatorname{softmax}(a)_y \approx \mu_y - \operatorname{logsumexp}\mu
+        - \tfrac12\big(p^\top\operatorname{diag}C - p^\top C p\big),\quad
+        p = \operatorname{softmax}\mu,
+
+    with the full :math:`C` in ``full`` mode and its diagonal in ``diag`` mode.
+
+    Args:
+        probs: as for ``pyro.distributions.Categorical`` (not in a moment pass).
+        logits: ``[..., K]``, a tensor or a moment tensor.
+        validate_args: as for torch distributions.
+    """
+
+    def __init__(
+        self,
+        probs: Tensor | None = None,
+        logits: Tensor | None = None,
+        validate_args: bool | None = None,
+    ) -> None:
+        if isinstance(probs, MomentTensor):
+            raise unsupported("Categorical(probs=...) on moments", "pass logits=network output")
+        self._moment_logits = logits if isinstance(logits, MomentTensor) else None
+        if self._moment_logits is None:
+            super().__init__(probs=probs, logits=logits, validate_args=validate_args)
+            return
+        self._num_events = logits.shape[-1]  # type: ignore[union-attr]
+        TorchDistribution.__init__(self, logits.shape[:-1], torch.Size(), validate_args=False)  # type: ignore[union-attr]
+
+    def expand(self, batch_shape: torch.Size, _instance: object = None) -> dist.Categorical:
+        """Broadcast the batch shape (moment logits keep their covariance)."""
+        shape = torch.Size(batch_shape)
+        if shape == self.batch_shape:
+            return self
+        logits = self.logits if self._moment_logits is None else self._moment_logits
+        return type(self)(logits=logits.expand((*shape, self._num_events)), validate_args=False)
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        """Ordinary categorical log-probability (refused on moment logits)."""
+        if self._moment_logits is not None:
+            raise unsupported("log_prob of a Categorical with moment logits")
+        return super().log_prob(value)
+
+    def sample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
+        """Ordinary categorical draws (refused on moment logits)."""
+        if self._moment_logits is not None:
+            raise unsupported("sampling a Categorical with moment logits")
+        return super().sample(sample_shape)
+
+    def expected_log_prob(self, value: Tensor) -> Tensor:
+        r"""Delta-method :math:`\mathbb E_q\log p(y\mid a)` (``log_prob`` for plain logits)."""
+        a = self._moment_logits
+        if a is None:
+            return self.log_prob(value)
+        _check_moments("Categorical", a)
+        cov = a.dvi_var if a.dvi_cov is None else a.dvi_cov
+        return categorical_delta_expected_log_prob(a.dvi_mean, cov, value)

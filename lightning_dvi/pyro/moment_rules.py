@@ -1,0 +1,270 @@
+r"""The moment rules of :class:`~lightning_dvi.pyro.moment_tensor.MomentTensor`.
+
+Each rule maps the moments of its inputs to the moments of its output with the closed forms of
+:mod:`lightning_dvi.moments` (one implementation of each formula serves every front-end):
+shape ops and broadcasting, addition of independent terms, scaling by constants, ``F.linear`` /
+``matmul`` (a linear layer with factorised Gaussian weights) and ``relu``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import moments as M
+from .moment_tensor import (
+    _T,
+    MomentTensor,
+    SampledTensor,
+    is_moment,
+    new_like,
+    op_name,
+    register,
+    sampled_weight_error,
+    union_sources,
+    unsupported,
+)
+
+__all__ = ["expand_to"]
+
+
+# ------------------------------------------------------------------------------- shape ops
+def _probe_gather(func: Callable[..., Any], x: MomentTensor, args: tuple, kwargs: dict) -> Any:
+    """Apply a shape op to a full-mode moment tensor, keeping exactly what it can.
+
+    The op is applied to two index probes (source row and source column of every element). If
+    each output row comes from one source row, the covariance is gathered exactly; otherwise
+    the output's last dimension mixes data rows and only marginals survive.
+    """
+    mean = func(x.dvi_mean, *args, **kwargs)
+    var = func(x.dvi_var, *args, **kwargs)
+    if x.dim() == 0 or x.dvi_marginal:
+        return new_like(x, mean, var, marginal=True)
+    batch, d = x.shape[:-1], x.shape[-1]
+    n = math.prod(batch)
+    rows = torch.arange(n, device=x.device).reshape(*batch, 1).expand(*batch, d)
+    cols = torch.arange(d, device=x.device).expand(*batch, d)
+    r, c = func(rows, *args, **kwargs), func(cols, *args, **kwargs)
+    if r.dim() == 0 or not bool((r == r[..., :1]).all()):
+        return new_like(x, mean, var, marginal=True)
+    if x.dvi_cov is None:
+        # Independent units stay independent only if no unit is duplicated within a row.
+        distinct = c.shape[-1] <= 1 or bool((c.sort(-1).values.diff(dim=-1) > 0).all())
+        return new_like(x, mean, var, marginal=not distinct)
+    out_d = c.shape[-1]
+    cov = x.dvi_cov.reshape(n, d, d)[r[..., 0]]
+    cov = cov.gather(-2, c.unsqueeze(-1).expand(*c.shape, d))
+    cov = cov.gather(-1, c.unsqueeze(-2).expand(*c.shape[:-1], out_d, out_d))
+    return new_like(x, mean, cov=cov)
+
+
+_SHAPE_OPS = (
+    _T.expand,
+    _T.reshape,
+    torch.reshape,
+    _T.view,
+    _T.squeeze,
+    torch.squeeze,
+    _T.unsqueeze,
+    torch.unsqueeze,
+    _T.__getitem__,
+    _T.flatten,
+    torch.flatten,
+    _T.permute,
+    torch.permute,
+    _T.transpose,
+    torch.transpose,
+    _T.t,
+    torch.t,
+    _T.mT.__get__,  # type: ignore[attr-defined]
+    _T.T.__get__,  # type: ignore[attr-defined]
+    _T.contiguous,
+    _T.clone,
+    torch.clone,
+)
+
+
+@register(*_SHAPE_OPS)
+def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
+    if not is_moment(x) or any(is_moment(a) for a in (*args, *kwargs.values())):
+        raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
+    if x.dvi_mode == "diag":
+        return new_like(x, func(x.dvi_mean, *args, **kwargs), func(x.dvi_var, *args, **kwargs))
+    return _probe_gather(func, x, args, kwargs)
+
+
+@register(_T.expand_as, _T.reshape_as, _T.view_as)
+def _shape_as(func: Callable[..., Any], x: Any, other: Any) -> MomentTensor:
+    target = {_T.expand_as: _T.expand, _T.reshape_as: _T.reshape, _T.view_as: _T.view}[func]
+    return _shape_op(target, x, tuple(other.shape))
+
+
+def expand_to(x: Tensor, shape: torch.Size) -> Tensor:
+    """Broadcast ``x`` (moment tensor or not) to ``shape``."""
+    return x if tuple(x.shape) == tuple(shape) else x.expand(shape)
+
+
+@register(torch.broadcast_tensors)
+def _broadcast_tensors(func: Callable[..., Any], *tensors: Tensor) -> tuple[Tensor, ...]:
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    return tuple(expand_to(t, shape) for t in tensors)
+
+
+@register(_T.to, _T.float, _T.double, _T.type_as)
+def _cast(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
+    if not is_moment(x) or any(is_moment(a) for a in args):
+        raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
+    cov = None if x.dvi_cov is None else func(x.dvi_cov, *args, **kwargs)
+    return new_like(x, func(x.dvi_mean, *args, **kwargs), func(x.dvi_var, *args, **kwargs), cov)
+
+
+# ------------------------------------------------------------------------------ arithmetic
+def _needs_full_input(op: str, x: MomentTensor) -> Tensor:
+    """The full covariance of a full-mode layer input (exactly diagonal for independent units)."""
+    if x.dvi_cov is not None:
+        return x.dvi_cov
+    if x.dvi_marginal:
+        raise unsupported(
+            f"`{op}` on a tensor whose covariance an earlier shape op dropped",
+            "in mode='full' only ops on batch dimensions may precede a layer",
+        )
+    return torch.diag_embed(x.dvi_var)
+
+
+def _as_tensor(x: Any, like: MomentTensor) -> Any:
+    if isinstance(x, Tensor):
+        return x
+    return torch.as_tensor(x, dtype=like.dvi_mean.dtype, device=like.dvi_mean.device)
+
+
+def _add_moments(op: str, a: Any, b: Any) -> MomentTensor:
+    sources = union_sources(op, a, b)
+    like = a if is_moment(a) else b
+    a, b = _as_tensor(a, like), _as_tensor(b, like)
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    a, b = expand_to(a, shape), expand_to(b, shape)
+    if not (is_moment(a) and is_moment(b)):
+        x, c = (a, b) if is_moment(a) else (b, a)
+        return new_like(x, x.dvi_mean + c, x.dvi_var, x.dvi_cov)
+    mean = a.dvi_mean + b.dvi_mean
+    if like.dvi_mode == "diag" or a.dvi_marginal or b.dvi_marginal:
+        return new_like(
+            like, mean, a.dvi_var + b.dvi_var, sources=sources, marginal=like.dvi_mode == "full"
+        )
+    if a.dvi_cov is None and b.dvi_cov is None:
+        return new_like(like, mean, a.dvi_var + b.dvi_var, sources=sources)
+    cov = _needs_full_input(op, a) + _needs_full_input(op, b)
+    return new_like(like, mean, cov=cov, sources=sources, marginal=False)
+
+
+def _scale_moments(x: MomentTensor, c: Tensor | float) -> MomentTensor:
+    c = torch.as_tensor(c, dtype=x.dvi_mean.dtype, device=x.dvi_mean.device)
+    shape = torch.broadcast_shapes(x.shape, c.shape)
+    x, c = expand_to(x, shape), c.expand(shape)  # type: ignore[assignment]
+    cov = None if x.dvi_cov is None else x.dvi_cov * c.unsqueeze(-1) * c.unsqueeze(-2)
+    return new_like(x, x.dvi_mean * c, x.dvi_var * c * c, cov)
+
+
+def _neg(x: MomentTensor) -> MomentTensor:
+    return new_like(x, -x.dvi_mean, x.dvi_var, x.dvi_cov)
+
+
+@register(_T.__add__, _T.__radd__, _T.add, torch.add)
+def _add(func: Callable[..., Any], a: Any, b: Any, *, alpha: float = 1) -> MomentTensor:
+    if alpha != 1:
+        b = _scale_moments(b, alpha) if is_moment(b) else b * alpha
+    return _add_moments(op_name(func), a, b)
+
+
+@register(_T.__sub__, _T.sub, torch.sub)
+def _sub(func: Callable[..., Any], a: Any, b: Any, *, alpha: float = 1) -> MomentTensor:
+    b = _neg(b) if is_moment(b) else -torch.as_tensor(b)
+    return _add(func, a, b, alpha=alpha)
+
+
+@register(_T.__rsub__)
+def _rsub(func: Callable[..., Any], a: Any, b: Any) -> MomentTensor:
+    return _add_moments(op_name(func), _neg(a), b)  # b - a
+
+
+@register(_T.__neg__, _T.neg, torch.neg)
+def _neg_op(func: Callable[..., Any], x: MomentTensor) -> MomentTensor:
+    return _neg(x)
+
+
+@register(_T.__mul__, _T.__rmul__, _T.mul, torch.mul)
+def _mul(func: Callable[..., Any], a: Any, b: Any) -> MomentTensor:
+    if is_moment(a) and is_moment(b):
+        raise unsupported(f"`{op_name(func)}` of two moment-carrying tensors", "not Gaussian")
+    return _scale_moments(a, b) if is_moment(a) else _scale_moments(b, a)
+
+
+@register(_T.__truediv__, _T.div, torch.div)
+def _div(func: Callable[..., Any], a: Any, b: Any, **kwargs: Any) -> MomentTensor:
+    if is_moment(b) or kwargs:
+        raise unsupported(f"`{op_name(func)}` by a moment-carrying tensor or with rounding")
+    return _scale_moments(a, 1.0 / torch.as_tensor(b))
+
+
+# ---------------------------------------------------------------------------- linear, relu
+def _param_moments(p: Any) -> tuple[Tensor, Tensor | None]:
+    if p is None or not is_moment(p):
+        return p, None
+    if p.dvi_cov is not None:
+        raise unsupported("a weight argument with a full covariance", "weights must be factorised")
+    return p.dvi_mean, p.dvi_var
+
+
+def _linear_core(op: Any, x: Any, weight: Any, bias: Any, transpose: bool) -> MomentTensor:
+    if isinstance(weight, SampledTensor) or isinstance(bias, SampledTensor):
+        raise sampled_weight_error(op)
+    op = op_name(op)
+    sources = union_sources(op, x, weight, bias)
+    like: MomentTensor = next(t for t in (weight, x, bias) if is_moment(t))
+    w_mean, w_var = _param_moments(weight)
+    if transpose:
+        w_mean = w_mean.transpose(-1, -2)
+        w_var = None if w_var is None else w_var.transpose(-1, -2)
+    if w_var is None:
+        w_var = torch.zeros_like(w_mean)
+    b_mean, b_var = _param_moments(bias)
+    if not is_moment(x):
+        mean, var = M.linear_deterministic(x, w_mean, w_var, b_mean, b_var)
+        return new_like(like, mean, var, sources=sources, marginal=False)
+    if x.dvi_mode == "diag":
+        mean, var = M.linear_diag(x.dvi_mean, x.dvi_var, w_mean, w_var, b_mean, b_var)
+        return new_like(like, mean, var, sources=sources)
+    if x.dvi_cov is None and not x.dvi_marginal:  # independent units: the cheap exact product
+        mean, cov = M.linear_full_from_diag(x.dvi_mean, x.dvi_var, w_mean, w_var, b_mean, b_var)
+    else:
+        cov_in = _needs_full_input(op, x)
+        mean, cov = M.linear_full(x.dvi_mean, cov_in, w_mean, w_var, b_mean, b_var)
+    return new_like(like, mean, cov=cov, sources=sources, marginal=False)
+
+
+@register(F.linear)
+def _linear(func: Callable[..., Any], x: Any, weight: Any, bias: Any = None) -> MomentTensor:
+    return _linear_core(func, x, weight, bias, transpose=False)
+
+
+@register(torch.matmul, _T.matmul, _T.__matmul__)
+def _matmul(func: Callable[..., Any], x: Any, weight: Any) -> MomentTensor:
+    if weight.dim() != 2 or (is_moment(weight) and weight.dvi_cov is not None):
+        raise unsupported(f"`{op_name(func)}` unless the right operand is a [in, out] matrix")
+    return _linear_core(func, x, weight, None, transpose=True)
+
+
+@register(torch.relu, F.relu, _T.relu)
+def _relu(func: Callable[..., Any], x: Any, inplace: bool = False) -> MomentTensor:
+    if inplace:
+        raise unsupported("in-place relu", "use relu(x), not relu_(x) or inplace=True")
+    if x.dvi_mode == "diag" or (x.dvi_cov is None and not x.dvi_marginal):
+        mean, var = M.relu_diag(x.dvi_mean, x.dvi_var)  # exact; independent units stay so
+        return new_like(x, mean, var)
+    mean, cov = M.relu_full(x.dvi_mean, _needs_full_input(op_name(func), x))
+    return new_like(x, mean, cov=cov)
