@@ -181,3 +181,33 @@ def test_elbo_module_lightning_style_with_module_local_params():
             losses.append(loss.item())
         assert len(pyro.get_param_store()) == 0  # parameters live in the module only
     assert sum(losses[-10:]) < sum(losses[:10])
+
+
+def test_masks_deterministic_sites_and_independent_obs_are_handled():
+    x, y = toy(40)
+    keep = torch.arange(40) % 3 != 0
+
+    def make(masked):
+        layer = PyroModule[nn.Linear](1, 1)
+        layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, 1]).to_event(2))
+        layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+        def model(x, y=None):
+            mu = pyro.deterministic("mu", layer(x))  # [N, 1]
+            with pyro.plate("data", x.shape[0]):
+                d = dist.Normal(mu, 0.5).to_event(1)
+                pyro.sample("obs", d.mask(keep) if masked else d, obs=y.unsqueeze(-1))
+
+        return model
+
+    masked = make(masked=True)
+    pyro.set_rng_seed(3)
+    guide = DeterministicGuide(masked)
+    loss_masked = DeterministicELBO().loss(masked, guide, x, y)
+    subset = make(masked=False)
+    # Same posterior (same site names and init seed), data restricted to the kept points.
+    pyro.clear_param_store()
+    pyro.set_rng_seed(3)
+    guide_subset = DeterministicGuide(subset)
+    loss_subset = DeterministicELBO().loss(subset, guide_subset, x[keep], y[keep])
+    assert loss_masked == pytest.approx(loss_subset, rel=1e-5)

@@ -151,6 +151,8 @@ def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
         return lambda y: sum_rightmost(inner(y), k)
     if isinstance(fn, MaskedDistribution):
         inner, mask = _expected_log_prob(name, fn.base_dist), fn._mask
+        if isinstance(mask, bool):
+            return inner if mask else lambda y: inner(y) * 0.0
         return lambda y: torch.where(mask, inner(y), torch.zeros((), dtype=y.dtype))
     if isinstance(fn, Delta):  # pyro.deterministic: contributes nothing to the ELBO
         return lambda y: torch.zeros(fn.batch_shape, dtype=y.dtype, device=y.device)
