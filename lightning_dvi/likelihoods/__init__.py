@@ -1,0 +1,18 @@
+"""Observation models on the network's output Gaussian: expected log-likelihoods and predictives.
+
+``functional`` holds the closed forms as pure tensor functions; the classes wire them to
+:class:`~lightning_dvi.Gaussian` outputs and ``torch.distributions`` predictives.
+"""
+
+from . import functional
+from .base import Likelihood
+from .categorical import Categorical
+from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian
+
+__all__ = [
+    "Categorical",
+    "HeteroscedasticGaussian",
+    "HomoscedasticGaussian",
+    "Likelihood",
+    "functional",
+]

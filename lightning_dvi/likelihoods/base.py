@@ -1,0 +1,155 @@
+"""The likelihood base class: generic Monte Carlo expected log-likelihood over network outputs."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..gaussian import Gaussian
+
+__all__ = ["Likelihood"]
+
+
+class Likelihood(nn.Module):
+    r"""Base class for observation models :math:`p(y\mid a^L)` on the network's last activations.
+
+    In the style of GPyTorch likelihoods: the base class supplies a generic Monte Carlo
+    :meth:`expected_log_prob` that only needs :meth:`log_prob`; subclasses override it in closed
+    form, and the tests compare the two.
+
+    Subclasses set :attr:`num_outputs` and implement :meth:`_log_prob`, :meth:`predictive`
+    and, where the targets are not real numbers, :meth:`_check_values`.
+
+    Args:
+        mc_samples: samples of the output Gaussian used by the Monte Carlo estimates.
+
+    Attributes:
+        num_outputs: how many network outputs the likelihood consumes (the size of ``D``).
+        mc_samples: default Monte Carlo sample count.
+    """
+
+    num_outputs: int = 1
+
+    def __init__(self, mc_samples: int = 256) -> None:
+        super().__init__()
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
+        self.mc_samples = mc_samples
+
+    # ------------------------------------------------------------------ interface
+    def log_prob(self, f: Tensor, y: Tensor) -> Tensor:
+        """Log-likelihood of targets under sampled network outputs (validated).
+
+        Args:
+            f: network outputs ``[..., B, D]`` (e.g. ``[S, B, D]`` from the sampling modes).
+            y: targets ``[B]`` (regression also accepts ``[B, 1]``).
+
+        Returns:
+            ``log p(y | f)`` of shape ``[..., B]``.
+        """
+        return self._log_prob(f, self.validate_target(y, f))
+
+    def _log_prob(self, f: Tensor, y: Tensor) -> Tensor:
+        """:meth:`log_prob` on already validated targets ``[B]``; subclasses implement this."""
+        raise NotImplementedError
+
+    def predictive(self, out: Gaussian) -> torch.distributions.Distribution:
+        """The (approximate) posterior predictive distribution, batch shape ``[B]``."""
+        raise NotImplementedError
+
+    def expected_log_prob(self, out: Gaussian, y: Tensor, mc_samples: int | None = None) -> Tensor:
+        r"""Monte Carlo :math:`\mathbb E_{a\sim\mathcal N(\mu,\Sigma)}\log p(y\mid a)` per datum.
+
+        Averages :meth:`log_prob` over ``mc_samples`` reparameterised draws of ``out``, so it is
+        differentiable and serves both as a fallback and as the oracle the closed forms are
+        tested against.
+
+        Args:
+            out: the Gaussian over network outputs, mean ``[B, D]``.
+            y: targets ``[B]``.
+            mc_samples: number of draws (default :attr:`mc_samples`).
+
+        Returns:
+            ``[B]`` expected log-likelihoods.
+        """
+        y = self.validate_target(y, self.validate_output(out))
+        s = self.mc_samples if mc_samples is None else mc_samples
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
+        return self._log_prob(out.sample((s,)), y).mean(0)
+
+    def forward(self, out: Gaussian) -> torch.distributions.Distribution:
+        """Calling the likelihood on an output Gaussian returns :meth:`predictive`."""
+        return self.predictive(out)
+
+    # ------------------------------------------------------------------ validation
+    def validate_output(self, out: Gaussian) -> Gaussian:
+        """Check that ``out`` is a Gaussian with :attr:`num_outputs` outputs.
+
+        Raises:
+            ValueError: naming the problem.
+        """
+        if not isinstance(out, Gaussian):
+            raise ValueError(
+                f"{type(self).__name__} needs a Gaussian over network outputs (run the net in "
+                f"mode='full' or 'diag'), got {type(out).__name__}"
+            )
+        self._check_width(out.mean.shape[-1])
+        return out
+
+    def _check_width(self, d: int) -> None:
+        if d != self.num_outputs:
+            raise ValueError(
+                f"{type(self).__name__} consumes {self.num_outputs} network output(s) but the "
+                f"network has {d}"
+            )
+
+    def validate_target(self, y: Tensor, out_or_batch_size: Gaussian | Tensor | int) -> Tensor:
+        """Check targets against the output (or batch size) and return them in canonical form.
+
+        Args:
+            y: targets.
+            out_or_batch_size: the output Gaussian (mean ``[B, D]``), sampled outputs
+                ``[..., B, D]``, or the batch size ``B``.
+
+        Returns:
+            ``y`` of shape ``[B]`` (a regression ``[B, 1]`` is flattened; labels become long).
+
+        Raises:
+            ValueError: on a non-tensor, a batch-shape mismatch, NaN/Inf targets, or (for
+                classification) non-integer or out-of-range labels.
+        """
+        name = type(self).__name__
+        if isinstance(out_or_batch_size, Gaussian):
+            self.validate_output(out_or_batch_size)
+            batch = tuple(out_or_batch_size.mean.shape[:-1])
+        elif isinstance(out_or_batch_size, Tensor):
+            if out_or_batch_size.dim() < 2:
+                raise ValueError(
+                    f"{name}: sampled outputs must be [..., B, D], got "
+                    f"{tuple(out_or_batch_size.shape)}"
+                )
+            self._check_width(out_or_batch_size.shape[-1])
+            batch = (out_or_batch_size.shape[-2],)
+        else:
+            batch = (int(out_or_batch_size),)
+        if not isinstance(y, Tensor):
+            raise ValueError(f"{name}: targets must be a torch.Tensor, got {type(y).__name__}")
+        shape = tuple(y.shape)
+        if shape != batch:
+            if self._accepts_trailing_one and shape == (*batch, 1):
+                y = y.squeeze(-1)
+            else:
+                raise ValueError(
+                    f"{name}: target shape {shape} does not match the output batch shape {batch}"
+                )
+        return self._check_values(y)
+
+    _accepts_trailing_one: bool = True
+
+    def _check_values(self, y: Tensor) -> Tensor:
+        if not y.dtype.is_floating_point:
+            y = y.to(torch.get_default_dtype())
+        if not torch.isfinite(y).all():
+            raise ValueError(f"{type(self).__name__}: targets contain NaN or Inf")
+        return y

@@ -1,0 +1,133 @@
+"""Gaussian regression likelihoods: heteroscedastic (m, ℓ) outputs and a learned global noise."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ..gaussian import Gaussian
+from . import functional as F
+from .base import Likelihood
+
+__all__ = ["HeteroscedasticGaussian", "HomoscedasticGaussian"]
+
+_LOG_2PI = math.log(2 * math.pi)
+
+
+class HeteroscedasticGaussian(Likelihood):
+    r"""Regression with a predicted noise level: outputs :math:`(m, \ell)`, :math:`y\sim\mathcal N(m, e^\ell)`.
+
+    The closed-form expected log-likelihood uses the full 2x2 output covariance, including
+    :math:`\Sigma_{m\ell}`; a diag output (dDVI) has :math:`\Sigma_{m\ell} = 0`. See
+    :func:`~lightning_dvi.likelihoods.functional.heteroscedastic_expected_log_prob`.
+
+    Args:
+        require_full: reject diag outputs, for when dropping :math:`\Sigma_{m\ell}` would be a
+            mistake (e.g. a DVI run that must not silently fall back to dDVI).
+        mc_samples: draws for the Monte Carlo fallback :meth:`Likelihood.expected_log_prob`.
+
+    Example:
+        >>> lik = HeteroscedasticGaussian()
+        >>> out = Gaussian(torch.zeros(3, 2), var=torch.full((3, 2), 0.1))
+        >>> tuple(lik.expected_log_prob(out, torch.zeros(3)).shape)
+        (3,)
+        >>> type(lik.predictive(out)).__name__
+        'Normal'
+    """
+
+    num_outputs = 2
+
+    def __init__(self, require_full: bool = False, mc_samples: int = 256) -> None:
+        super().__init__(mc_samples)
+        self.require_full = bool(require_full)
+
+    def validate_output(self, out: Gaussian) -> Gaussian:
+        """As :meth:`Likelihood.validate_output`; also rejects diag outputs if ``require_full``."""
+        super().validate_output(out)
+        if self.require_full and not out.is_full:
+            raise ValueError(
+                "HeteroscedasticGaussian(require_full=True) got a diag output; run the network "
+                "with mode='full' so the covariance of (m, l) is kept"
+            )
+        return out
+
+    @staticmethod
+    def _parts(out: Gaussian) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        mean, var = out.mean, out.var
+        cov_ml = out.cov[..., 0, 1] if out.is_full else torch.zeros_like(mean[..., 0])  # type: ignore[index]
+        return mean[..., 0], var[..., 0], mean[..., 1], var[..., 1], cov_ml
+
+    def _log_prob(self, f: Tensor, y: Tensor) -> Tensor:
+        m, log_var = f[..., 0], f[..., 1]
+        return -0.5 * (_LOG_2PI + log_var + (y - m).square() * torch.exp(-log_var))
+
+    def expected_log_prob(self, out: Gaussian, y: Tensor, mc_samples: int | None = None) -> Tensor:
+        r"""Closed form :math:`\mathbb E\log\mathcal N(y; m, e^\ell)` per datum, ``[B]``.
+
+        ``mc_samples`` is ignored (kept for the base-class signature).
+        """
+        y = self.validate_target(y, self.validate_output(out))
+        return F.heteroscedastic_expected_log_prob(*self._parts(out), y)
+
+    def predictive(self, out: Gaussian) -> torch.distributions.Normal:
+        r""":math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2})`."""
+        self.validate_output(out)
+        mean_m, var_m, mean_l, var_l, _ = self._parts(out)
+        mean, var = F.heteroscedastic_predictive_moments(mean_m, var_m, mean_l, var_l)
+        return torch.distributions.Normal(mean, var.sqrt())
+
+
+class HomoscedasticGaussian(Likelihood):
+    r"""Regression with one output :math:`m` and a learned noise variance: :math:`y\sim\mathcal N(m, e^{\lambda})`.
+
+    :math:`\lambda` (``log_variance``) is a point-estimated ``nn.Parameter``, so pass the
+    likelihood's parameters to the optimiser along with the network's.
+
+    Args:
+        init_log_variance: initial :math:`\lambda` (a low value lets the mean fit first).
+        mc_samples: draws for the Monte Carlo fallback.
+
+    Example:
+        >>> lik = HomoscedasticGaussian(init_log_variance=0.0)
+        >>> out = Gaussian(torch.zeros(2, 1), var=torch.zeros(2, 1))
+        >>> lik.expected_log_prob(out, torch.zeros(2)).tolist()  # log N(0; 0, 1)
+        [-0.9189385175704956, -0.9189385175704956]
+    """
+
+    num_outputs = 1
+
+    def __init__(self, init_log_variance: float = -3.0, mc_samples: int = 256) -> None:
+        super().__init__(mc_samples)
+        if not math.isfinite(init_log_variance):
+            raise ValueError(f"init_log_variance must be finite, got {init_log_variance}")
+        self.log_variance = nn.Parameter(torch.tensor(float(init_log_variance)))
+
+    @property
+    def noise_variance(self) -> Tensor:
+        r"""The observation variance :math:`e^\lambda`."""
+        return self.log_variance.exp()
+
+    def _log_var(self, like: Tensor) -> Tensor:
+        return self.log_variance.to(dtype=like.dtype, device=like.device)
+
+    def _log_prob(self, f: Tensor, y: Tensor) -> Tensor:
+        log_var = self._log_var(f)
+        return -0.5 * (_LOG_2PI + log_var + (y - f[..., 0]).square() * torch.exp(-log_var))
+
+    def expected_log_prob(self, out: Gaussian, y: Tensor, mc_samples: int | None = None) -> Tensor:
+        r"""Closed form :math:`-\tfrac12[\log 2\pi e^\lambda + ((y-\langle m\rangle)^2 + \Sigma_{mm})e^{-\lambda}]`, ``[B]``."""
+        y = self.validate_target(y, self.validate_output(out))
+        noise_var = self._log_var(out.mean).exp()
+        return F.normal_expected_log_prob(out.mean[..., 0], out.var[..., 0], y, noise_var)
+
+    def predictive(self, out: Gaussian) -> torch.distributions.Normal:
+        r""":math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^\lambda)`."""
+        self.validate_output(out)
+        var = out.var[..., 0] + self._log_var(out.mean).exp()
+        return torch.distributions.Normal(out.mean[..., 0], var.sqrt())
+
+    def extra_repr(self) -> str:
+        """The current log noise variance."""
+        return f"log_variance={self.log_variance.item():.4g}"

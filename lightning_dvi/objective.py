@@ -1,0 +1,171 @@
+r"""The per-datum ELBO shared by every front-end, and a KL warm-up/annealing schedule.
+
+.. math::
+    \frac{\mathrm{ELBO}}{N} = \frac1B\sum_{b=1}^{B}\mathbb E_q\log p(y_b\mid x_b, w)
+    - \frac{\mathrm{KL}(q(w)\,\|\,p(w))}{N},
+
+with :math:`N` the training-set size, so a minibatch gives an unbiased estimate of the full-data
+ELBO divided by :math:`N`. In ``full``/``diag`` mode the expectation is the likelihood's closed
+form on the propagated output Gaussian (DVI/dDVI); in ``sample``/``local`` mode it is a Monte
+Carlo average over network samples (MCVI), with the same model and prior.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .gaussian import Gaussian, validate_mode
+from .likelihoods import Likelihood
+from .priors import Prior
+
+__all__ = ["ELBOTerms", "KLSchedule", "elbo"]
+
+
+@dataclass
+class ELBOTerms:
+    r"""The ELBO loss and its parts, for the optimiser and for logging.
+
+    Attributes:
+        loss: scalar to minimise, :math:`-(\bar\ell - \beta_{KL}\,\mathrm{KL}/N)`.
+        elbo: per-datum ELBO at full KL weight, :math:`\bar\ell - \mathrm{KL}/N` (detached).
+        expected_log_likelihood: :math:`\bar\ell`, the batch mean of the expected
+            log-likelihood (with gradient).
+        kl: total :math:`\mathrm{KL}(q\,\|\,p)` (with gradient).
+        kl_weight: the KL weight :math:`\beta_{KL}` used in ``loss``.
+    """
+
+    loss: Tensor
+    elbo: Tensor
+    expected_log_likelihood: Tensor
+    kl: Tensor
+    kl_weight: float
+
+
+def _non_negative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+class KLSchedule:
+    """KL weight per optimisation step: off during warm-up, then a linear ramp to one.
+
+    ``weight(step) = 0`` for ``step < warmup_steps``, then
+    ``min(1, (step - warmup_steps + 1) / anneal_steps)``: the ramp takes exactly
+    ``anneal_steps`` steps and its last step has weight 1 (1 at once if ``anneal_steps == 0``).
+    The authors' toy run kept the KL off for the first 70 % of training.
+
+    Args:
+        warmup_steps: steps with zero KL weight.
+        anneal_steps: length of the linear ramp.
+
+    Example:
+        >>> sched = KLSchedule(warmup_steps=2, anneal_steps=4)
+        >>> [sched(s) for s in range(7)]
+        [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    """
+
+    def __init__(self, warmup_steps: int = 0, anneal_steps: int = 0) -> None:
+        self.warmup_steps = _non_negative_int("warmup_steps", warmup_steps)
+        self.anneal_steps = _non_negative_int("anneal_steps", anneal_steps)
+
+    def __call__(self, step: int) -> float:
+        """The KL weight at optimisation step ``step`` (0-based)."""
+        step = _non_negative_int("step", step)
+        if step < self.warmup_steps:
+            return 0.0
+        if self.anneal_steps == 0:
+            return 1.0
+        return min(1.0, (step - self.warmup_steps + 1) / self.anneal_steps)
+
+    def __repr__(self) -> str:
+        return f"KLSchedule(warmup_steps={self.warmup_steps}, anneal_steps={self.anneal_steps})"
+
+
+def elbo(
+    net: nn.Module,
+    likelihood: Likelihood,
+    prior: Prior,
+    x: Tensor,
+    y: Tensor,
+    num_data: int,
+    mode: str = "full",
+    num_samples: int | None = None,
+    kl_weight: float = 1.0,
+    check_finite: bool = True,
+) -> ELBOTerms:
+    r"""Per-datum ELBO of a minibatch, with its parts.
+
+    Args:
+        net: a declared BNN (:mod:`lightning_dvi.nn`), called as ``net(x, mode=...)``.
+        likelihood: the observation model.
+        prior: the weight prior (its :meth:`~lightning_dvi.priors.Prior.kl` is used).
+        x: inputs ``[B, D_in]``.
+        y: targets ``[B]`` (regression also ``[B, 1]``).
+        num_data: :math:`N`, the training-set size (the KL is divided by it).
+        mode: ``"full"``/``"diag"`` (closed form) or ``"sample"``/``"local"`` (Monte Carlo).
+        num_samples: network samples for ``sample``/``local`` (default 1); must be ``None``
+            otherwise.
+        kl_weight: :math:`\beta_{KL} \ge 0` multiplying the KL in ``loss`` (see
+            :class:`KLSchedule`).
+        check_finite: raise instead of returning a NaN/Inf loss.
+
+    Returns:
+        :class:`ELBOTerms`.
+
+    Raises:
+        ValueError: on a bad ``mode``, ``num_data``, ``num_samples`` or ``kl_weight``, or on
+            inputs/targets whose batch sizes or values do not fit.
+        FloatingPointError: if ``check_finite`` and the loss is NaN or Inf.
+
+    Example:
+        >>> from lightning_dvi.nn import mlp
+        >>> from lightning_dvi.likelihoods import HeteroscedasticGaussian
+        >>> from lightning_dvi.priors import EmpiricalBayes
+        >>> net = mlp(1, [16], 2)
+        >>> x, y = torch.randn(8, 1), torch.randn(8)
+        >>> terms = elbo(net, HeteroscedasticGaussian(), EmpiricalBayes(), x, y, num_data=100)
+        >>> terms.loss.backward()
+    """
+    validate_mode(mode)
+    if isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < 1:
+        raise ValueError(f"num_data must be an int >= 1 (the training-set size), got {num_data!r}")
+    if not (isinstance(kl_weight, (int, float)) and math.isfinite(kl_weight) and kl_weight >= 0):
+        raise ValueError(f"kl_weight must be a finite number >= 0, got {kl_weight!r}")
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        raise ValueError("x must be a tensor [B, D_in]")
+    if not isinstance(y, Tensor) or y.dim() < 1 or y.shape[0] != x.shape[0]:
+        shape = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+        raise ValueError(f"targets {shape} do not match the batch of inputs {tuple(x.shape)}")
+
+    if mode in ("full", "diag"):
+        if num_samples is not None:
+            raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")
+        out = net(x, mode=mode)
+        if not isinstance(out, Gaussian):
+            raise ValueError(f"net(x, mode={mode!r}) returned {type(out).__name__}, not a Gaussian")
+        per_datum = likelihood.expected_log_prob(out, y)
+    else:
+        f = net(x, mode=mode, num_samples=num_samples)
+        per_datum = likelihood.log_prob(f, y).mean(0)
+
+    ell = per_datum.mean()
+    kl = prior.kl(net).to(ell.dtype)
+    loss = -(ell - kl_weight * kl / num_data)
+    if check_finite and not torch.isfinite(loss):
+        raise FloatingPointError(
+            f"ELBO loss is not finite (expected log-likelihood {ell.item():.4g}, KL "
+            f"{kl.item():.4g}, mode {mode!r}); typical causes: a learning rate too high, a "
+            "log-variance output far from the data's scale, or unstandardised targets"
+        )
+    return ELBOTerms(
+        loss=loss,
+        elbo=(ell - kl / num_data).detach(),
+        expected_log_likelihood=ell,
+        kl=kl,
+        kl_weight=float(kl_weight),
+    )

@@ -1,0 +1,98 @@
+"""Priors over the weights of declared BNN modules, and the fixed zero-mean Gaussian prior."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ..nn import BayesLinear, ParameterGroup
+from .functional import gaussian_kl
+
+__all__ = ["GaussianPrior", "Prior", "named_parameter_groups"]
+
+
+def named_parameter_groups(net: nn.Module) -> list[tuple[str, ParameterGroup]]:
+    """Every prior group in ``net`` with a dotted name such as ``"layers.0.weight"``.
+
+    Names follow ``net.named_modules()``, so they match the state-dict keys of the layers.
+    """
+    named = []
+    for prefix, module in net.named_modules():
+        if isinstance(module, BayesLinear):
+            for group in module.parameter_groups():
+                named.append((f"{prefix}.{group.name}" if prefix else group.name, group))
+    return named
+
+
+class Prior(nn.Module):
+    r"""A factorised zero-mean Gaussian prior, one variance per parameter group.
+
+    A group is a weight matrix or a bias vector of a :class:`~lightning_dvi.nn.BayesLinear`
+    (see :func:`lightning_dvi.nn.parameter_groups`). Subclasses choose the variance of each
+    group via :meth:`variance`; the KL against the factorised posterior is analytic.
+    """
+
+    def variance(self, group: ParameterGroup) -> Tensor:
+        """The prior variance :math:`s` used for ``group`` (0-dim tensor)."""
+        raise NotImplementedError
+
+    def group_kl(self, group: ParameterGroup) -> Tensor:
+        r""":math:`\mathrm{KL}(q\,\|\,\mathcal N(0, s))` summed over the group's entries (0-dim)."""
+        return self._kl_at(group, self.variance(group))
+
+    @staticmethod
+    def _kl_at(group: ParameterGroup, variance: Tensor) -> Tensor:
+        return gaussian_kl(group.loc, group.scale, variance)
+
+    def kl(self, net: nn.Module) -> Tensor:
+        r"""Total :math:`\mathrm{KL}(q(w)\,\|\,p(w))` over every group in ``net`` (0-dim).
+
+        Raises:
+            ValueError: if ``net`` has no :class:`~lightning_dvi.nn.BayesLinear` layer.
+        """
+        groups = named_parameter_groups(net)
+        if not groups:
+            raise ValueError(
+                f"{type(self).__name__}.kl: {type(net).__name__} has no BayesLinear layers, "
+                "so there is no weight posterior to compare with the prior"
+            )
+        return torch.stack([self.group_kl(g) for _, g in groups]).sum()
+
+    def forward(self, net: nn.Module) -> Tensor:
+        """Calling the prior on a network returns :meth:`kl`."""
+        return self.kl(net)
+
+
+class GaussianPrior(Prior):
+    r"""Fixed prior :math:`w_i \sim \mathcal N(0, s)` with the same variance for every group.
+
+    .. math::
+        \mathrm{KL}(\mathcal N(\mu,\sigma^2)\,\|\,\mathcal N(0,s))
+        = \tfrac12\sum_i\Big[\frac{\sigma_i^2+\mu_i^2}{s} - 1 - \log\frac{\sigma_i^2}{s}\Big].
+
+    Args:
+        variance: :math:`s > 0`.
+
+    Example:
+        >>> from lightning_dvi.nn import mlp
+        >>> GaussianPrior(1.0).kl(mlp(1, [8], 2)).dim()
+        0
+    """
+
+    def __init__(self, variance: float = 1.0) -> None:
+        super().__init__()
+        if not (isinstance(variance, (int, float)) and math.isfinite(variance) and variance > 0):
+            raise ValueError(
+                f"GaussianPrior variance must be a finite number > 0, got {variance!r}"
+            )
+        self.prior_variance = float(variance)
+
+    def variance(self, group: ParameterGroup) -> Tensor:
+        """The fixed :math:`s`, in the group's dtype and device."""
+        return torch.tensor(self.prior_variance, dtype=group.loc.dtype, device=group.loc.device)
+
+    def extra_repr(self) -> str:
+        """The fixed variance."""
+        return f"variance={self.prior_variance}"
