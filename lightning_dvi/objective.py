@@ -138,6 +138,8 @@ def elbo(
         raise ValueError(f"kl_weight must be a finite number >= 0, got {kl_weight!r}")
     if not isinstance(x, Tensor) or x.dim() < 1:
         raise ValueError("x must be a tensor [B, D_in]")
+    if x.shape[0] == 0:
+        raise ValueError("empty batch: x has no rows, so the ELBO's batch mean is undefined")
     if not isinstance(y, Tensor) or y.dim() < 1 or y.shape[0] != x.shape[0]:
         shape = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
         raise ValueError(f"targets {shape} do not match the batch of inputs {tuple(x.shape)}")

@@ -183,3 +183,8 @@ def test_full_mode_keeps_exactly_diagonal_stages_cheap_but_equal():
             g_mean, g_cov = relu_full(g_mean, g_cov)
     torch.testing.assert_close(out.mean, g_mean)
     torch.testing.assert_close(out.cov, g_cov)
+
+
+def test_dtype_mismatch_names_both_dtypes():
+    with pytest.raises(ValueError, match=r"torch\.float32 but the input is torch\.float64"):
+        mlp(3, [4], 1)(torch.zeros(2, 3, dtype=torch.float64))

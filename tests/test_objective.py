@@ -121,3 +121,19 @@ def test_likelihood_width_mismatch_is_reported() -> None:
         elbo(mlp(2, [4], 3), HeteroscedasticGaussian(), GaussianPrior(), x, y, 100)
     with pytest.raises(ValueError, match="consumes 2"):
         elbo(mlp(2, [4], 3), HeteroscedasticGaussian(), GaussianPrior(), x, y, 100, mode="local")
+
+
+def test_empty_batch_is_named():
+    from lightning_dvi.likelihoods import HeteroscedasticGaussian
+    from lightning_dvi.nn import mlp
+    from lightning_dvi.priors import EmpiricalBayes
+
+    with pytest.raises(ValueError, match="empty batch"):
+        elbo(
+            mlp(3, [4], 2),
+            HeteroscedasticGaussian(),
+            EmpiricalBayes(),
+            torch.zeros(0, 3),
+            torch.zeros(0),
+            10,
+        )

@@ -162,6 +162,12 @@ class BayesLinear(BayesModule):
 
     # ------------------------------------------------------------------ propagation
     def _check_input(self, x: Moments) -> None:
+        dtype = x.dtype
+        if dtype != self.weight_loc.dtype:
+            raise ValueError(
+                f"BayesLinear parameters are {self.weight_loc.dtype} but the input is {dtype}; "
+                "convert one of them (e.g. net.double() or x.float())"
+            )
         d = x.mean.shape[-1] if isinstance(x, Gaussian) else x.shape[-1]
         if d != self.in_features:
             raise ValueError(
