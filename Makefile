@@ -28,7 +28,7 @@ lint: install
 test: install
 	$(BIN)/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 tests lightning_dvi --doctest-modules
 
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

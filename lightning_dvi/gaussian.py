@@ -46,7 +46,7 @@ class Gaussian:
         ValueError: on mismatched shapes, dtypes or devices, NaN/Inf entries, or negative
             variances.
 
-    Example:
+    Examples:
         >>> g = Gaussian(torch.zeros(4, 3), var=torch.ones(4, 3))
         >>> g.is_full, tuple(g.var.shape)
         (False, (4, 3))

@@ -63,7 +63,7 @@ class KLSchedule:
         warmup_steps: steps with zero KL weight.
         anneal_steps: length of the linear ramp.
 
-    Example:
+    Examples:
         >>> sched = KLSchedule(warmup_steps=2, anneal_steps=4)
         >>> [sched(s) for s in range(7)]
         [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
@@ -122,7 +122,7 @@ def elbo(
             inputs/targets whose batch sizes or values do not fit.
         FloatingPointError: if ``check_finite`` and the loss is NaN or Inf.
 
-    Example:
+    Examples:
         >>> from lightning_dvi.nn import mlp
         >>> from lightning_dvi.likelihoods import HeteroscedasticGaussian
         >>> from lightning_dvi.priors import EmpiricalBayes

@@ -28,7 +28,7 @@ class DigitsDataModule(InMemoryDataModule):
         test_fraction: fraction of all images held out for testing, in ``(0, 1)``.
         seed: seeds the split and the training-set shuffling.
 
-    Example:
+    Examples:
         >>> dm = DigitsDataModule()
         >>> dm.in_features, dm.num_classes, dm.num_train
         (64, 10, 1258)

@@ -33,7 +33,7 @@ class ToyHeteroscedasticDataModule(InMemoryDataModule):
             ``"test"``, the test set.
         num_grid: number of grid points for ``predict_on="grid"``.
 
-    Example:
+    Examples:
         >>> dm = ToyHeteroscedasticDataModule(num_train=64, batch_size=16)
         >>> dm.in_features, dm.num_train, dm.target_scale
         (1, 64, 1.0)

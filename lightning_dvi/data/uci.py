@@ -152,7 +152,7 @@ class UCIDataModule(InMemoryDataModule):
         ValueError: for corrupt tables, NaN rows, bad indices (out of range, non-integer,
             repeated, overlapping train/test), a split out of range or a bad ``val_fraction``.
 
-    Example:
+    Examples:
         >>> dm = UCIDataModule("/path/to/uci", "boston", split=0)  # doctest: +SKIP
         >>> dm.in_features, dm.num_train, dm.n_splits  # doctest: +SKIP
         (13, 455, 20)

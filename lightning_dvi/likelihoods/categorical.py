@@ -32,7 +32,7 @@ class Categorical(Likelihood):
         method: ``"delta"`` or ``"mc"``.
         mc_samples: logit draws for ``"mc"`` (and for the base-class Monte Carlo estimate).
 
-    Example:
+    Examples:
         >>> lik = Categorical(3)
         >>> out = Gaussian(torch.zeros(4, 3), var=torch.full((4, 3), 0.01))
         >>> lik.predictive(out).probs.sum(-1)

@@ -43,7 +43,7 @@ def normal_expected_log_prob(mean: Tensor, var: Tensor, y: Tensor, noise_var: Te
     Returns:
         The expected log-density, the broadcast shape of the inputs.
 
-    Example:
+    Examples:
         >>> z = torch.zeros(())
         >>> round(normal_expected_log_prob(z, z, z, torch.ones(())).item(), 4)
         -0.9189

@@ -28,7 +28,7 @@ class HeteroscedasticGaussian(Likelihood):
             mistake (e.g. a DVI run that must not silently fall back to dDVI).
         mc_samples: draws for the Monte Carlo fallback :meth:`Likelihood.expected_log_prob`.
 
-    Example:
+    Examples:
         >>> lik = HeteroscedasticGaussian()
         >>> out = Gaussian(torch.zeros(3, 2), var=torch.full((3, 2), 0.1))
         >>> tuple(lik.expected_log_prob(out, torch.zeros(3)).shape)
@@ -89,7 +89,7 @@ class HomoscedasticGaussian(Likelihood):
         init_log_variance: initial :math:`\lambda` (a low value lets the mean fit first).
         mc_samples: draws for the Monte Carlo fallback.
 
-    Example:
+    Examples:
         >>> lik = HomoscedasticGaussian(init_log_variance=0.0)
         >>> out = Gaussian(torch.zeros(2, 1), var=torch.zeros(2, 1))
         >>> lik.expected_log_prob(out, torch.zeros(2)).tolist()  # log N(0; 0, 1)

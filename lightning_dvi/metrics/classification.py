@@ -62,7 +62,7 @@ class ClassificationNLL(_MeanOfClassScores):
         validate_args: check inputs on every update.
         kwargs: passed to :class:`torchmetrics.Metric`.
 
-    Example:
+    Examples:
         >>> m = ClassificationNLL()
         >>> m.update(torch.tensor([[0.5, 0.5]]), torch.tensor([0]))
         >>> round(m.compute().item(), 4)
@@ -106,7 +106,7 @@ class ClassificationMetrics(MetricCollection):
         n_bins: confidence bins of the (top-label, L1) expected calibration error.
         validate_args: check inputs on every update (once, here, not in each member).
 
-    Example:
+    Examples:
         >>> metrics = ClassificationMetrics(3)
         >>> metrics.update(torch.tensor([[0.7, 0.2, 0.1]]), torch.tensor([0]))
         >>> sorted(metrics.compute())

@@ -93,7 +93,7 @@ class GaussianNLL(_MeanOfScores):
 
     Lower is better. Zero variances are floored at the dtype's smallest normal number.
 
-    Example:
+    Examples:
         >>> m = GaussianNLL()
         >>> m.update(torch.zeros(3), torch.ones(3), torch.zeros(3))
         >>> round(m.compute().item(), 4)
@@ -293,7 +293,7 @@ class RegressionMetrics(MetricCollection):
         num_calibration_levels: grid size for ``mace`` and ``rmsce``.
         validate_args: check inputs on every update.
 
-    Example:
+    Examples:
         >>> metrics = RegressionMetrics(prefix="test/")
         >>> metrics.update(torch.zeros(4), torch.ones(4), torch.randn(4))
         >>> sorted(metrics.compute())[:3]

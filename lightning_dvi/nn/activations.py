@@ -46,7 +46,7 @@ class ReLU(_Activation):
     Exact mean and variance; off-diagonal covariance by the corrected DVI approximation
     (:func:`lightning_dvi.moments.relu_full`).
 
-    Example:
+    Examples:
         >>> from lightning_dvi import Gaussian
         >>> out = ReLU()(Gaussian(torch.zeros(1, 2), var=torch.ones(1, 2)), mode="diag")
         >>> round(out.mean[0, 0].item(), 4)  # E[max(0, N(0,1))] = 1/sqrt(2 pi)

@@ -36,7 +36,7 @@ def mlp(
             connection, ``a = a' + W f(a') + b`` (paper appendix C).
         **layer_kwargs: forwarded to every :class:`BayesLinear` (e.g. ``init_scale``).
 
-    Example:
+    Examples:
         >>> net = mlp(1, [128, 128], 2)
         >>> [type(m).__name__ for m in net]
         ['BayesLinear', 'ReLU', 'BayesLinear', 'ReLU', 'BayesLinear']

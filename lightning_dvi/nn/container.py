@@ -28,7 +28,7 @@ def _check_modules(owner: str, modules: tuple[nn.Module, ...]) -> None:
 class Sequential(BayesModule):
     """Chain of declared modules, run in any of the four modes.
 
-    Example:
+    Examples:
         >>> from lightning_dvi.nn import BayesLinear, ReLU
         >>> net = Sequential(BayesLinear(1, 16), ReLU(), BayesLinear(16, 2))
         >>> out = net(torch.randn(8, 1), mode="full")

@@ -60,7 +60,7 @@ class BayesLinear(BayesModule):
             empirical-Bayes prior in buffer mode and logged by callbacks).
         scale_transform: ``"softplus"`` or ``"exp"``.
 
-    Example:
+    Examples:
         >>> layer = BayesLinear(3, 2)
         >>> out = layer(torch.randn(5, 3), mode="full")
         >>> tuple(out.cov.shape)

@@ -75,7 +75,7 @@ class GaussianPrior(Prior):
     Args:
         variance: :math:`s > 0`.
 
-    Example:
+    Examples:
         >>> from lightning_dvi.nn import mlp
         >>> GaussianPrior(1.0).kl(mlp(1, [8], 2)).dim()
         0

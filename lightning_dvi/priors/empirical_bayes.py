@@ -47,7 +47,7 @@ class EmpiricalBayes(Prior):
         beta: inverse-gamma scale :math:`\beta > 0`.
         mode: ``"in_graph"`` or ``"buffer"``.
 
-    Example:
+    Examples:
         >>> from lightning_dvi.nn import mlp
         >>> net = mlp(1, [8], 2)
         >>> prior = EmpiricalBayes(mode="buffer")

@@ -29,7 +29,7 @@ def gaussian_kl(loc: Tensor, scale: Tensor, prior_variance: Tensor | float) -> T
     Returns:
         A 0-dim tensor.
 
-    Example:
+    Examples:
         >>> round(gaussian_kl(torch.zeros(3), torch.ones(3), 1.0).item(), 6)
         0.0
     """

@@ -49,7 +49,7 @@ class HeteroscedasticGaussian(TorchDistribution):
         outputs: ``[..., 2]``; batch shape ``outputs.shape[:-1]``.
         validate_args: as for torch distributions.
 
-    Example:
+    Examples:
         >>> d = HeteroscedasticGaussian(torch.tensor([[0.0, 0.0]]))
         >>> round(d.log_prob(torch.zeros(1)).item(), 4)
         -0.9189

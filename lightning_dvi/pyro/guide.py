@@ -73,7 +73,7 @@ class DeterministicGuide(AutoNormal):
             (e.g. a log noise scale that the model exponentiates).
         create_plates: as for AutoNormal (e.g. to share a subsampling plate with the model).
 
-    Example:
+    Examples:
         >>> # guide = DeterministicGuide(model); svi = SVI(model, guide, optim, DeterministicELBO())
     """
 

@@ -41,7 +41,7 @@ class PyroBayesNet(PyroModule):
         name: prefix of the site names (replaced by the attribute name when this module is a
             submodule of a ``PyroModule``).
 
-    Example:
+    Examples:
         >>> from lightning_dvi.nn import mlp
         >>> net = PyroBayesNet(mlp(1, [8], 2))
         >>> tuple(net(torch.randn(5, 1)).shape)  # one draw from the prior
