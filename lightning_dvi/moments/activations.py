@@ -26,10 +26,11 @@ in the tests); they differ from the paper's Table 1 as printed:
   + \frac{\rho^2}{g_h\bar\rho(1+\bar\rho)}\mu_j\mu_l\big]` with :math:`g_h = \arcsin\rho` (the table
   prints :math:`\log(g_h\rho/2\pi)`), so :math:`\operatorname{Cov}(h_j, h_l) = e^{-Q}`.
 
-All coefficients are evaluated through :func:`~lightning_dvi.moments.special.asin_over_x` and
-:func:`~lightning_dvi.moments.special.asin_residual_over_x3`, which are smooth at
-:math:`\rho = 0` (the common case: a first layer fed a deterministic input has diagonal output
-covariance), so values and gradients stay finite there.
+The ReLU moments are evaluated by custom autograd functions with closed-form backward passes,
+the full covariance block by block on its upper triangle (:mod:`._relu`, :mod:`._relu_cov`);
+the Heaviside coefficients through :func:`~lightning_dvi.moments.special.asin_over_x`, which is
+smooth at :math:`\rho = 0` (the common case: a first layer fed a deterministic input has
+diagonal output covariance), so values and gradients stay finite there.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ import math
 import torch
 from torch import Tensor
 
+from ._relu import floors, relu_diag_fn
+from ._relu_cov import relu_cov
 from .special import (
     asin_over_x,
-    asin_residual_over_x3,
     clip_correlation,
     normal_cdf,
     normal_pdf,
@@ -94,26 +96,7 @@ def relu_diag(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
     Returns:
         ``(mean, var)`` of the output, same shape.
     """
-    sd, mu = _standardise(mean, var)
-    pos = mu >= 0
-    # Positive branch, in the units of `mean` (no mu^2, so no overflow for tiny variances).
-    mu_p = torch.where(pos, mu, torch.zeros_like(mu))
-    m_p = torch.where(pos, mean, torch.zeros_like(mean))
-    cdf, cdf_neg, pdf = normal_cdf(mu_p), normal_cdf(-mu_p), normal_pdf(mu_p)
-    mean_p = m_p * cdf + sd * pdf
-    var_p = (
-        sd * sd * (cdf - pdf * pdf) + m_p * m_p * cdf * cdf_neg + m_p * sd * pdf * (cdf_neg - cdf)
-    )
-    # Negative branch via the Mills ratio (phi underflows long before mu^2 could overflow).
-    mu_n = torch.where(pos, torch.zeros_like(mu), mu).clamp_min(-_MU_CLAMP)
-    mills = math.sqrt(math.pi / 2) * torch.special.erfcx(-mu_n * math.sqrt(0.5))
-    pdf_n = normal_pdf(mu_n)
-    first = 1 + mu_n * mills
-    mean_n = sd * pdf_n * first
-    var_n = sd * sd * pdf_n * ((mu_n + (1 + mu_n * mu_n) * mills) - pdf_n * first * first)
-    out_mean = torch.where(pos, mean_p, mean_n).clamp_min(0)
-    out_var = torch.where(pos, var_p, var_n).clamp_min(0)
-    return out_mean, out_var
+    return relu_diag_fn(mean, var)
 
 
 def relu_slope(mean: Tensor, var: Tensor) -> Tensor:
@@ -145,21 +128,12 @@ def relu_full(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
     """
     var = cov.diagonal(dim1=-2, dim2=-1)
     out_mean, out_var = relu_diag(mean, var)
-    sd, mu = _standardise(mean, var)
-    scale = sd.unsqueeze(-1) * sd.unsqueeze(-2)
-    rho = clip_correlation(cov / scale)
-    rho_bar = torch.sqrt(1 - rho * rho)
-    g = asin_over_x(rho) - 1 / (1 + rho_bar)  # g_r / rho, in [1/2, pi/2 - 1]
-    beta = 1 / (2 * g * (1 + rho_bar))
-    gamma = rho * asin_residual_over_x3(rho) / g
-    mu = mu.clamp(-_MU_CLAMP, _MU_CLAMP)
-    mu_j, mu_l = mu.unsqueeze(-1), mu.unsqueeze(-2)
-    quad = beta * (mu_j * mu_j + mu_l * mu_l) - gamma * mu_j * mu_l
-    cdf = normal_cdf(mu)
-    out_cov = (
-        scale * rho * (cdf.unsqueeze(-1) * cdf.unsqueeze(-2) + rho * g / _TWO_PI * torch.exp(-quad))
-    )
-    return out_mean, _with_diagonal(out_cov, out_var)
+    lead = torch.broadcast_shapes(mean.shape[:-1], cov.shape[:-2])
+    mean, cov = mean.expand(*lead, mean.shape[-1]), cov.expand(*lead, *cov.shape[-2:])
+    var = cov.diagonal(dim1=-2, dim2=-1)
+    sd = var.clamp_min(floors(var.dtype)[0]).sqrt()
+    mu = (mean / sd).clamp(-_MU_CLAMP, _MU_CLAMP)
+    return out_mean, relu_cov(cov, sd, mu, normal_cdf(mu), out_var)
 
 
 # ----------------------------------------------------------------------------- Heaviside
@@ -212,10 +186,9 @@ def _with_diagonal(cov: Tensor, diag: Tensor) -> Tensor:
     moves the approximation towards the truth.
     """
     # clamp before sqrt: an underflowed variance would give sqrt'(0) = inf -> NaN gradients
-    tiny = torch.finfo(diag.dtype).tiny
-    bound = torch.sqrt((diag.unsqueeze(-1) * diag.unsqueeze(-2)).clamp_min(tiny))
+    sd = diag.clamp_min(torch.finfo(diag.dtype).tiny).sqrt()
+    bound = sd.unsqueeze(-1) * sd.unsqueeze(-2)
     # fused multiply-adds in broadcast kernels round (j, l) and (l, j) differently
     cov = 0.5 * (cov + cov.transpose(-1, -2))
-    cov = torch.maximum(torch.minimum(cov, bound), -bound)
-    eye = torch.eye(cov.shape[-1], dtype=torch.bool, device=cov.device)
-    return torch.where(eye, torch.diag_embed(diag), cov)
+    cov = torch.minimum(torch.maximum(cov, -bound), bound)
+    return torch.diagonal_scatter(cov, diag, dim1=-2, dim2=-1)

@@ -15,7 +15,6 @@ batched matmul; no loops over units.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 __all__ = [
@@ -29,7 +28,14 @@ __all__ = [
 
 def symmetrize(cov: Tensor) -> Tensor:
     """Average a covariance with its transpose, removing matmul round-off asymmetry."""
-    return 0.5 * (cov + cov.transpose(-1, -2))
+    return (cov + cov.transpose(-1, -2)).mul_(0.5)
+
+
+def _plus_diagonal(cov: Tensor, diag: Tensor) -> Tensor:
+    # In place on a fresh tensor: diag_embed + add would allocate (and page-fault) two more
+    # [..., D, D] arrays. Autograd records the diagonal add as a view update.
+    cov.diagonal(dim1=-2, dim2=-1).add_(diag)
+    return cov
 
 
 def _bias(out: Tensor, b: Tensor | None) -> Tensor:
@@ -90,8 +96,7 @@ def linear_full(
     out_mean = _bias(mean @ w_loc.transpose(-1, -2), b_loc)
     second = mean * mean + cov.diagonal(dim1=-2, dim2=-1)
     diag = _bias(second @ w_var.transpose(-1, -2), b_var)
-    out_cov = symmetrize(w_loc @ cov @ w_loc.transpose(-1, -2))
-    return out_mean, out_cov + torch.diag_embed(diag)
+    return out_mean, _plus_diagonal(symmetrize(w_loc @ cov @ w_loc.transpose(-1, -2)), diag)
 
 
 def linear_full_from_diag(
@@ -113,4 +118,4 @@ def linear_full_from_diag(
     second = mean * mean + var
     diag = _bias(second @ w_var.transpose(-1, -2), b_var)
     out_cov = symmetrize((w_loc * var.unsqueeze(-2)) @ w_loc.transpose(-1, -2))
-    return out_mean, out_cov + torch.diag_embed(diag)
+    return out_mean, _plus_diagonal(out_cov, diag)
