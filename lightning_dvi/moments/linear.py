@@ -15,6 +15,8 @@ batched matmul; no loops over units.
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -38,7 +40,11 @@ def _plus_diagonal(cov: Tensor, diag: Tensor) -> Tensor:
     return cov
 
 
-def _bias(out: Tensor, b: Tensor | None) -> Tensor:
+def _affine(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """``x @ w.T + b``; one fused ``F.linear`` (addmm) node for the usual 2-D weight."""
+    if w.dim() == 2 and (b is None or b.dim() <= 1):
+        return F.linear(x, w, b)
+    out = x @ w.transpose(-1, -2)
     return out if b is None else out + b
 
 
@@ -57,9 +63,7 @@ def linear_deterministic(
     Returns:
         ``(mean [..., Dout], var [..., Dout])``.
     """
-    mean = _bias(x @ w_loc.transpose(-1, -2), b_loc)
-    var = _bias((x * x) @ w_var.transpose(-1, -2), b_var)
-    return mean, var
+    return _affine(x, w_loc, b_loc), _affine(x * x, w_var, b_var)
 
 
 def linear_diag(
@@ -75,10 +79,9 @@ def linear_diag(
     :math:`\operatorname{Var}(a) = (E[h]^2 + \operatorname{Var} h)\,V^\top
     + \operatorname{Var}(h)\,(M^{\circ 2})^\top + u`.
     """
-    out_mean = _bias(mean @ w_loc.transpose(-1, -2), b_loc)
-    second = mean * mean + var
-    out_var = second @ w_var.transpose(-1, -2) + var @ (w_loc * w_loc).transpose(-1, -2)
-    return out_mean, _bias(out_var, b_var)
+    out_var = _affine(torch.addcmul(var, mean, mean), w_var, b_var)
+    out_var = out_var + _affine(var, w_loc * w_loc)
+    return _affine(mean, w_loc, b_loc), out_var
 
 
 def linear_full(
@@ -93,10 +96,9 @@ def linear_full(
 
     :math:`\operatorname{Cov}(a) = \operatorname{diag}(E[h^2]V^\top + u) + M\Sigma_h M^\top`.
     """
-    out_mean = _bias(mean @ w_loc.transpose(-1, -2), b_loc)
-    second = mean * mean + cov.diagonal(dim1=-2, dim2=-1)
-    diag = _bias(second @ w_var.transpose(-1, -2), b_var)
-    return out_mean, _plus_diagonal(symmetrize(w_loc @ cov @ w_loc.transpose(-1, -2)), diag)
+    diag = _affine(torch.addcmul(cov.diagonal(dim1=-2, dim2=-1), mean, mean), w_var, b_var)
+    out_cov = symmetrize(w_loc @ cov @ w_loc.transpose(-1, -2))
+    return _affine(mean, w_loc, b_loc), _plus_diagonal(out_cov, diag)
 
 
 def linear_full_from_diag(
@@ -114,8 +116,6 @@ def linear_full_from_diag(
     example instead of two ``Din``-square ones. This is the second layer of every network: a
     deterministic input makes the first layer's covariance, and its activation's, diagonal.
     """
-    out_mean = _bias(mean @ w_loc.transpose(-1, -2), b_loc)
-    second = mean * mean + var
-    diag = _bias(second @ w_var.transpose(-1, -2), b_var)
+    diag = _affine(torch.addcmul(var, mean, mean), w_var, b_var)
     out_cov = symmetrize((w_loc * var.unsqueeze(-2)) @ w_loc.transpose(-1, -2))
-    return out_mean, _plus_diagonal(out_cov, diag)
+    return _affine(mean, w_loc, b_loc), _plus_diagonal(out_cov, diag)
