@@ -1,0 +1,496 @@
+"""Speed: training steps, the paper's Fig. 4 layer scaling, front-end overhead, torch.compile.
+
+Steps of a plain MLP, dDVI, DVI, MCVI, local reparameterisation and Pyro AutoNormal.
+One process, ``torch.set_num_threads(1)``; every number is the median CPU time over
+``--repeats`` samples after warm-up calls. A *step* is ``zero_grad`` + forward + loss +
+``backward`` (no optimiser update, for every method alike). Sections (``--sections``):
+``steps`` (UCI architecture ``8 -> width -> 2``, widths 50/128, batches 32/512), ``layer``
+(a batch of 10 through ``BayesLinear(d, d) + ReLU``, forward only, d = 16..1024, with DVI's
+peak memory and where DVI and MCVI cost the same), ``frontends`` (``DVIRegressor`` epoch on UCI
+power vs a bare loop; ``DeterministicGuide`` step vs the bare dDVI step), ``compile``.
+Results and the machine are in docs/benchmarks.md.
+
+Run:  .venv/bin/python recipes/speed_benchmark.py [--quick] [--json out.json] [--sections ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dvi import Gaussian
+from lightning_dvi.likelihoods import HeteroscedasticGaussian
+from lightning_dvi.nn import BayesLinear, ReLU, Sequential, mlp
+from lightning_dvi.objective import elbo
+from lightning_dvi.priors import EmpiricalBayes
+
+IN_FEATURES = 8
+NUM_DATA = 8611  # UCI power after the 90 % split: only scales the KL term
+STEP_METHODS: tuple[tuple[str, str | None, int | None], ...] = (
+    ("plain MLP", None, None),
+    ("dDVI", "diag", None),
+    ("DVI", "full", None),
+    ("MCVI S=1", "sample", 1),
+    ("MCVI S=10", "sample", 10),
+    ("MCVI S=100", "sample", 100),
+    ("local reparam", "local", 1),
+    ("Pyro AutoNormal", "pyro", None),
+)
+
+
+# ------------------------------------------------------------------------------ timing
+def time_call(fn: Callable[[], Any], repeats: int = 15, warmup: int = 3) -> float:
+    """Median CPU seconds per call of ``fn`` over ``repeats`` samples, after ``warmup`` calls.
+
+    CPU time of this process (``time.process_time``), not wall time: with one thread it is the
+    same on an idle machine, and it does not count the time other processes hold the core on a
+    shared one. Each sample runs the call enough times to last about 5 ms.
+    """
+    for _ in range(warmup):
+        fn()
+    start = time.process_time()
+    fn()
+    inner = max(1, min(200, int(5e-3 / max(time.process_time() - start, 1e-6))))
+    samples = []
+    for _ in range(repeats):
+        start = time.process_time()
+        for _ in range(inner):
+            fn()
+        samples.append((time.process_time() - start) / inner)
+    return statistics.median(samples)
+
+
+def peak_memory_mib(fn: Callable[[], Any]) -> float:
+    """Peak bytes held by torch allocations during one call of ``fn``, in MiB.
+
+    Replays, in time order, the bytes each profiled op allocated net of what it freed
+    (``self_cpu_memory_usage``, recorded with ``profile_memory=True``; frees outside ops are
+    ``[memory]`` events). tracemalloc does not see torch's allocator. Tensors that exist before
+    the call are not counted; the result is what the call adds at its peak.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    held = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak / 2**20
+
+
+# ------------------------------------------------------------------------------ models
+def heteroscedastic_nll(out: Tensor, y: Tensor) -> Tensor:
+    """Mean Gaussian NLL with predicted log-variance, the plain network's loss."""
+    m, log_var = out[..., 0], out[..., 1]
+    return 0.5 * (math.log(2 * math.pi) + log_var + (y - m).square() * torch.exp(-log_var)).mean()
+
+
+def plain_step(width: int, x: Tensor, y: Tensor) -> Callable[[], None]:
+    """A ``torch.nn`` MLP of the same shape, heteroscedastic Gaussian NLL."""
+    net = nn.Sequential(nn.Linear(IN_FEATURES, width), nn.ReLU(), nn.Linear(width, 2))
+
+    def step() -> None:
+        net.zero_grad(set_to_none=True)
+        heteroscedastic_nll(net(x), y).backward()
+
+    return step
+
+
+def dvi_step(
+    width: int, x: Tensor, y: Tensor, mode: str, samples: int | None
+) -> Callable[[], None]:
+    """One ELBO step of the library's own code path (``lightning_dvi.objective.elbo``)."""
+    net, lik, prior = mlp(IN_FEATURES, [width], 2), HeteroscedasticGaussian(), EmpiricalBayes()
+
+    def step() -> None:
+        net.zero_grad(set_to_none=True)
+        elbo(net, lik, prior, x, y, NUM_DATA, mode=mode, num_samples=samples).loss.backward()
+
+    return step
+
+
+def pyro_bnn(width: int, moments: bool = False) -> nn.Module:
+    """Tutorial-style ``PyroModule`` BNN ``8 -> width -> 2``, N(0, 1) priors, heteroscedastic.
+
+    ``moments=True`` observes through ``lightning_dvi.pyro.HeteroscedasticGaussian`` (the same
+    likelihood, which a DeterministicGuide can take moments of) instead of ``dist.Normal``.
+    """
+    import pyro
+    import pyro.distributions as dist
+    from pyro.nn import PyroModule, PyroSample
+
+    class BNN(PyroModule):
+        def __init__(self) -> None:
+            super().__init__()
+            sizes = [(IN_FEATURES, width), (width, 2)]
+            self.layers = PyroModule[nn.ModuleList]([PyroModule[nn.Linear](i, o) for i, o in sizes])
+            for layer, (i, o) in zip(self.layers, sizes, strict=True):
+                layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand([o, i]).to_event(2))
+                layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand([o]).to_event(1))
+
+        def forward(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+            out = self.layers[1](torch.relu(self.layers[0](x)))
+            with pyro.plate("data", NUM_DATA, subsample=torch.arange(x.shape[0])):
+                if moments:
+                    from lightning_dvi.pyro import HeteroscedasticGaussian as Obs
+
+                    pyro.sample("obs", Obs(out), obs=y)
+                else:
+                    pyro.sample("obs", dist.Normal(out[:, 0], (0.5 * out[:, 1]).exp()), obs=y)
+            return out
+
+    return BNN()
+
+
+def pyro_step(width: int, x: Tensor, y: Tensor) -> Callable[[], None]:
+    """Pyro ``AutoNormal`` guide + ``Trace_ELBO`` (one particle), forward + backward."""
+    import pyro
+    from pyro.infer import Trace_ELBO
+    from pyro.infer.autoguide import AutoNormal
+
+    pyro.clear_param_store()
+    model = pyro_bnn(width)
+    guide = AutoNormal(model)
+    guide(x, y)  # creates the parameters
+    loss_fn = Trace_ELBO()
+
+    def step() -> None:
+        guide.zero_grad(set_to_none=True)
+        loss_fn.differentiable_loss(model, guide, x, y).backward()
+
+    return step
+
+
+def make_step(method: str, width: int, batch: int, seed: int = 0) -> Callable[[], None]:
+    """The step callable for one row of :data:`STEP_METHODS`."""
+    _, mode, samples = next(m for m in STEP_METHODS if m[0] == method)
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(batch, IN_FEATURES, generator=gen), torch.randn(batch, generator=gen)
+    if mode is None:
+        return plain_step(width, x, y)
+    if mode == "pyro":
+        return pyro_step(width, x, y)
+    return dvi_step(width, x, y, mode, samples)
+
+
+def bench_steps(
+    widths: Sequence[int],
+    batches: Sequence[int],
+    repeats: int,
+    methods: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Median ms per training step for every method, width and batch size."""
+    rows = []
+    for width in widths:
+        for batch in batches:
+            row: dict[str, Any] = {"width": width, "batch": batch}
+            for name, _, _ in STEP_METHODS:
+                if methods is None or name in methods:
+                    row[name] = 1e3 * time_call(make_step(name, width, batch), repeats)
+            rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------- Fig. 4 layer
+def layer_input(kind: str, d: int, batch: int = 10, samples: int = 1) -> Any:
+    """Input of the Fig. 4 layer: a full/diag Gaussian or MCVI samples ``[S, batch, d]``."""
+    gen = torch.Generator().manual_seed(d)
+    mean = torch.randn(batch, d, generator=gen)
+    if kind == "diag":
+        return Gaussian(mean, var=torch.rand(batch, d, generator=gen) + 0.1)
+    if kind == "full":
+        a = torch.randn(d, d, generator=gen) / math.sqrt(d)
+        cov = (a @ a.T + 0.1 * torch.eye(d)).expand(batch, d, d).contiguous()
+        return Gaussian(mean, cov=cov)
+    return torch.randn(samples, batch, d, generator=gen)
+
+
+def layer_kinds(quick: bool) -> list[tuple[str, str, int]]:
+    """``(label, mode, S)`` of the Fig. 4 columns."""
+    mcvi = [(f"MCVI S={s}", "sample", s) for s in ((1, 10) if quick else (1, 10, 100))]
+    return [("DVI", "full", 1), ("dDVI", "diag", 1), *mcvi]
+
+
+def bench_layer(dims: Sequence[int], repeats: int, quick: bool = False) -> list[dict[str, Any]]:
+    """Forward time (ms) of ``BayesLinear(d, d) + ReLU`` on a batch of 10, and DVI peak MiB."""
+    rows = []
+    for d in dims:
+        torch.manual_seed(0)
+        layer = Sequential(BayesLinear(d, d), ReLU())
+        row: dict[str, Any] = {"d": d}
+        for label, mode, s in layer_kinds(quick):
+            x = layer_input(mode, d, samples=s)
+
+            def fwd(x: Any = x, mode: str = mode, layer: Sequential = layer) -> Any:
+                with torch.no_grad():
+                    return layer.propagate(x, mode)
+
+            reps = repeats if d <= 256 else max(3, repeats // 3)
+            row[label] = 1e3 * time_call(fwd, reps, warmup=1)
+            if mode == "full":
+                row["DVI peak MiB"] = peak_memory_mib(fwd)
+        rows.append(row)
+    return rows
+
+
+def crossovers(rows: list[dict[str, Any]], label: str) -> list[float]:
+    """Widths where DVI's time crosses ``label``'s (either way), interpolated in log-log."""
+    ratios = [(r["d"], r["DVI"] / r[label]) for r in rows if label in r]
+    out = []
+    for (d0, r0), (d1, r1) in itertools.pairwise(ratios):
+        if (r0 - 1) * (r1 - 1) < 0:
+            t = math.log(1 / r0) / math.log(r1 / r0)
+            out.append(math.exp(math.log(d0) + t * math.log(d1 / d0)))
+    return out
+
+
+def describe_crossover(rows: list[dict[str, Any]], label: str) -> str:
+    """E.g. ``"DVI cheaper for d in (45, 1024]"`` or ``"DVI dearer at every d"``."""
+    ratios = [(r["d"], r["DVI"] / r[label]) for r in rows if label in r]
+    cheaper = [d for d, r in ratios if r < 1]
+    if not cheaper:
+        return "DVI dearer at every d"
+    if len(cheaper) == len(ratios):
+        return "DVI cheaper at every d"
+    edges = [f"{x:.0f}" for x in crossovers(rows, label)]
+    lo = "(" + edges.pop(0) if ratios[0][1] >= 1 else f"[{ratios[0][0]}"
+    hi = edges.pop(0) + ")" if ratios[-1][1] >= 1 and edges else f"{ratios[-1][0]}]"
+    return f"DVI cheaper for d in {lo}, {hi}"
+
+
+# ----------------------------------------------------------------------------- frontends
+def bench_pyro_guide(width: int, batch: int, repeats: int) -> dict[str, Any]:
+    """``DeterministicGuide`` + ``DeterministicELBO`` step against the bare dDVI step (ms)."""
+    from lightning_dvi.priors import GaussianPrior
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, IN_FEATURES, generator=gen), torch.randn(batch, generator=gen)
+    net, lik, prior = mlp(IN_FEATURES, [width], 2), HeteroscedasticGaussian(), GaussianPrior(1.0)
+
+    def bare() -> None:
+        net.zero_grad(set_to_none=True)
+        elbo(net, lik, prior, x, y, NUM_DATA, mode="diag").loss.backward()
+
+    row: dict[str, Any] = {
+        "width": width,
+        "batch": batch,
+        "bare dDVI": 1e3 * time_call(bare, repeats),
+    }
+    try:
+        import pyro
+
+        from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide
+    except ImportError as err:  # the Pyro front-end is optional
+        row["missing"] = f"lightning_dvi.pyro: {err}"
+        return row
+    pyro.clear_param_store()
+    model = pyro_bnn(width, moments=True)
+    guide = DeterministicGuide(model, mode="diag")
+    loss_fn = DeterministicELBO()
+    loss_fn.differentiable_loss(model, guide, x, y)  # creates the parameters
+
+    def det() -> None:
+        guide.zero_grad(set_to_none=True)
+        loss_fn.differentiable_loss(model, guide, x, y).backward()
+
+    row["DeterministicGuide"] = 1e3 * time_call(det, repeats)
+    return row
+
+
+def bench_lightning(data_dir: str, width: int, batch: int, epochs: int) -> dict[str, Any]:
+    """CPU seconds per epoch of ``DVIRegressor`` under a Lightning ``Trainer`` vs a bare loop.
+
+    The bare loop is the same math: ``mlp`` + heteroscedastic likelihood + in-graph empirical
+    Bayes, full mode, Adam, the same ``DataLoader``; both medians skip a warm-up epoch.
+    """
+    from lightning_dvi.data import UCIDataModule
+
+    dm = UCIDataModule(data_dir=data_dir, dataset="power", batch_size=batch)
+    dm.setup("fit")
+    n = dm.num_train
+    row: dict[str, Any] = {"rows": n, "batch": batch, "width": width}
+    torch.manual_seed(0)
+    net, lik, prior = mlp(dm.in_features, [width], 2), HeteroscedasticGaussian(), EmpiricalBayes()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    times = []
+    for _ in range(epochs + 1):
+        start = time.process_time()
+        for xb, yb in dm.train_dataloader():
+            opt.zero_grad(set_to_none=True)
+            elbo(net, lik, prior, xb, yb, n, mode="full").loss.backward()
+            opt.step()
+        times.append(time.process_time() - start)
+    row["bare loop s"] = statistics.median(times[1:])  # the first one warms up
+    try:
+        from lightning.pytorch import Callback, Trainer
+
+        from lightning_dvi.lightning import DVIRegressor
+    except ImportError as err:
+        row["missing"] = f"lightning_dvi.lightning: {err}"
+        return row
+
+    class EpochTimer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_epoch_start(self, *_: Any) -> None:
+            self.start = time.process_time()
+
+        def on_train_epoch_end(self, *_: Any) -> None:
+            self.times.append(time.process_time() - self.start)
+
+    timer = EpochTimer()
+    model = DVIRegressor(in_features=dm.in_features, hidden=[width], mode="full", num_data=n)
+    trainer = Trainer(
+        max_epochs=epochs + 1, accelerator="cpu", devices=1, logger=False, callbacks=[timer],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=dm)
+    row["fit total s"] = time.perf_counter() - start
+    row["Lightning epoch s"] = statistics.median(timer.times[1:])  # the first one warms up
+    return row
+
+
+def bench_compile(repeats: int) -> list[dict[str, Any]]:
+    """``torch.compile`` (inductor) of the moment kernels against eager: compile s, fwd+bwd ms.
+
+    Not an option of the library: measured here to document why (see docs/benchmarks.md).
+    """
+    from lightning_dvi.moments import relu_diag, relu_full
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 50, 50, generator=gen)
+    cov = (a @ a.transpose(-1, -2) / 50 + 0.1 * torch.eye(50)).requires_grad_()
+    cases = [
+        ("relu_diag [512, 50]", relu_diag, (torch.randn(512, 50), torch.rand(512, 50) + 0.1)),
+        ("relu_full [32, 50, 50]", relu_full, (torch.randn(32, 50), cov.detach())),
+    ]
+    rows = []
+    for name, fn, inputs in cases:
+        leaves = [t.clone().requires_grad_() for t in inputs]
+
+        def step(f: Callable[..., Any] = fn, leaves: list[Tensor] = leaves) -> None:
+            sum(o.sum() for o in f(*leaves)).backward()
+
+        row: dict[str, Any] = {"kernel": name, "eager ms": 1e3 * time_call(step, repeats)}
+        try:
+            compiled = torch.compile(fn)
+            start = time.perf_counter()
+            step(compiled)
+            row["compile s"] = time.perf_counter() - start
+            row["compiled ms"] = 1e3 * time_call(lambda f=compiled: step(f), repeats)
+        except Exception as err:  # no C++ toolchain, unsupported op, ...
+            row["compiled ms"] = f"failed: {type(err).__name__}"
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------ reporting
+def table(rows: list[dict[str, Any]], cols: Sequence[str], fmt: str = "{:.3f}") -> str:
+    """A Markdown table of ``rows`` restricted to ``cols``."""
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in rows:
+        cells = [fmt.format(row[c]) if isinstance(row.get(c), float) else str(row.get(c, "-"))
+                 for c in cols]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def step_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The target ratios of the ``steps`` section, per width and batch."""
+    out = []
+    for r in rows:
+        out.append({
+            "width": r["width"], "batch": r["batch"],
+            "dDVI / plain": r["dDVI"] / r["plain MLP"],
+            "DVI / plain": r["DVI"] / r["plain MLP"],
+            "DVI / MCVI S=10": r["DVI"] / r["MCVI S=10"],
+            "Pyro / dDVI": r["Pyro AutoNormal"] / r["dDVI"],
+        })  # fmt: skip
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the selected sections, print Markdown tables, optionally write JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke run)")
+    p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    p.add_argument("--repeats", type=int, default=None, help="timed samples per number")
+    p.add_argument("--sections", default="steps,layer,frontends,compile")
+    p.add_argument("--data-dir", default="/work/shared/data/uci")
+    args = p.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    repeats = args.repeats or (3 if args.quick else 21)
+    sections = set(args.sections.split(","))
+    result: dict[str, Any] = {
+        "torch": torch.__version__, "python": platform.python_version(),
+        "machine": platform.machine(), "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:],
+    }  # fmt: skip
+    result["load_before"] = os.getloadavg()
+    make_step("DVI", 16, 8)()  # first-call costs (lazy init, allocator) out of the first row
+    if "steps" in sections:
+        widths, batches = ((50,), (32,)) if args.quick else ((50, 128), (32, 512))
+        rows = bench_steps(widths, batches, repeats)
+        result["steps"], result["step_ratios"] = rows, step_ratios(rows)
+        print("\n## Training step (ms, median)\n")
+        print(table(rows, ["width", "batch"] + [m[0] for m in STEP_METHODS]))
+        print("\n## Ratios\n")
+        print(table(result["step_ratios"], list(result["step_ratios"][0]), "{:.2f}"))
+    if "layer" in sections:
+        dims = (16, 64) if args.quick else (16, 32, 64, 128, 256, 512, 1024)
+        rows = bench_layer(dims, repeats, quick=args.quick)
+        labels = [k[0] for k in layer_kinds(args.quick)]
+        mcvi = [lab for lab in labels if lab.startswith("MCVI")]
+        result["layer"] = rows
+        result["crossover"] = {lab: crossovers(rows, lab) for lab in mcvi}
+        print("\n## One d x d layer, batch 10, forward (ms, median)\n")
+        print(table(rows, ["d", *labels, "DVI peak MiB"]))
+        print(
+            "\nDVI against MCVI:",
+            "; ".join(f"{lab}: {describe_crossover(rows, lab)}" for lab in mcvi),
+        )
+    if "frontends" in sections:
+        result["pyro_guide"] = bench_pyro_guide(50, 32, repeats)
+        print("\n## Pyro DeterministicGuide step vs bare dDVI step (ms)\n")
+        print(table([result["pyro_guide"]], list(result["pyro_guide"])))
+        lit = bench_lightning(args.data_dir, 50, 64, 1 if args.quick else 5)
+        result["lightning"] = lit
+        print("\n## Lightning epoch vs bare loop, UCI power (s)\n")
+        print(table([lit], list(lit)))
+    if "compile" in sections and not args.quick:
+        result["compile"] = bench_compile(repeats)
+        print("\n## torch.compile (inductor) of the moment kernels, forward + backward\n")
+        print(table(result["compile"], ["kernel", "eager ms", "compile s", "compiled ms"]))
+    result["load_after"] = os.getloadavg()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Smoke test of recipes/speed_benchmark.py: every building block runs at toy sizes.
+
+No timing assertions (timings on shared CI machines mean nothing); only that each step, layer
+and report function runs and returns well-formed numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "speed_benchmark.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("speed_benchmark", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["speed_benchmark"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_training_step_runs_and_reports(bench):
+    rows = bench.bench_steps([4], [3], repeats=1)
+    (row,) = rows
+    for name, _, _ in bench.STEP_METHODS:
+        assert math.isfinite(row[name]) and row[name] > 0, name
+    ratios = bench.step_ratios(rows)
+    assert set(ratios[0]) >= {"dDVI / plain", "DVI / MCVI S=10", "Pyro / dDVI"}
+    assert "| plain MLP |" in bench.table(rows, ["plain MLP", "dDVI"])
+
+
+def test_layer_scaling_memory_and_crossover(bench):
+    rows = bench.bench_layer([4, 8], repeats=1, quick=True)
+    assert [r["d"] for r in rows] == [4, 8]
+    assert all(r["DVI peak MiB"] > 0 for r in rows)
+    synthetic = [{"d": 16, "DVI": 1.0, "M": 4.0}, {"d": 64, "DVI": 16.0, "M": 4.0}]
+    assert bench.crossovers(synthetic, "M") == [pytest.approx(32.0)]
+    assert bench.describe_crossover(synthetic, "M") == "DVI cheaper for d in [16, 32)"
+    assert bench.describe_crossover(synthetic[:1], "M") == "DVI cheaper at every d"
+    dearer = [{"d": 16, "DVI": 8.0, "M": 4.0}, {"d": 64, "DVI": 1.0, "M": 4.0}]
+    assert bench.describe_crossover(dearer, "M") == "DVI cheaper for d in (25, 64]"
+
+
+def test_peak_memory_counts_what_the_call_adds(bench):
+    def f():
+        a = torch.empty(1 << 18)  # 1 MiB, freed before the second one exists
+        del a
+        return torch.empty(1 << 19)  # 2 MiB
+
+    assert bench.peak_memory_mib(f) == pytest.approx(2.0, rel=0.05)
+
+
+def test_pyro_guide_step_against_bare(bench):
+    row = bench.bench_pyro_guide(4, 3, repeats=1)
+    assert row["bare dDVI"] > 0 and (row.get("DeterministicGuide", 1.0) > 0 or "missing" in row)
+
+
+def test_cli_quick_json(bench, tmp_path):
+    threads_before = torch.get_num_threads()
+    out = tmp_path / "speed.json"
+    result = bench.main(["--quick", "--sections", "layer", "--repeats", "1", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["threads"] == 1 and saved["layer"] == result["layer"]
+    assert set(saved["crossover"]) == {"MCVI S=1", "MCVI S=10"}
+    assert torch.get_num_threads() == threads_before
