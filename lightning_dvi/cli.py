@@ -1,0 +1,177 @@
+"""The ``lightning-dvi`` console script: LightningCLI over the DVI modules and data modules.
+
+Usage::
+
+    lightning-dvi fit --config recipes/toy_heteroscedastic.yaml
+    lightning-dvi test --config recipes/toy_heteroscedastic.yaml --ckpt_path last
+    lightning-dvi fit --model DVIClassifier --data DigitsDataModule --trainer.max_epochs 5
+    lightning-dvi fit --model.help DVIRegressor        # every model argument, typed
+
+The model is any :class:`~lightning_dvi.lightning._base.DVIModule` subclass and the data any
+``LightningDataModule``, both chosen by ``class_path`` (short names work for the built-in ones).
+When the model is instantiated these values are linked from the data module, if it has them and
+the model accepts them (otherwise the link is skipped):
+
+* ``data.in_features`` -> ``model.init_args.in_features``
+* ``data.num_train`` -> ``model.init_args.num_data`` (the ``N`` of ``KL / N``)
+* ``data.target_loc`` / ``data.target_scale`` -> the regressor's target standardisation
+* ``data.num_classes`` -> ``model.init_args.num_classes`` (the classifier)
+
+Invalid configurations stop with jsonargparse's message naming the key and exit code 2: type
+errors while parsing, and the modules' own ``ValueError`` checks while instantiating.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from jsonargparse.typing import PositiveInt
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+
+# Imported so their classes are known to jsonargparse by short name (``--data DigitsDataModule``).
+from . import data as _data  # noqa: F401
+from .callbacks import CalibrationPlot, EmpiricalBayes, PredictiveBandPlot, ReliabilityDiagram  # noqa: F401
+from .data import ToyHeteroscedasticDataModule, toy_true_log_likelihood
+from .lightning import DVIClassifier, DVIRegressor  # noqa: F401
+from .lightning._base import DVIModule
+
+__all__ = ["DVILightningCLI", "cli", "main"]
+
+_LINKS = (
+    ("in_features", "in_features"),
+    ("num_train", "num_data"),
+    ("target_loc", "target_loc"),
+    ("target_scale", "target_scale"),
+    ("num_classes", "num_classes"),
+)
+
+
+class DVILightningCLI(LightningCLI):
+    """LightningCLI with the data-to-model links, clean config errors and a closing summary."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Add ``--test_after_fit``, ``--num_threads`` and the links from data to model."""
+        parser.add_argument(
+            "--num_threads",
+            type=PositiveInt | None,
+            default=None,
+            help=(
+                "torch intra-op threads (torch.set_num_threads). Small BNNs run fastest with 1: "
+                "extra threads spin on shared CPUs. DDP on CPU already divides the cores."
+            ),
+        )
+        parser.add_argument(
+            "--test_after_fit",
+            type=bool,
+            default=False,
+            help="After `fit`, run `test` on the final weights and print the test metrics.",
+        )
+        for source, target in _LINKS:
+            # On instantiation: the data module computes these from its files or generator;
+            # jsonargparse skips a link whose source attribute or target argument is absent.
+            parser.link_arguments(
+                f"data.{source}", f"model.init_args.{target}", apply_on="instantiate"
+            )
+
+    def before_instantiate_classes(self) -> None:
+        """Start the wall clock reported in the summary; apply ``--num_threads``."""
+        self._start = time.perf_counter()
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        if config.get("num_threads"):
+            torch.set_num_threads(config["num_threads"])
+
+    def instantiate_classes(self) -> None:
+        """Instantiate, turning the classes' argument checks into a parser error (exit 2)."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, FileNotFoundError) as err:
+            self.parser.error(f"invalid configuration ({type(err).__name__}): {err}")
+
+    # ------------------------------------------------------------------ after subcommands
+    def after_fit(self) -> None:
+        """Optionally test the final weights, then print where the results are."""
+        config = self.config.get(self.subcommand, self.config)
+        if config.get("test_after_fit") and not self.trainer.interrupted:
+            self.trainer.test(self.model, datamodule=self.datamodule)
+        self._summary()
+
+    def after_validate(self) -> None:
+        """Print the validation metrics and where the logs are."""
+        self._summary()
+
+    def after_test(self) -> None:
+        """Print the test metrics and where the logs are."""
+        self._summary()
+
+    def _summary(self) -> None:
+        trainer = self.trainer
+        # log_dir broadcasts from rank zero, so every process reads it before ranks diverge.
+        log_dir = Path(trainer.log_dir) if trainer.log_dir else None
+        if not trainer.is_global_zero:
+            return
+        elapsed = time.perf_counter() - getattr(self, "_start", time.perf_counter())
+        lines = [f"\nlightning-dvi {self.subcommand} finished in {elapsed:.1f} s"]
+        metrics = {
+            k: float(v)
+            for k, v in sorted(trainer.callback_metrics.items())
+            if k.startswith(("val/", "test/")) and v.numel() == 1
+        }
+        if metrics:
+            lines.append("metrics (regression: original units of y):")
+            lines += [f"  {k:<28s} {v:.4f}" for k, v in metrics.items()]
+        lines += self._toy_reference()
+        for logger in trainer.loggers:
+            if isinstance(logger, CSVLogger):
+                lines.append(f"metrics csv: {Path(logger.log_dir) / 'metrics.csv'}")
+        if log_dir is not None:
+            for png in sorted(log_dir.glob("*.png")):
+                lines.append(f"plot:        {png}")
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, ModelCheckpoint) and callback.last_model_path:
+                lines.append(f"checkpoint:  {callback.last_model_path}")
+        print("\n".join(lines), flush=True)
+
+    def _toy_reference(self) -> list[str]:
+        datamodule = self.datamodule
+        if not isinstance(datamodule, ToyHeteroscedasticDataModule) or "test/nll" not in (
+            self.trainer.callback_metrics
+        ):
+            return []
+        test = datamodule.test_dataset
+        if test is None:
+            return []
+        true_nll = -float(toy_true_log_likelihood(*test.tensors))
+        return [f"  {'true noise model test NLL':<28s} {true_nll:.4f}"]
+
+
+def cli(args: ArgsType = None, **kwargs: Any) -> DVILightningCLI:
+    """Build (and by default run) the CLI; returns it, with ``trainer``, ``model``, ``datamodule``.
+
+    Args:
+        args: command-line arguments (default ``sys.argv[1:]``), a list or a config dict.
+        **kwargs: passed to :class:`DVILightningCLI` (e.g. ``run=False``).
+    """
+    kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+    return DVILightningCLI(
+        model_class=DVIModule,
+        datamodule_class=LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        **kwargs,
+    )
+
+
+def main(args: ArgsType = None) -> None:
+    """Entry point of the ``lightning-dvi`` console script (see :func:`cli`)."""
+    cli(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

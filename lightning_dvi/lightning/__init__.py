@@ -1,0 +1,15 @@
+"""Lightning front-end: LightningModules, the empirical-Bayes callback and plot callbacks."""
+
+from .callbacks import EmpiricalBayes
+from .classifier import DVIClassifier
+from .plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
+from .regressor import DVIRegressor
+
+__all__ = [
+    "CalibrationPlot",
+    "DVIClassifier",
+    "DVIRegressor",
+    "EmpiricalBayes",
+    "PredictiveBandPlot",
+    "ReliabilityDiagram",
+]
