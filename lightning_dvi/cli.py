@@ -93,6 +93,27 @@ class DVILightningCLI(LightningCLI):
         except (ValueError, FileNotFoundError) as err:
             self.parser.error(f"invalid configuration ({type(err).__name__}): {err}")
 
+    def predict(self, **kwargs: Any) -> None:
+        """Run ``trainer.predict`` and save the predictions to ``<log_dir>/predictions.pt``.
+
+        Regression: ``{"mean": [N], "var": [N]}`` in the original units of y; classification:
+        probabilities ``[N, K]`` (``torch.load(path, weights_only=True)`` reads either). Under DDP
+        each process saves its own share as ``predictions_rank<r>.pt``.
+        """
+        batches = self.trainer.predict(**kwargs)
+        log_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
+        if not batches:
+            return
+        if isinstance(batches[0], dict):
+            predictions: Any = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+        else:
+            predictions = torch.cat(batches)
+        world = self.trainer.world_size
+        name = "predictions.pt" if world == 1 else f"predictions_rank{self.trainer.global_rank}.pt"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(predictions, log_dir / name)
+        self._predictions_path = log_dir / name
+
     # ------------------------------------------------------------------ after subcommands
     def after_fit(self) -> None:
         """Optionally test the final weights, then print where the results are."""
@@ -107,6 +128,10 @@ class DVILightningCLI(LightningCLI):
 
     def after_test(self) -> None:
         """Print the test metrics and where the logs are."""
+        self._summary()
+
+    def after_predict(self) -> None:
+        """Print where the predictions are."""
         self._summary()
 
     def _summary(self) -> None:
@@ -132,7 +157,9 @@ class DVILightningCLI(LightningCLI):
         if log_dir is not None:
             for png in sorted(log_dir.glob("*.png")):
                 lines.append(f"plot:        {png}")
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if getattr(self, "_predictions_path", None) is not None:
+            lines.append(f"predictions: {self._predictions_path}")
+        for callback in trainer.callbacks if self.subcommand == "fit" else []:  # type: ignore[attr-defined]
             if isinstance(callback, ModelCheckpoint) and callback.last_model_path:
                 lines.append(f"checkpoint:  {callback.last_model_path}")
         print("\n".join(lines), flush=True)

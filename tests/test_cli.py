@@ -94,6 +94,10 @@ def test_toy_recipe_end_to_end_and_resume(capsys):
     tested = cli(["test", "--config", str(TOY), "--ckpt_path", str(last)])
     assert "test/nll" in tested.trainer.callback_metrics
 
+    predicted = cli(["predict", "--config", str(TOY), "--ckpt_path", str(last)])
+    saved = torch.load(Path(predicted.trainer.log_dir) / "predictions.pt", weights_only=True)
+    assert saved["mean"].shape == saved["var"].shape == (200,)  # the toy's plotting grid
+
 
 def test_digits_recipe_end_to_end():
     run = cli(["fit", "--config", str(DIGITS), "--trainer.max_epochs", "1"])
