@@ -389,6 +389,8 @@ def bench_compile(repeats: int) -> list[dict[str, Any]]:
 
         row: dict[str, Any] = {"kernel": name, "eager ms": 1e3 * time_call(step, repeats)}
         try:
+            torch._dynamo.reset()
+            torch._inductor.config.fx_graph_cache = False  # cold compile, not a cache hit
             compiled = torch.compile(fn)
             start = time.perf_counter()
             step(compiled)
@@ -477,7 +479,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         result["pyro_guide"] = bench_pyro_guide(50, 32, repeats)
         print("\n## Pyro DeterministicGuide step vs bare dDVI step (ms)\n")
         print(table([result["pyro_guide"]], list(result["pyro_guide"])))
-        lit = bench_lightning(args.data_dir, 50, 64, 1 if args.quick else 5)
+        lit = bench_lightning(args.data_dir, 50, 64, 1 if args.quick else 10)
         result["lightning"] = lit
         print("\n## Lightning epoch vs bare loop, UCI power (s)\n")
         print(table([lit], list(lit)))
