@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 run: install
-	$(BIN)/python recipes/moment_fidelity.py
+	$(BIN)/lightning-dvi fit --config recipes/toy_heteroscedastic.yaml
 
 fidelity: install
 	$(BIN)/python recipes/moment_fidelity.py
