@@ -66,7 +66,7 @@ class EmpiricalBayes(Callback):
         log: log each group's prior variance as ``prior_variance/<layer>.<weight|bias>``
             on the training steps the trainer writes (every ``log_every_n_steps``).
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> eb = EmpiricalBayes(every_n_steps=10, warmup_steps=100)
         >>> trainer = Trainer(callbacks=[eb], logger=False)  # doctest: +SKIP

@@ -55,7 +55,7 @@ class DVIClassifier(DVIModule):
         ece_bins: confidence bins of the expected calibration error and reliability diagram.
         net: a user-built :mod:`lightning_dvi.nn` network with ``num_classes`` outputs.
 
-    Example:
+    Examples:
         >>> model = DVIClassifier(in_features=4, num_classes=3, hidden=[8], num_data=10)
         >>> model.predict_proba(torch.zeros(2, 4)).sum(-1)
         tensor([1., 1.], grad_fn=<SumBackward1>)

@@ -70,7 +70,7 @@ class DVIRegressor(DVIModule):
             the heteroscedastic bias are not used). Not saved in the hyper-parameters: pass it
             again to ``load_from_checkpoint`` unless the run came from the CLI.
 
-    Example:
+    Examples:
         >>> model = DVIRegressor(in_features=1, hidden=[16], num_data=100)
         >>> out = model(torch.zeros(4, 1))
         >>> tuple(out.mean.shape), tuple(out.cov.shape)
