@@ -1,5 +1,6 @@
 """Checkpoints: weights_only loading, load_from_checkpoint, and exact resume with fit(ckpt_path="last")."""
 
+import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -127,3 +128,55 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
             rtol=0,
             atol=0,
         )
+
+
+class CrashError(RuntimeError):
+    pass
+
+
+class KillAtStep(Callback):
+    """Simulates a crash: raises mid-epoch, before that step's checkpoint is written."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise CrashError(f"killed at step {self.step}")
+
+
+def _run_steps(root, max_epochs, callbacks=(), ckpt_path=None, seed=0):
+    seed_everything(seed)
+    model = _model()
+    checkpoint = ModelCheckpoint(
+        dirpath=root / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=1
+    )
+    trainer = _trainer(
+        root, [EmpiricalBayes(every_n_steps=2), *callbacks, checkpoint], max_epochs=max_epochs
+    )
+    trainer.fit(model, _toy(), ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def test_killed_mid_epoch_resumes_from_last_ckpt_exactly(tmp_path, recwarn):
+    # 3 batches per epoch; the crash comes at global step 5, i.e. after 2 of epoch 1's batches,
+    # and last.ckpt holds step 4 (1 batch into epoch 1).
+    full_model, full_trainer = _run_steps(tmp_path / "full", max_epochs=3)
+    with pytest.raises(CrashError):
+        _run_steps(tmp_path / "crash", max_epochs=3, callbacks=[KillAtStep(5)])
+    last = torch.load(tmp_path / "crash" / "ckpt" / "last.ckpt", weights_only=True)
+    assert (last["global_step"], last["epoch"]) == (4, 1)
+    resumed_model, resumed_trainer = _run_steps(
+        tmp_path / "crash", max_epochs=3, ckpt_path="last", seed=123
+    )
+    assert resumed_trainer.global_step == full_trainer.global_step == 9
+    for key, value in full_model.state_dict().items():
+        torch.testing.assert_close(resumed_model.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    for key in ("val/nll", "val/elbo", "val/rmse"):
+        torch.testing.assert_close(
+            resumed_trainer.callback_metrics[key],
+            full_trainer.callback_metrics[key],
+            rtol=0,
+            atol=0,
+        )
+    assert not any("ended before the epoch ended" in str(w.message) for w in recwarn)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
+from typing import Any
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-__all__ = ["EpochSeededSampler", "InMemoryDataModule", "fit_standardizer"]
+__all__ = ["EpochSeededSampler", "InMemoryDataModule", "ResumableDataLoader", "fit_standardizer"]
 
 
 class EpochSeededSampler(RandomSampler):
@@ -43,6 +44,44 @@ class EpochSeededSampler(RandomSampler):
             self.epoch += 1
         self._epoch_was_set = False
         return super().__iter__()
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` that resumes mid-epoch: Lightning's stateful-loader protocol.
+
+    Lightning saves ``state_dict()`` of stateful train loaders in every checkpoint and calls
+    ``load_state_dict()`` before iterating again on resume. The state is the number of batches
+    already yielded in the current pass; a resumed pass skips that many (the sampler gives the
+    same permutation, being seeded per epoch) so a run killed mid-epoch continues with exactly
+    the batches it would have seen. Lightning does not prefetch from sized loaders, so at a
+    checkpoint the batches yielded are the batches trained on.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._yielded = 0
+        self._skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: nothing happens until Lightning's first next(), after set_epoch.
+        iterator = super().__iter__()
+        skip, self._skip = self._skip, 0
+        for _ in range(skip):
+            next(iterator)
+        self._yielded = skip
+        for batch in iterator:
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Batches yielded so far in the current pass."""
+        return {"batches_yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Skip the batches a previous run already trained on in its unfinished pass."""
+        done = int(state.get("batches_yielded", 0))
+        # a finished pass (an end-of-epoch checkpoint) starts the next epoch from its beginning
+        self._skip = done if 0 < done < len(self) else 0
 
 
 def fit_standardizer(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -113,12 +152,17 @@ class InMemoryDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches (:class:`EpochSeededSampler` seeded with ``seed``).
 
+        The loader is a :class:`ResumableDataLoader`, so a run killed mid-epoch resumes from
+        its last checkpoint with exactly the remaining batches.
+
         Under DDP Lightning swaps in its ``DistributedSampler``, which shuffles with the seed
         of ``seed_everything`` instead.
         """
         dataset = self.train_dataset
         sampler = EpochSeededSampler(dataset, self.seed)
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=0)
+        return ResumableDataLoader(
+            dataset, batch_size=self.batch_size, sampler=sampler, num_workers=0
+        )
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         """Validation batches in order; ``[]`` (no validation) when the split is empty."""
