@@ -143,6 +143,21 @@ class InMemoryDataModule(LightningDataModule):
         """The test split, or ``None`` when there is none."""
         return self._datasets()["test"]
 
+    @property
+    def num_train(self) -> int:
+        """Training examples actually trained on: the ``N`` of ``KL / N``."""
+        return len(self.train_dataset)
+
+    @property
+    def num_val(self) -> int:
+        """Validation examples (0 without a validation split)."""
+        return 0 if self.val_dataset is None else len(self.val_dataset)
+
+    @property
+    def num_test(self) -> int:
+        """Test examples (0 without a test split)."""
+        return 0 if self.test_dataset is None else len(self.test_dataset)
+
     def _loader(self, dataset: TensorDataset | None) -> DataLoader | list[DataLoader]:
         # An empty list is how Lightning is told that a stage has no data: it skips the loop.
         if dataset is None or len(dataset) == 0:

@@ -60,21 +60,6 @@ class DigitsDataModule(InMemoryDataModule):
         self._x_scale: torch.Tensor | None = None
 
     @property
-    def num_train(self) -> int:
-        """Training images: the ``N`` of ``KL / N``."""
-        return len(self.train_dataset)
-
-    @property
-    def num_val(self) -> int:
-        """Validation images (0 when ``val_fraction`` is 0)."""
-        return 0 if self.val_dataset is None else len(self.val_dataset)
-
-    @property
-    def num_test(self) -> int:
-        """Test images."""
-        return 0 if self.test_dataset is None else len(self.test_dataset)
-
-    @property
     def x_loc(self) -> torch.Tensor:
         """Per-pixel training means, float32 ``[64]``."""
         self._datasets()

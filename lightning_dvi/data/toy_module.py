@@ -58,9 +58,8 @@ class ToyHeteroscedasticDataModule(InMemoryDataModule):
             raise ValueError(f"predict_on must be 'grid' or 'test', got {predict_on!r}")
         if num_grid < 2:
             raise ValueError(f"num_grid must be at least 2, got {num_grid}")
-        self.num_train = num_train
-        self.num_val = num_val
-        self.num_test = num_test
+        # the requested sizes; num_train/num_val/num_test report the built splits
+        self._sizes = (num_train, num_val, num_test)
         self.predict_on = predict_on
         self.num_grid = num_grid
         self.in_features = 1
@@ -79,10 +78,11 @@ class ToyHeteroscedasticDataModule(InMemoryDataModule):
         def draw(n: int, seed: int) -> TensorDataset | None:
             return TensorDataset(*make_toy_heteroscedastic(n, seed)) if n > 0 else None
 
-        test = draw(self.num_test, test_seed)
+        num_train, num_val, num_test = self._sizes
+        test = draw(num_test, test_seed)
         return {
-            "train": draw(self.num_train, train_seed),
-            "val": draw(self.num_val, val_seed),
+            "train": draw(num_train, train_seed),
+            "val": draw(num_val, val_seed),
             "test": test,
             "predict": TensorDataset(*self.grid()) if self.predict_on == "grid" else test,
         }

@@ -213,21 +213,6 @@ class UCIDataModule(InMemoryDataModule):
         return self._statistics.in_features
 
     @property
-    def num_train(self) -> int:
-        """Training rows actually trained on (after the validation carve-out): the ``N`` of ``KL / N``."""
-        return len(self.train_dataset)
-
-    @property
-    def num_val(self) -> int:
-        """Validation rows (0 without a carve-out)."""
-        return 0 if self.val_dataset is None else len(self.val_dataset)
-
-    @property
-    def num_test(self) -> int:
-        """Test rows of the split."""
-        return 0 if self.test_dataset is None else len(self.test_dataset)
-
-    @property
     def target_loc(self) -> float:
         """Mean of the training targets (0 when not standardising)."""
         return self._statistics.target_loc
