@@ -7,8 +7,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..nn import BayesLinear, ParameterGroup
-from .functional import gaussian_kl
+from ..nn import BayesLinear, ParameterGroup, parameter_groups
+from .functional import gaussian_kl, grouped_gaussian_kl
 
 __all__ = ["GaussianPrior", "Prior", "named_parameter_groups"]
 
@@ -49,20 +49,42 @@ class Prior(nn.Module):
     def kl(self, net: nn.Module) -> Tensor:
         r"""Total :math:`\mathrm{KL}(q(w)\,\|\,p(w))` over every group in ``net`` (0-dim).
 
+        The built-in priors compute all groups in one pass
+        (:func:`~lightning_dvi.priors.functional.grouped_gaussian_kl`); a subclass that overrides
+        :meth:`variance` or :meth:`group_kl` gets the sum of its :meth:`group_kl` per group.
+
         Raises:
             ValueError: if ``net`` has no :class:`~lightning_dvi.nn.BayesLinear` layer.
         """
-        groups = named_parameter_groups(net)
+        groups = parameter_groups(net)
         if not groups:
             raise ValueError(
                 f"{type(self).__name__}.kl: {type(net).__name__} has no BayesLinear layers, "
                 "so there is no weight posterior to compare with the prior"
             )
-        return torch.stack([self.group_kl(g) for _, g in groups]).sum()
+        fused = self._grouped_kl(groups) if _same_dtype_and_device(groups) else None
+        if fused is not None:
+            return fused
+        return torch.stack([self.group_kl(g) for g in groups]).sum()
+
+    def _grouped_kl(self, groups: list[ParameterGroup]) -> Tensor | None:
+        """:meth:`kl` of ``groups`` in one pass, or ``None`` to sum :meth:`group_kl` instead."""
+        return None
+
+    def _overrides(self, owner: type, *names: str) -> bool:
+        """Whether ``type(self)`` redefines any of ``names`` that ``owner`` defines."""
+        cls = type(self)
+        return any(getattr(cls, name) is not getattr(owner, name) for name in names)
 
     def forward(self, net: nn.Module) -> Tensor:
         """Calling the prior on a network returns :meth:`kl`."""
         return self.kl(net)
+
+
+def _same_dtype_and_device(groups: list[ParameterGroup]) -> bool:
+    loc = groups[0].loc
+    dtype, device = loc.dtype, loc.device
+    return all(t.dtype == dtype and t.device == device for g in groups for t in (g.loc, g.scale))
 
 
 class GaussianPrior(Prior):
@@ -92,6 +114,14 @@ class GaussianPrior(Prior):
     def variance(self, group: ParameterGroup) -> Tensor:
         """The fixed :math:`s`, in the group's dtype and device."""
         return torch.tensor(self.prior_variance, dtype=group.loc.dtype, device=group.loc.device)
+
+    def _grouped_kl(self, groups: list[ParameterGroup]) -> Tensor | None:
+        if self._overrides(GaussianPrior, "variance", "group_kl", "_kl_at"):
+            return None
+        loc = groups[0].loc
+        s = torch.full((len(groups),), self.prior_variance, dtype=loc.dtype, device=loc.device)
+        kl, _ = grouped_gaussian_kl([g.loc for g in groups], [g.scale for g in groups], s)
+        return kl
 
     def extra_repr(self) -> str:
         """The fixed variance."""

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..nn import ParameterGroup
 from .base import Prior, named_parameter_groups
-from .functional import inverse_gamma_log_prob, optimal_variance
+from .functional import grouped_gaussian_kl, inverse_gamma_log_prob, optimal_variance
 
 __all__ = ["EmpiricalBayes"]
 
@@ -87,6 +87,19 @@ class EmpiricalBayes(Prior):
             with torch.no_grad():
                 group.prior_variance.copy_(s.detach())
         return self._kl_at(group, s)
+
+    def _grouped_kl(self, groups: list[ParameterGroup]) -> Tensor | None:
+        if self._overrides(EmpiricalBayes, "variance", "group_kl", "_kl_at", "optimal_variance"):
+            return None
+        locs, scales = [g.loc for g in groups], [g.scale for g in groups]
+        buffers = [g.prior_variance for g in groups]
+        if self.mode == "buffer":
+            kl, _ = grouped_gaussian_kl(locs, scales, torch.stack(buffers))
+            return kl
+        kl, s = grouped_gaussian_kl(locs, scales, None, self.alpha, self.beta)
+        with torch.no_grad():
+            torch._foreach_copy_(buffers, s.unbind())
+        return kl
 
     @torch.no_grad()
     def refresh(self, net: nn.Module) -> dict[str, float]:
