@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..gaussian import Gaussian
 from . import functional as F
-from .base import Likelihood
+from .base import Likelihood, _all_finite
 
 __all__ = ["Categorical"]
 
@@ -55,16 +55,19 @@ class Categorical(Likelihood):
         if y.dtype == torch.bool or y.is_complex():
             raise ValueError(f"Categorical: labels must be integers, got dtype {y.dtype}")
         if y.dtype.is_floating_point:
-            if not torch.isfinite(y).all():
+            if not _all_finite(y):
                 raise ValueError("Categorical: labels contain NaN or Inf")
-            if (y != y.round()).any():
+            if not torch.equal(y, y.round()):
                 raise ValueError("Categorical: labels must be integers, got non-integer values")
         y = y.long()
-        if y.numel() and (y.min() < 0 or y.max() >= self.num_classes):
-            raise ValueError(
-                f"Categorical: labels out of range [0, {self.num_classes}): "
-                f"min {int(y.min())}, max {int(y.max())}"
-            )
+        if y.numel():
+            lo, hi = torch.aminmax(y)  # one pass, then one host read each
+            low, high = int(lo), int(hi)
+            if low < 0 or high >= self.num_classes:
+                raise ValueError(
+                    f"Categorical: labels out of range [0, {self.num_classes}): "
+                    f"min {low}, max {high}"
+                )
         return y
 
     @staticmethod

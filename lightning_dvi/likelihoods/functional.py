@@ -53,7 +53,7 @@ def normal_expected_log_prob(mean: Tensor, var: Tensor, y: Tensor, noise_var: Te
 
 
 def heteroscedastic_expected_log_prob(
-    mean_m: Tensor, var_m: Tensor, mean_l: Tensor, var_l: Tensor, cov_ml: Tensor, y: Tensor
+    mean_m: Tensor, var_m: Tensor, mean_l: Tensor, var_l: Tensor, cov_ml: Tensor | None, y: Tensor
 ) -> Tensor:
     r"""Expected log-likelihood of :math:`p(y\mid m,\ell) = \mathcal N(y; m, e^\ell)`, (m, ℓ) Gaussian.
 
@@ -74,14 +74,16 @@ def heteroscedastic_expected_log_prob(
         var_m: :math:`\Sigma_{mm}`.
         mean_l: :math:`\langle\ell\rangle` (the mean log noise variance).
         var_l: :math:`\Sigma_{\ell\ell}`.
-        cov_ml: :math:`\Sigma_{m\ell}` (zero for a diag output).
+        cov_ml: :math:`\Sigma_{m\ell}` (zero for a diag output; ``None`` means zero and
+            saves two ops).
         y: targets.
 
     Returns:
         The expected log-likelihood, the broadcast shape of the inputs.
     """
     scale = torch.exp(var_l * 0.5 - mean_l)
-    quad = var_m + (mean_m - cov_ml - y).square()
+    shifted = mean_m - y if cov_ml is None else mean_m - cov_ml - y
+    quad = var_m + shifted.square()
     return -0.5 * (_LOG_2PI + mean_l + quad * scale)
 
 
