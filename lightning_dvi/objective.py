@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from .gaussian import Gaussian, validate_mode
 from .likelihoods import Likelihood
+from .nn.linear import shared_scales
 from .priors import Prior
 
 __all__ = ["ELBOTerms", "KLSchedule", "elbo"]
@@ -144,6 +145,24 @@ def elbo(
         shape = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
         raise ValueError(f"targets {shape} do not match the batch of inputs {tuple(x.shape)}")
 
+    with shared_scales():  # the network and the KL compute softplus(raw scale) once
+        return _elbo(
+            net, likelihood, prior, x, y, num_data, mode, num_samples, kl_weight, check_finite
+        )
+
+
+def _elbo(
+    net: nn.Module,
+    likelihood: Likelihood,
+    prior: Prior,
+    x: Tensor,
+    y: Tensor,
+    num_data: int,
+    mode: str,
+    num_samples: int | None,
+    kl_weight: float,
+    check_finite: bool,
+) -> ELBOTerms:
     if mode in ("full", "diag"):
         if num_samples is not None:
             raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,7 +17,7 @@ from .. import moments as M
 from ..gaussian import Gaussian
 from .base import BayesModule, Moments
 
-__all__ = ["BayesLinear", "ParameterGroup"]
+__all__ = ["BayesLinear", "ParameterGroup", "shared_scales"]
 
 ScaleTransform = Literal["softplus", "exp"]
 
@@ -36,6 +39,31 @@ class ParameterGroup:
     scale: Tensor
     prior_variance: Tensor
     module: BayesLinear
+
+
+_local = threading.local()  # .cache: (id(layer), version, grad mode, which) -> scale, or absent
+
+
+@contextlib.contextmanager
+def shared_scales() -> Iterator[None]:
+    """Within the block, each layer computes its posterior scales once and reuses them.
+
+    :func:`lightning_dvi.objective.elbo` opens it around the network pass and the prior's KL,
+    which both need ``softplus(raw_scale)`` of every layer: one ``softplus`` (and one
+    ``softplus_backward``) per tensor instead of two. A cached scale is reused only while its
+    raw parameter is unmodified (same version counter) and the grad mode is the same; the
+    cache is per thread and dropped when the block exits, so no graph outlives the step.
+    Nested blocks share the outer cache. Not used while ``torch.compile`` traces (the compiler
+    deduplicates the ops itself).
+    """
+    if getattr(_local, "cache", None) is not None or torch.compiler.is_compiling():
+        yield
+        return
+    _local.cache = {}
+    try:
+        yield
+    finally:
+        _local.cache = None
 
 
 def _inverse_softplus(x: float) -> float:
@@ -129,15 +157,25 @@ class BayesLinear(BayesModule):
                 self.bias_loc.zero_()
                 self.bias_raw_scale.fill_(self._raw(self.init_bias_scale))
 
+    def _scale(self, raw: Tensor, which: str) -> Tensor:
+        cache = None if torch.compiler.is_compiling() else getattr(_local, "cache", None)
+        if cache is None:
+            return self._positive(raw)
+        key = (id(self), raw._version, torch.is_grad_enabled(), which)
+        scale = cache.get(key)
+        if scale is None:
+            scale = cache[key] = self._positive(raw)
+        return scale
+
     @property
     def weight_scale(self) -> Tensor:
         """Posterior standard deviations of the weights ``[out, in]``."""
-        return self._positive(self.weight_raw_scale)
+        return self._scale(self.weight_raw_scale, "weight")
 
     @property
     def bias_scale(self) -> Tensor | None:
         """Posterior standard deviations of the bias ``[out]`` (``None`` without bias)."""
-        return None if self.bias_raw_scale is None else self._positive(self.bias_raw_scale)
+        return None if self.bias_raw_scale is None else self._scale(self.bias_raw_scale, "bias")
 
     def parameter_groups(self) -> list[ParameterGroup]:
         """The weight matrix and bias vector as separate prior groups (paper section 4)."""
