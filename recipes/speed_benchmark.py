@@ -72,6 +72,27 @@ def time_call(fn: Callable[[], Any], repeats: int = 15, warmup: int = 3) -> floa
     return statistics.median(samples)
 
 
+def count_ops(fn: Callable[[], Any]) -> int:
+    """Aten ops dispatched by one call of ``fn`` (after one warm-up call), backward included.
+
+    At these sizes a step costs ~2.5-3 us per op whatever the op does, so the count explains the
+    times and, unlike them, does not depend on the machine's load.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Counter.n += 1
+            return func(*args, **(kwargs or {}))
+
+    fn()
+    with Counter():
+        fn()
+    return Counter.n
+
+
 def peak_memory_mib(fn: Callable[[], Any]) -> float:
     """Peak bytes held by torch allocations during one call of ``fn``, in MiB.
 
@@ -196,10 +217,12 @@ def bench_steps(
     rows = []
     for width in widths:
         for batch in batches:
-            row: dict[str, Any] = {"width": width, "batch": batch}
+            row: dict[str, Any] = {"width": width, "batch": batch, "ops": {}}
             for name, _, _ in STEP_METHODS:
                 if methods is None or name in methods:
-                    row[name] = 1e3 * time_call(make_step(name, width, batch), repeats)
+                    step = make_step(name, width, batch)
+                    row[name] = 1e3 * time_call(step, repeats)
+                    row["ops"][name] = count_ops(step)
             rows.append(row)
     return rows
 
@@ -367,9 +390,10 @@ def bench_lightning(data_dir: str, width: int, batch: int, epochs: int) -> dict[
 
 
 def bench_compile(repeats: int) -> list[dict[str, Any]]:
-    """``torch.compile`` (inductor) of the moment kernels against eager: compile s, fwd+bwd ms.
+    """``torch.compile`` (inductor) against eager: compile s, fwd+bwd ms.
 
-    Not an option of the library: measured here to document why (see docs/benchmarks.md).
+    The moment kernels alone, and the whole dDVI loss (:func:`bench_compiled_step`). Not an
+    option of the library: measured here to document it (see docs/benchmarks.md).
     """
     from lightning_dvi.moments import relu_diag, relu_full
 
@@ -399,7 +423,42 @@ def bench_compile(repeats: int) -> list[dict[str, Any]]:
         except Exception as err:  # no C++ toolchain, unsupported op, ...
             row["compiled ms"] = f"failed: {type(err).__name__}"
         rows.append(row)
+    rows.append(bench_compiled_step(repeats))
     return rows
+
+
+def bench_compiled_step(repeats: int, width: int = 50, batch: int = 32) -> dict[str, Any]:
+    """``torch.compile`` (inductor) of the whole dDVI loss (``elbo``), forward + backward.
+
+    ``check_finite=False`` and the input checks stay in eager code (Dynamo graph-breaks at their
+    host reads), so the compiled graphs are the network, likelihood and KL.
+    """
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, IN_FEATURES, generator=gen), torch.randn(batch, generator=gen)
+    net, lik, prior = mlp(IN_FEATURES, [width], 2), HeteroscedasticGaussian(), EmpiricalBayes()
+
+    def loss_fn(x: Tensor, y: Tensor) -> Tensor:
+        return elbo(net, lik, prior, x, y, NUM_DATA, mode="diag", check_finite=False).loss
+
+    def step(f: Callable[[Tensor, Tensor], Tensor] = loss_fn) -> None:
+        net.zero_grad(set_to_none=True)
+        f(x, y).backward()
+
+    row: dict[str, Any] = {
+        "kernel": f"dDVI step (elbo) width {width}, batch {batch}",
+        "eager ms": 1e3 * time_call(step, repeats),
+    }
+    try:
+        torch._dynamo.reset()
+        torch._inductor.config.fx_graph_cache = False
+        compiled = torch.compile(loss_fn)
+        start = time.perf_counter()
+        step(compiled)
+        row["compile s"] = time.perf_counter() - start
+        row["compiled ms"] = 1e3 * time_call(lambda: step(compiled), repeats)
+    except Exception as err:  # no C++ toolchain, unsupported op, ...
+        row["compiled ms"] = f"failed: {type(err).__name__}"
+    return row
 
 
 # ------------------------------------------------------------------------------ reporting
@@ -460,6 +519,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         result["steps"], result["step_ratios"] = rows, step_ratios(rows)
         print("\n## Training step (ms, median)\n")
         print(table(rows, ["width", "batch"] + [m[0] for m in STEP_METHODS]))
+        print("\n## Aten ops per step (forward + backward)\n")
+        print(table([{"width": r["width"], "batch": r["batch"], **r["ops"]} for r in rows],
+                    ["width", "batch"] + [m[0] for m in STEP_METHODS]))  # fmt: skip
         print("\n## Ratios\n")
         print(table(result["step_ratios"], list(result["step_ratios"][0]), "{:.2f}"))
     if "layer" in sections:
@@ -485,7 +547,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         print(table([lit], list(lit)))
     if "compile" in sections and not args.quick:
         result["compile"] = bench_compile(repeats)
-        print("\n## torch.compile (inductor) of the moment kernels, forward + backward\n")
+        print("\n## torch.compile (inductor), forward + backward\n")
         print(table(result["compile"], ["kernel", "eager ms", "compile s", "compiled ms"]))
     result["load_after"] = os.getloadavg()
     if args.json:
