@@ -21,3 +21,16 @@ def uci_dir() -> Path:
             raise FileNotFoundError(f"UCI data expected at {UCI_DIR} under CI")
         pytest.skip(f"UCI data not found at {UCI_DIR}")
     return UCI_DIR
+
+
+@pytest.fixture
+def pyro_state():
+    """Fresh Pyro param store and seed; one torch thread (tiny ops contend on 2 shared cores)."""
+    import pyro
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    yield
+    torch.set_num_threads(threads)

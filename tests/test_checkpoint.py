@@ -104,6 +104,19 @@ def _run(tmp_path, max_epochs, ckpt_path=None, seed=0):
     return model, eb, trainer, counter.batches
 
 
+def _assert_same_run(full_model, full_trainer, resumed_model, resumed_trainer):
+    """Bit-identical parameters and validation metrics (tolerance 0)."""
+    for key, value in full_model.state_dict().items():
+        torch.testing.assert_close(resumed_model.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    for key in ("val/nll", "val/elbo", "val/rmse"):
+        torch.testing.assert_close(
+            resumed_trainer.callback_metrics[key],
+            full_trainer.callback_metrics[key],
+            rtol=0,
+            atol=0,
+        )
+
+
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     full_model, full_eb, full_trainer, _ = _run(tmp_path / "full", max_epochs=4)
 
@@ -119,15 +132,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
         full_eb.num_refreshes,
         full_eb.last_refresh_step,
     )
-    for key, value in full_model.state_dict().items():
-        torch.testing.assert_close(resumed_model.state_dict()[key], value, rtol=0, atol=0, msg=key)
-    for key in ("val/nll", "val/elbo", "val/rmse"):
-        torch.testing.assert_close(
-            resumed_trainer.callback_metrics[key],
-            full_trainer.callback_metrics[key],
-            rtol=0,
-            atol=0,
-        )
+    _assert_same_run(full_model, full_trainer, resumed_model, resumed_trainer)
 
 
 class CrashError(RuntimeError):
@@ -170,13 +175,5 @@ def test_killed_mid_epoch_resumes_from_last_ckpt_exactly(tmp_path, recwarn):
         tmp_path / "crash", max_epochs=3, ckpt_path="last", seed=123
     )
     assert resumed_trainer.global_step == full_trainer.global_step == 9
-    for key, value in full_model.state_dict().items():
-        torch.testing.assert_close(resumed_model.state_dict()[key], value, rtol=0, atol=0, msg=key)
-    for key in ("val/nll", "val/elbo", "val/rmse"):
-        torch.testing.assert_close(
-            resumed_trainer.callback_metrics[key],
-            full_trainer.callback_metrics[key],
-            rtol=0,
-            atol=0,
-        )
+    _assert_same_run(full_model, full_trainer, resumed_model, resumed_trainer)
     assert not any("ended before the epoch ended" in str(w.message) for w in recwarn)

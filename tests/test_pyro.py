@@ -17,16 +17,7 @@ from lightning_dvi.priors import EmpiricalBayes
 from lightning_dvi.priors.functional import gaussian_kl, optimal_variance
 from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide
 
-
-@pytest.fixture(autouse=True)
-def _pyro_state():
-    # Small ops: one thread avoids OpenMP contention on the shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("pyro_state")
 
 
 class BNN(PyroModule):

@@ -26,15 +26,7 @@ from lightning_dvi.pyro import (
 )
 from lightning_dvi.pyro.messenger import MomentPassMessenger
 
-
-@pytest.fixture(autouse=True)
-def _pyro_state():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("pyro_state")
 
 
 def moment_pass(model, guide, *args):

@@ -15,11 +15,7 @@ from torch import nn
 from lightning_dvi import moments as M
 from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide, MomentTensor
 
-
-@pytest.fixture(autouse=True)
-def _pyro_state():
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
+pytestmark = pytest.mark.usefixtures("pyro_state")
 
 
 def _weights(out_f=3, in_f=2, mode="diag", name="w"):
