@@ -183,8 +183,10 @@ def _elbo(
     if check_finite and not math.isfinite(loss.item()):
         raise FloatingPointError(
             f"ELBO loss is not finite (expected log-likelihood {ell.item():.4g}, KL "
-            f"{kl.item():.4g}, mode {mode!r}); typical causes: a learning rate too high, a "
-            "log-variance output far from the data's scale, or unstandardised targets"
+            f"{kl.item():.4g}, mode {mode!r}); typical causes: a learning rate too high or a "
+            "gradient spike (lower the rate, or clip gradients, e.g. "
+            "Trainer(gradient_clip_val=5)), a log-variance output far from the data's scale, or "
+            "unstandardised targets"
         )
     return ELBOTerms(
         loss=loss,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 
 from lightning_dvi import DVIClassifier, DVIRegressor, Gaussian
 from lightning_dvi.data import DigitsDataModule, ToyHeteroscedasticDataModule
@@ -49,6 +49,9 @@ def _toy(**kwargs):
         ({"target_scale": 0.0}, "target_scale"),
         ({"prior_variance": -1.0}, "prior_variance"),
         ({"kl_warmup_steps": -1}, "warmup_steps"),
+        ({"lr_schedule": "step"}, "lr_schedule"),
+        ({"min_lr": -1e-4}, "min_lr"),
+        ({"lr": 1e-3, "min_lr": 1e-2}, "min_lr"),
         ({"net": Sequential(BayesLinear(1, 3))}, "outputs"),
     ],
 )
@@ -159,6 +162,34 @@ def test_missing_num_data_without_datamodule_is_a_clear_error():
     loader = dm.train_dataloader()
     with pytest.raises(ValueError, match="num_data"):
         _trainer(max_steps=1).fit(model, train_dataloaders=loader)
+
+
+class _RecordLR(Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_cosine_lr_schedule_decays_per_step_to_min_lr():
+    model = DVIRegressor(in_features=1, hidden=[4], lr=0.1, lr_schedule="cosine", min_lr=0.01)
+    record = _RecordLR()
+    # 2 batches per epoch, 3 epochs: T = 6 optimisation steps.
+    _trainer(max_epochs=3, callbacks=[record], limit_val_batches=0).fit(model, _toy())
+    expected = [0.01 + 0.09 * 0.5 * (1 + math.cos(math.pi * t / 6)) for t in range(6)]
+    assert record.lrs == pytest.approx(expected, rel=1e-12)
+    assert model.lr_schedulers().get_last_lr()[0] == pytest.approx(0.01)
+
+
+def test_constant_lr_is_the_default_and_cosine_needs_a_finite_horizon():
+    model = DVIRegressor(in_features=1, hidden=[4], lr=0.1)
+    record = _RecordLR()
+    _trainer(max_steps=3, callbacks=[record], limit_val_batches=0).fit(model, _toy())
+    assert record.lrs == [0.1, 0.1, 0.1]
+    cosine = DVIRegressor(in_features=1, hidden=[4], lr_schedule="cosine")
+    with pytest.raises(ValueError, match="finite number of optimisation steps"):
+        _trainer(max_epochs=-1, max_steps=-1).fit(cosine, _toy())
 
 
 def test_non_finite_loss_stops_training_naming_the_step():

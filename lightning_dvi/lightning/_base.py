@@ -33,6 +33,7 @@ Mode = Literal["full", "diag", "sample", "local"]
 Activation = Literal["relu", "heaviside"]
 PriorName = Literal["empirical_bayes", "gaussian"]
 EBMode = Literal["in_graph", "buffer"]
+LRSchedule = Literal["constant", "cosine"]
 
 _MODES = ("full", "diag", "sample", "local")
 _MC_MODES = ("sample", "local")
@@ -108,6 +109,8 @@ class DVIModule(LightningModule):
         weight_decay: float,
         init_scale: float | None,
         net: nn.Module | None,
+        lr_schedule: str = "constant",
+        min_lr: float = 0.0,
     ) -> None:
         super().__init__()
         _check(mode in _MODES, f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
@@ -131,6 +134,13 @@ class DVIModule(LightningModule):
         self.num_data = num_data
         self.lr = _positive_float("lr", lr)
         self.weight_decay = _positive_float("weight_decay", weight_decay, allow_zero=True)
+        _check(
+            lr_schedule in ("constant", "cosine"),
+            f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}",
+        )
+        self.lr_schedule = lr_schedule
+        self.min_lr = _positive_float("min_lr", min_lr, allow_zero=True)
+        _check(self.min_lr <= self.lr, f"min_lr ({min_lr}) must not exceed lr ({lr})")
         self.kl_schedule = KLSchedule(kl_warmup_steps, kl_anneal_steps)
         self.prior = self._build_prior(prior, prior_alpha, prior_beta, prior_variance, eb_mode)
         if net is None:
@@ -318,9 +328,36 @@ class DVIModule(LightningModule):
         """Log the synced test metrics and keep the calibration data for plots."""
         self._epoch_end("test")
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """Adam over the variational parameters (and any likelihood parameters)."""
-        return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+    def configure_optimizers(self) -> Any:
+        r"""Adam over the variational parameters (and any likelihood parameters).
+
+        With ``lr_schedule="cosine"`` the learning rate follows, per optimisation step
+        :math:`t` of :math:`T` (``trainer.estimated_stepping_batches``),
+
+        .. math::
+            \eta_t = \eta_{\min} + (\eta - \eta_{\min})\,\tfrac12\bigl(1 + \cos(\pi\min(t, T)/T)\bigr),
+
+        and stays at :math:`\eta_{\min}` (``min_lr``) after :math:`T`; :math:`T` must be finite
+        (set ``max_steps`` or ``max_epochs``).
+        """
+        optimiser = torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        if self.lr_schedule == "constant":
+            return optimiser
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total) or total < 1:
+            raise ValueError(
+                "lr_schedule='cosine' needs a finite number of optimisation steps; set the "
+                f"trainer's max_steps or max_epochs (estimated steps: {total})"
+            )
+        steps, floor = int(total), self.min_lr / self.lr
+
+        def factor(step: int) -> float:
+            return floor + (1.0 - floor) * 0.5 * (
+                1.0 + math.cos(math.pi * min(step, steps) / steps)
+            )
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, factor)
+        return {"optimizer": optimiser, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     # ------------------------------------------------------------------ subclass interface
     def _update_metrics(self, metrics: MetricCollection, x: Tensor, y: Tensor) -> None:

@@ -50,6 +50,9 @@ class DVIClassifier(DVIModule):
         kl_warmup_steps: steps with the KL switched off.
         kl_anneal_steps: steps of the linear KL ramp.
         lr: Adam learning rate.
+        lr_schedule: ``"constant"`` (default) or ``"cosine"``: cosine decay from ``lr`` to
+            ``min_lr`` over the trainer's optimisation steps, per step.
+        min_lr: the learning rate the cosine schedule ends at (``0 <= min_lr <= lr``).
         weight_decay: Adam weight decay.
         init_scale: initial posterior std of the weights (default: the layer's).
         ece_bins: confidence bins of the expected calibration error and reliability diagram.
@@ -81,6 +84,8 @@ class DVIClassifier(DVIModule):
         kl_warmup_steps: int = 0,
         kl_anneal_steps: int = 0,
         lr: float = 1e-3,
+        lr_schedule: Literal["constant", "cosine"] = "constant",
+        min_lr: float = 0.0,
         weight_decay: float = 0.0,
         init_scale: float | None = None,
         ece_bins: int = 15,
@@ -106,6 +111,8 @@ class DVIClassifier(DVIModule):
             kl_warmup_steps=kl_warmup_steps,
             kl_anneal_steps=kl_anneal_steps,
             lr=lr,
+            lr_schedule=lr_schedule,
+            min_lr=min_lr,
             weight_decay=weight_decay,
             init_scale=init_scale,
             net=net,

@@ -57,6 +57,9 @@ class DVIRegressor(DVIModule):
         kl_warmup_steps: optimisation steps with the KL switched off.
         kl_anneal_steps: steps of the linear KL ramp that follows.
         lr: Adam learning rate.
+        lr_schedule: ``"constant"`` (default) or ``"cosine"``: cosine decay from ``lr`` to
+            ``min_lr`` over the trainer's optimisation steps, per step.
+        min_lr: the learning rate the cosine schedule ends at (``0 <= min_lr <= lr``).
         weight_decay: Adam weight decay.
         init_scale: initial posterior std of the weights (default: the layer's,
             :math:`0.1/\sqrt{\text{fan\_in}}`).
@@ -95,6 +98,8 @@ class DVIRegressor(DVIModule):
         kl_warmup_steps: int = 0,
         kl_anneal_steps: int = 0,
         lr: float = 1e-3,
+        lr_schedule: Literal["constant", "cosine"] = "constant",
+        min_lr: float = 0.0,
         weight_decay: float = 0.0,
         init_scale: float | None = None,
         init_log_noise: float = -3.0,
@@ -127,6 +132,8 @@ class DVIRegressor(DVIModule):
             kl_warmup_steps=kl_warmup_steps,
             kl_anneal_steps=kl_anneal_steps,
             lr=lr,
+            lr_schedule=lr_schedule,
+            min_lr=min_lr,
             weight_decay=weight_decay,
             init_scale=init_scale,
             net=net,
