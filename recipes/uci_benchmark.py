@@ -391,6 +391,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         )
     if not 0.0 <= args.validation < 1.0:
         raise ValueError(f"--validation must lie in [0, 1), got {args.validation}")
+    if not args.grad_clip >= 0.0:
+        raise ValueError(f"--grad-clip must be >= 0 (0 = no clipping), got {args.grad_clip}")
     settings = Settings(
         lr=args.lr,
         batch_size=args.batch_size,

@@ -74,12 +74,12 @@ def test_unknown_method_and_dataset_are_clear_errors(bench, tmp_path, capsys):
         bench.parse_args(
             ["--data-dir", str(tmp_path / "nope"), "--dataset", "toy", "--method", "dvi"]
         )
+    base = ["--data-dir", str(tmp_path), "--dataset", "toy", "--method", "dvi"]
     for warm, ramp in (("0.7", "0.4"), ("-0.1", "0.2")):
         with pytest.raises(ValueError, match="fractions of the steps"):
-            bench.parse_args(
-                ["--data-dir", str(tmp_path), "--dataset", "toy", "--method", "dvi",
-                 "--kl-warmup", warm, "--kl-anneal", ramp]
-            )  # fmt: skip
+            bench.parse_args([*base, "--kl-warmup", warm, "--kl-anneal", ramp])
+    with pytest.raises(ValueError, match="--grad-clip"):
+        bench.parse_args([*base, "--grad-clip", "-1"])
     # main() turns them into exit status 2 with the message on stderr
     assert bench.main(["--data-dir", str(tmp_path), "--dataset", "toy", "--method", "svgd"]) == 2
     assert "unknown method 'svgd'" in capsys.readouterr().err
