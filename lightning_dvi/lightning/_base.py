@@ -33,7 +33,6 @@ Mode = Literal["full", "diag", "sample", "local"]
 Activation = Literal["relu", "heaviside"]
 PriorName = Literal["empirical_bayes", "gaussian"]
 EBMode = Literal["in_graph", "buffer"]
-LRSchedule = Literal["constant", "cosine"]
 
 _MODES = ("full", "diag", "sample", "local")
 _MC_MODES = ("sample", "local")
