@@ -1,7 +1,7 @@
 """The empirical-Bayes callback (schedule, state, logging) and the plot callbacks."""
 
 import pytest
-from lightning.pytorch import Trainer
+from helpers import cpu_trainer
 
 from lightning_dvi import DVIClassifier, DVIRegressor
 from lightning_dvi.callbacks import (
@@ -15,18 +15,10 @@ from lightning_dvi.priors import named_parameter_groups
 
 
 def _trainer(tmp_path=None, **kwargs):
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-    )
+    defaults = dict(enable_checkpointing=False, log_every_n_steps=1)
     if tmp_path is not None:
         defaults["default_root_dir"] = tmp_path
-    return Trainer(**{**defaults, **kwargs})
+    return cpu_trainer(**{**defaults, **kwargs})
 
 
 def _toy():

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from helpers import cpu_trainer
+from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dvi import DVIClassifier, DVIRegressor
@@ -25,16 +26,7 @@ def _toy(cls=ToyHeteroscedasticDataModule):
 
 
 def _trainer(tmp_path, callbacks, **kwargs):
-    return Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        **kwargs,
-    )
+    return cpu_trainer(default_root_dir=tmp_path, callbacks=callbacks, **kwargs)
 
 
 def _model(**kwargs):

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from helpers import cpu_trainer
+from lightning.pytorch import Callback
 
 from lightning_dvi import DVIClassifier, DVIRegressor, Gaussian
 from lightning_dvi.data import DigitsDataModule, ToyHeteroscedasticDataModule
@@ -14,15 +15,7 @@ from lightning_dvi.nn import BayesLinear, ReLU, Sequential
 
 
 def _trainer(**kwargs):
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return Trainer(**{**defaults, **kwargs})
+    return cpu_trainer(**{"enable_checkpointing": False, **kwargs})
 
 
 def _toy(**kwargs):

@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
+from helpers import posterior_net
 
-from lightning_dvi.nn import BayesLinear, mlp, parameter_groups
+from lightning_dvi.nn import parameter_groups
 from lightning_dvi.priors import EmpiricalBayes, GaussianPrior, functional
 
 F64 = torch.float64
@@ -13,14 +14,7 @@ F64 = torch.float64
 
 def _net(dtype: torch.dtype = F64) -> torch.nn.Module:
     torch.manual_seed(0)
-    net = mlp(3, [7, 5], 2).to(dtype)
-    with torch.no_grad():
-        for layer in net.modules():
-            if isinstance(layer, BayesLinear):
-                layer.weight_raw_scale.normal_(-1.0, 0.5)
-                layer.bias_raw_scale.normal_(-2.0, 0.5)
-                layer.bias_loc.normal_(0, 0.3)
-    return net
+    return posterior_net(dtype)
 
 
 def _per_group(prior, net: torch.nn.Module) -> torch.Tensor:

@@ -5,23 +5,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import posterior_net
 from scipy import optimize, stats
 
-from lightning_dvi.nn import BayesLinear, mlp, parameter_groups
+from lightning_dvi.nn import BayesLinear, parameter_groups
 from lightning_dvi.priors import EmpiricalBayes, GaussianPrior, functional, named_parameter_groups
 
 F64 = torch.float64
-
-
-def _net() -> torch.nn.Module:
-    net = mlp(3, [7, 5], 2).double()
-    with torch.no_grad():  # posterior scales away from their uniform initial value
-        for layer in net.modules():
-            if isinstance(layer, BayesLinear):
-                layer.weight_raw_scale.normal_(-1.0, 0.5)
-                layer.bias_raw_scale.normal_(-2.0, 0.5)
-                layer.bias_loc.normal_(0, 0.3)
-    return net
 
 
 def _torch_kl(net: torch.nn.Module, variances: list[float]) -> torch.Tensor:
@@ -34,7 +24,7 @@ def _torch_kl(net: torch.nn.Module, variances: list[float]) -> torch.Tensor:
 
 
 def test_gaussian_prior_kl_matches_torch_distributions() -> None:
-    net = _net()
+    net = posterior_net()
     kl = GaussianPrior(0.7).kl(net)
     assert kl.shape == ()
     assert torch.allclose(kl, _torch_kl(net, [0.7] * 6), rtol=1e-12)
@@ -73,7 +63,7 @@ def test_eb_optimum_matches_numerical_minimisation(alpha: float, beta: float) ->
 
 @pytest.mark.parametrize("mode", ["in_graph", "buffer"])
 def test_eb_kl_equals_torch_kl_at_optimum(mode: str) -> None:
-    net = _net()
+    net = posterior_net()
     prior = EmpiricalBayes(alpha=2.0, beta=0.5, mode=mode)
     s_star = [prior.optimal_variance(g.loc, g.scale).item() for g in parameter_groups(net)]
     if mode == "buffer":
@@ -97,7 +87,7 @@ def test_eb_kl_equals_torch_kl_at_optimum(mode: str) -> None:
 
 
 def test_in_graph_differentiates_through_s_star_and_buffer_mode_does_not() -> None:
-    net = _net()
+    net = posterior_net()
     in_graph, buffer = EmpiricalBayes(mode="in_graph"), EmpiricalBayes(mode="buffer")
     buffer.refresh(net)
     assert torch.allclose(in_graph.kl(net), buffer.kl(net), rtol=1e-12)
@@ -119,12 +109,12 @@ def test_in_graph_differentiates_through_s_star_and_buffer_mode_does_not() -> No
 
 
 def test_buffer_mode_before_refresh_uses_layer_prior_variance() -> None:
-    net = _net()
+    net = posterior_net()
     assert torch.allclose(EmpiricalBayes(mode="buffer").kl(net), GaussianPrior(1.0).kl(net))
 
 
 def test_hyperprior_log_prob_matches_scipy() -> None:
-    net = _net()
+    net = posterior_net()
     prior = EmpiricalBayes(alpha=1.5, beta=0.3)
     expected = sum(
         stats.invgamma.logpdf(prior.optimal_variance(g.loc, g.scale).item(), a=1.5, scale=0.3)
