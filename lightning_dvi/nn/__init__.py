@@ -11,8 +11,10 @@ from .base import BayesModule, Moments
 from .builders import mlp
 from .container import Residual, Sequential
 from .linear import BayesLinear, ParameterGroup
+from .registry import ActivationSpec, activation_specs, register_activation
 
 __all__ = [
+    "ActivationSpec",
     "BayesLinear",
     "BayesModule",
     "Heaviside",
@@ -21,9 +23,11 @@ __all__ = [
     "ReLU",
     "Residual",
     "Sequential",
+    "activation_specs",
     "bayes_layers",
     "mlp",
     "parameter_groups",
+    "register_activation",
 ]
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from .. import moments as M
 from ..gaussian import Gaussian
 from .base import BayesModule, Moments
+from .registry import register_activation
 
 __all__ = ["Heaviside", "ReLU"]
 
@@ -40,6 +42,9 @@ class _Activation(BayesModule):
         return M.cross_through_activation(cross, type(self)._slope(x.mean, x.var))
 
 
+@register_activation(
+    "relu", torch_modules=(nn.ReLU,), torch_functions=(torch.relu, F.relu, Tensor.relu)
+)
 class ReLU(_Activation):
     r"""ReLU :math:`h = \max(0, a)`; on a Gaussian, returns the Gaussian of :math:`h`.
 
@@ -62,6 +67,7 @@ class ReLU(_Activation):
         return torch.relu(x)
 
 
+@register_activation("heaviside")
 class Heaviside(_Activation):
     r"""Heaviside step :math:`h = \mathbb 1[a > 0]`; on a Gaussian, returns the Gaussian of :math:`h`.
 
