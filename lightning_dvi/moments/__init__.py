@@ -1,4 +1,9 @@
-"""Pure moment-propagation functions on tensors (no state; imports only torch)."""
+"""Pure moment-propagation functions on tensors (no state; imports only torch and the Gaussian).
+
+The closed forms (:mod:`.linear`, :mod:`.activations`, :mod:`.residual`) take and return
+tensors; :mod:`.layers` wraps them as weight moments plus input moments in, a
+:class:`~lightning_dvi.Gaussian` out, which every front-end calls.
+"""
 
 from .activations import (
     heaviside_diag,
@@ -9,6 +14,7 @@ from .activations import (
     relu_full,
     relu_slope,
 )
+from .layers import activation_moments, linear_moments, residual_moments, skip_covariance
 from .linear import (
     linear_deterministic,
     linear_diag,
@@ -27,6 +33,7 @@ from .special import (
 )
 
 __all__ = [
+    "activation_moments",
     "asin_over_x",
     "asin_residual_over_x3",
     "clip_correlation",
@@ -39,6 +46,7 @@ __all__ = [
     "linear_diag",
     "linear_full",
     "linear_full_from_diag",
+    "linear_moments",
     "min_variance",
     "normal_cdf",
     "normal_pdf",
@@ -47,6 +55,8 @@ __all__ = [
     "relu_slope",
     "residual_diag",
     "residual_full",
+    "residual_moments",
+    "skip_covariance",
     "soft_relu",
     "symmetrize",
 ]

@@ -29,14 +29,7 @@ class _Activation(BayesModule):
     def propagate(self, x: Moments, mode: str) -> Moments:
         if not isinstance(x, Gaussian):
             return self.apply(x)
-        if mode == "diag":
-            x = x.to_diag()
-        # a diag input in full mode has rho = 0 exactly, so the output is exactly diagonal too
-        if x.is_full:
-            mean, cov = type(self)._full(x.mean, x.cov)
-            return Gaussian(mean, cov=cov, validate=False)
-        mean, var = type(self)._diag(x.mean, x.var)
-        return Gaussian(mean, var=var, validate=False)
+        return M.activation_moments(x, type(self)._full, type(self)._diag, mode=mode)
 
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
         return M.cross_through_activation(cross, type(self)._slope(x.mean, x.var))

@@ -79,6 +79,16 @@ class BayesModule(nn.Module):
             f"{type(self).__name__} cannot be used inside a Residual block (no cross-covariance rule)"
         )
 
+    def propagate_with_cross(
+        self, cross: Tensor, x: Gaussian, mode: str
+    ) -> tuple[Tensor, Moments]:
+        r"""``(Cov(r, output), output)`` in one pass: :meth:`propagate_cross` and :meth:`propagate`.
+
+        Containers override it so that a branch is walked once however deeply skip
+        connections nest; a layer needs only the two methods above.
+        """
+        return self.propagate_cross(cross, x, mode), self.propagate(x, mode)
+
 
 def as_mode(g: Gaussian, mode: str) -> Gaussian:
     """Convert ``g`` to the storage kind that ``mode`` asks for."""

@@ -60,10 +60,16 @@ class Sequential(BayesModule):
 
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
         """Carry a cross-covariance through the layers in order."""
+        return self.propagate_with_cross(cross, x, mode)[0]
+
+    def propagate_with_cross(
+        self, cross: Tensor, x: Gaussian, mode: str
+    ) -> tuple[Tensor, Moments]:
+        """The cross-covariance and the moments through the layers, in one walk."""
+        h: Moments = x
         for layer in self.layers:
-            cross = layer.propagate_cross(cross, x, mode)
-            x = layer.propagate(x, mode)  # type: ignore[assignment]
-        return cross
+            cross, h = layer.propagate_with_cross(cross, h, mode)  # type: ignore[arg-type]
+        return cross, h
 
 
 class Residual(BayesModule):
@@ -88,37 +94,38 @@ class Residual(BayesModule):
             if isinstance(delta, Gaussian):  # deterministic skip input: no cross term
                 return _shift(delta, x)
             return x + delta
+        return self._skip(x, None, mode)[1]
+
+    def _skip(self, x: Gaussian, cross: Tensor | None, mode: str) -> tuple[Tensor, Gaussian]:
+        r"""``(Cov(r, a' + delta), a' + delta)``, walking the branch once.
+
+        :math:`\operatorname{Cov}(a', \delta)` and, when ``cross`` is given,
+        :math:`\operatorname{Cov}(r, \delta)` both follow the branch row by row, so they travel
+        stacked as one ``[..., D_r + D, D]`` cross-covariance.
+        """
         x = as_mode(x, mode)
-        cross, delta = self._branch_with_cross(x, mode)
-        self._check_width(x, delta)
-        if x.is_full:
-            mean, cov = M.residual_full(x.mean, x.cov, delta.mean, delta.cov, cross)  # type: ignore[arg-type]
-            return Gaussian(mean, cov=cov, validate=False)
-        mean, var = M.residual_diag(x.mean, x.var, delta.mean, delta.var, cross)
-        return Gaussian(mean, var=var, validate=False)
-
-    def _branch_with_cross(self, x: Gaussian, mode: str) -> tuple[Tensor, Gaussian]:
-        cross = x.cov if x.is_full else torch.diag_embed(x.var)
-        h: Moments = x
-        for layer in self.branch:
-            cross = layer.propagate_cross(cross, h, mode)  # type: ignore[arg-type]
-            h = layer.propagate(h, mode)
-        if not isinstance(h, Gaussian):
+        own = M.skip_covariance(x)
+        rows = 0
+        if cross is not None:
+            rows = cross.shape[-2]
+            batch = torch.broadcast_shapes(cross.shape[:-2], own.shape[:-2])
+            own = torch.cat([cross.expand(*batch, *cross.shape[-2:]), own.expand(*batch, *own.shape[-2:])], -2)
+        stacked, delta = self.branch.propagate_with_cross(own, x, mode)
+        if not isinstance(delta, Gaussian):
             raise ValueError("Residual branch must contain a BayesLinear layer")
-        return cross, h
-
-    @staticmethod
-    def _check_width(x: Gaussian, delta: Gaussian) -> None:
-        if delta.mean.shape[-1] != x.mean.shape[-1]:
-            raise ValueError(
-                f"Residual branch maps width {x.mean.shape[-1]} to {delta.mean.shape[-1]}; "
-                "a skip connection needs equal widths"
-            )
+        out = M.residual_moments(x, delta, stacked[..., rows:, :])
+        outer = stacked if cross is None else cross + stacked[..., :rows, :]
+        return outer, out
 
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
         """``Cov(r, a' + delta) = Cov(r, a') + Cov(r, delta)``."""
-        # Cov(r, a' + delta) = Cov(r, a') + Cov(r, delta), and delta's cross follows the branch.
-        return cross + self.branch.propagate_cross(cross, as_mode(x, mode), mode)
+        return self._skip(x, cross, mode)[0]
+
+    def propagate_with_cross(
+        self, cross: Tensor, x: Gaussian, mode: str
+    ) -> tuple[Tensor, Moments]:
+        """The cross-covariance and the moments of ``a' + delta`` in one walk of the branch."""
+        return self._skip(x, cross, mode)
 
 
 def _shift(g: Gaussian, x: Tensor) -> Gaussian:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +17,7 @@ from .. import moments as M
 from ..gaussian import Gaussian
 from .base import BayesModule, Moments
 
-__all__ = ["BayesLinear", "ParameterGroup", "shared_scales"]
+__all__ = ["BayesLinear", "ParameterGroup", "WeightMoments", "given_weights", "shared_scales"]
 
 ScaleTransform = Literal["softplus", "exp"]
 
@@ -41,7 +41,9 @@ class ParameterGroup:
     module: BayesLinear
 
 
-_local = threading.local()  # .cache: (id(layer), version, grad mode, which) -> scale, or absent
+# .cache: (id(layer), version, grad mode, which) -> scale, or absent;
+# .given: {layer: WeightMoments} substituted by a front-end (given_weights), or absent
+_local = threading.local()
 
 
 @contextlib.contextmanager
@@ -64,6 +66,34 @@ def shared_scales() -> Iterator[None]:
         yield
     finally:
         _local.cache = None
+
+
+WeightMoments = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
+"""``(w_loc, w_var, b_loc, b_var)``; ``w_var`` is ``None`` when the weights are values, not moments."""
+
+
+@contextlib.contextmanager
+def given_weights(weights: Mapping[BayesLinear, WeightMoments]) -> Iterator[None]:
+    """Within the block, the listed layers use these weights instead of their own posterior.
+
+    How a front-end that holds the posterior elsewhere (the Pyro guide) runs a declared network
+    through the modules' own ``propagate``: ``(w_loc, w_var, b_loc, b_var)`` are weight moments;
+    with ``w_var = None``, ``w_loc``/``b_loc`` are weight *values* (``[..., out, in]``, e.g. a
+    batch of Pyro samples) and the layer is the plain affine map. Per thread; nests.
+    """
+    outer = getattr(_local, "given", None)
+    _local.given = {**(outer or {}), **weights}
+    try:
+        yield
+    finally:
+        _local.given = outer
+
+
+def _affine_values(x: Moments, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if isinstance(x, Gaussian):
+        raise ValueError("weight values (not moments) need a tensor input, got a Gaussian")
+    out = x @ weight.transpose(-1, -2)  # batched weights [..., out, in] broadcast too
+    return out if bias is None else out + bias.unsqueeze(-2)
 
 
 def _inverse_softplus(x: float) -> float:
@@ -192,18 +222,21 @@ class BayesLinear(BayesModule):
             )
         return groups
 
-    def _moments(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    def _moments(self) -> WeightMoments:
+        given = None if torch.compiler.is_compiling() else getattr(_local, "given", None)
+        if given is not None and self in given:
+            return given[self]
         w_scale = self.weight_scale
         b_scale = self.bias_scale
         b_var = None if b_scale is None else b_scale * b_scale
         return self.weight_loc, w_scale * w_scale, self.bias_loc, b_var
 
     # ------------------------------------------------------------------ propagation
-    def _check_input(self, x: Moments) -> None:
+    def _check_input(self, x: Moments, weight_dtype: torch.dtype) -> None:
         dtype = x.dtype
-        if dtype != self.weight_loc.dtype:
+        if dtype != weight_dtype:
             raise ValueError(
-                f"BayesLinear parameters are {self.weight_loc.dtype} but the input is {dtype}; "
+                f"BayesLinear parameters are {weight_dtype} but the input is {dtype}; "
                 "convert one of them (e.g. net.double() or x.float())"
             )
         d = x.mean.shape[-1] if isinstance(x, Gaussian) else x.shape[-1]
@@ -215,27 +248,16 @@ class BayesLinear(BayesModule):
 
     def propagate(self, x: Moments, mode: str) -> Moments:
         """Moments (``full``/``diag``) or samples (``sample``/``local``) of the layer output."""
-        self._check_input(x)
         w_loc, w_var, b_loc, b_var = self._moments()
+        self._check_input(x, w_loc.dtype)
+        if w_var is None:  # weight values given by a front-end (a Pyro sample): a plain affine map
+            return _affine_values(x, w_loc, b_loc)
         if mode == "sample":
             return self._sample(x)  # type: ignore[arg-type]
         if mode == "local":
             mean, var = M.linear_deterministic(x, w_loc, w_var, b_loc, b_var)  # type: ignore[arg-type]
             return mean + var.sqrt() * torch.randn_like(mean)
-        if isinstance(x, Tensor):
-            # independent weights per output unit: the covariance is exactly diagonal
-            mean, var = M.linear_deterministic(x, w_loc, w_var, b_loc, b_var)
-            return Gaussian(mean, var=var, validate=False)
-        if mode == "diag":
-            x = x.to_diag()
-        if x.is_full:
-            mean, cov = M.linear_full(x.mean, x.cov, w_loc, w_var, b_loc, b_var)  # type: ignore[arg-type]
-            return Gaussian(mean, cov=cov, validate=False)
-        if mode == "full":
-            mean, cov = M.linear_full_from_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
-            return Gaussian(mean, cov=cov, validate=False)
-        mean, var = M.linear_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
-        return Gaussian(mean, var=var, validate=False)
+        return M.linear_moments(x, w_loc, w_var, b_loc, b_var, mode=mode)
 
     def _sample(self, x: Tensor) -> Tensor:
         # One whole weight matrix per sample: x [S, B, in] -> [S, B, out] in one bmm.
@@ -250,7 +272,7 @@ class BayesLinear(BayesModule):
 
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
         """``Cov(r, hW^T + b) = Cov(r, h) M^T`` (weights independent of ``r``)."""
-        return M.cross_through_linear(cross, self.weight_loc)
+        return M.cross_through_linear(cross, self._moments()[0])
 
     def extra_repr(self) -> str:
         """Shapes and options for ``repr``."""

@@ -6,6 +6,8 @@ with closed-form expected log-likelihoods; ``PyroBayesNet`` exposes a declared
 ``lightning_dvi.nn`` network (skip connections included) to Pyro for full-covariance DVI.
 """
 
+# The moment rules register themselves in the op table of .dispatch on import.
+from . import moment_rules  # noqa: F401  (isort: keep first)
 from .distributions import Categorical, HeteroscedasticGaussian
 from .elbo import DeterministicELBO
 from .guide import DeterministicGuide

@@ -3,7 +3,9 @@ r"""The moment rules of :class:`~lightning_dvi.pyro.moment_tensor.MomentTensor`.
 Each rule maps the moments of its inputs to the moments of its output with the closed forms of
 :mod:`lightning_dvi.moments` (one implementation of each formula serves every front-end):
 shape ops and broadcasting, addition of independent terms, scaling by constants, ``F.linear`` /
-``matmul`` (a linear layer with factorised Gaussian weights) and ``relu``.
+``matmul`` (a linear layer with factorised Gaussian weights, through
+:func:`lightning_dvi.moments.linear_moments`) and every activation of the registry
+(:mod:`lightning_dvi.nn.registry`), through its declared module's own ``propagate``.
 """
 
 from __future__ import annotations
@@ -17,20 +19,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import moments as M
+from ..nn.registry import spec_for_function
+from .dispatch import Handler, op_name, register, register_resolver, unsupported
 from .moment_tensor import (
-    _T,
     MomentTensor,
     SampledTensor,
     is_moment,
     new_like,
-    op_name,
-    register,
     sampled_weight_error,
     union_sources,
-    unsupported,
 )
 
 __all__ = ["expand_to"]
+
+_T = Tensor
 
 
 # ------------------------------------------------------------------------------- shape ops
@@ -125,15 +127,8 @@ def _cast(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Moment
 
 # ------------------------------------------------------------------------------ arithmetic
 def _needs_full_input(op: str, x: MomentTensor) -> Tensor:
-    """The full covariance of a full-mode layer input (exactly diagonal for independent units)."""
-    if x.dvi_cov is not None:
-        return x.dvi_cov
-    if x.dvi_marginal:
-        raise unsupported(
-            f"`{op}` on a tensor whose covariance an earlier shape op dropped",
-            "in mode='full' only ops on batch dimensions may precede a layer",
-        )
-    return torch.diag_embed(x.dvi_var)
+    """The full covariance of a full-mode input (exactly diagonal for independent units)."""
+    return M.skip_covariance(x.gaussian(op))
 
 
 def _as_tensor(x: Any, like: MomentTensor) -> Any:
@@ -233,18 +228,9 @@ def _linear_core(op: Any, x: Any, weight: Any, bias: Any, transpose: bool) -> Mo
     if w_var is None:
         w_var = torch.zeros_like(w_mean)
     b_mean, b_var = _param_moments(bias)
-    if not is_moment(x):
-        mean, var = M.linear_deterministic(x, w_mean, w_var, b_mean, b_var)
-        return new_like(like, mean, var, sources=sources, marginal=False)
-    if x.dvi_mode == "diag":
-        mean, var = M.linear_diag(x.dvi_mean, x.dvi_var, w_mean, w_var, b_mean, b_var)
-        return new_like(like, mean, var, sources=sources)
-    if x.dvi_cov is None and not x.dvi_marginal:  # independent units: the cheap exact product
-        mean, cov = M.linear_full_from_diag(x.dvi_mean, x.dvi_var, w_mean, w_var, b_mean, b_var)
-    else:
-        cov_in = _needs_full_input(op, x)
-        mean, cov = M.linear_full(x.dvi_mean, cov_in, w_mean, w_var, b_mean, b_var)
-    return new_like(like, mean, cov=cov, sources=sources, marginal=False)
+    h = x.gaussian(op) if is_moment(x) else x
+    out = M.linear_moments(h, w_mean, w_var, b_mean, b_var, mode=like.dvi_mode)
+    return MomentTensor.of(out, like.dvi_mode, sources)
 
 
 @register(F.linear)
@@ -259,12 +245,23 @@ def _matmul(func: Callable[..., Any], x: Any, weight: Any) -> MomentTensor:
     return _linear_core(func, x, weight, None, transpose=True)
 
 
-@register(torch.relu, F.relu, _T.relu)
-def _relu(func: Callable[..., Any], x: Any, inplace: bool = False) -> MomentTensor:
-    if inplace:
-        raise unsupported("in-place relu", "use relu(x), not relu_(x) or inplace=True")
-    if x.dvi_mode == "diag" or (x.dvi_cov is None and not x.dvi_marginal):
-        mean, var = M.relu_diag(x.dvi_mean, x.dvi_var)  # exact; independent units stay so
-        return new_like(x, mean, var)
-    mean, cov = M.relu_full(x.dvi_mean, _needs_full_input(op_name(func), x))
-    return new_like(x, mean, cov=cov)
+def _registered_activation(func: Callable[..., Any]) -> Handler | None:
+    """The rule for a torch function that a declared activation stands for (else ``None``)."""
+    spec = spec_for_function(func)
+    if spec is None:
+        return None
+
+    def activation(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
+        op = op_name(func)
+        if kwargs.pop("inplace", False):
+            raise unsupported(f"in-place `{op}`", "use f(x), not f_(x) or inplace=True")
+        if not is_moment(x) or any(is_moment(a) for a in (*args, *kwargs.values())):
+            raise unsupported(f"`{op}` with a moment-carrying tensor as an argument")
+        module = spec.build_from_call(*args, **kwargs)
+        out = module.propagate(x.gaussian(op), x.dvi_mode)
+        return MomentTensor.of(out, x.dvi_mode, x.dvi_sources)
+
+    return activation
+
+
+register_resolver(_registered_activation)

@@ -21,7 +21,8 @@ the last dimension, guide mode ``"full"``). In ``full`` mode a shape op that mix
 dimension with batch dimensions keeps only marginals and marks the result ``dvi_marginal``; a
 later ``F.linear``/``relu`` on such a tensor is refused instead of silently dropping covariance.
 
-The rules themselves live in :mod:`lightning_dvi.pyro.moment_rules`.
+The rules live in :mod:`lightning_dvi.pyro.moment_rules` and register themselves in the op
+table of :mod:`lightning_dvi.pyro.dispatch` (the package imports them).
 """
 
 from __future__ import annotations
@@ -31,23 +32,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import resolve_name
+
+from ..gaussian import Gaussian
+from .dispatch import LAYER_OPS, handler_for, op_name, unsupported
 
 __all__ = ["MomentTensor", "SampledTensor", "unsupported"]
-
-_Handler = Callable[..., Any]
-_HANDLERS: dict[Callable[..., Any], _Handler] = {}
-_HINT = (
-    "The DVI moment pass propagates (mean, variance) only through F.linear / nn.Linear, "
-    "matmul, relu, addition, scaling by constants and shape ops. Rewrite the model with these "
-    "(or with lightning_dvi.nn modules), or train it with pyro.infer.Trace_ELBO."
-)
-
-
-def unsupported(what: str, detail: str = "") -> NotImplementedError:
-    """The error raised for anything the moment pass cannot do exactly."""
-    text = f"{what} is not supported in a DVI moment pass"
-    return NotImplementedError(f"{text}{': ' + detail if detail else ''}. {_HINT}")
 
 
 class MomentTensor(Tensor):
@@ -117,17 +106,29 @@ class MomentTensor(Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        handler = _HANDLERS.get(func)
-        if handler is None:
-            raise unsupported(f"`{op_name(func)}` on a moment-carrying tensor")
-        return handler(func, *args, **kwargs)
+        return handler_for(func)(func, *args, **kwargs)
 
+    def gaussian(self, op: str) -> Gaussian:
+        """The :class:`~lightning_dvi.Gaussian` these moments stand for, as input to ``op``.
 
-def op_name(func: Callable[..., Any]) -> str:
-    try:
-        return resolve_name(func) or repr(func)
-    except Exception:  # pragma: no cover - resolve_name is best effort
-        return repr(func)
+        Diag storage for independent units (``diag`` mode, or exactly diagonal in ``full``).
+
+        Raises:
+            NotImplementedError: in ``full`` mode after a shape op dropped the covariance.
+        """
+        if self.dvi_cov is not None:
+            return Gaussian(self.dvi_mean, cov=self.dvi_cov, validate=False)
+        if self.dvi_mode == "full" and self.dvi_marginal:
+            raise unsupported(
+                f"`{op}` on a tensor whose covariance an earlier shape op dropped",
+                "in mode='full' only ops on batch dimensions may precede a layer",
+            )
+        return Gaussian(self.dvi_mean, var=self.dvi_var, validate=False)
+
+    @classmethod
+    def of(cls, g: Gaussian, mode: str, sources: Iterable[str]) -> MomentTensor:
+        """The moment tensor carrying the Gaussian ``g`` (all of its covariance is known)."""
+        return cls(g.mean, var=None if g.is_full else g.var, cov=g.cov, mode=mode, sources=sources)
 
 
 _T = Tensor
@@ -150,15 +151,6 @@ _METADATA = {
     _T.is_complex,
     _T.get_device,
 }
-
-
-def register(*funcs: Callable[..., Any]) -> Callable[[_Handler], _Handler]:
-    def deco(handler: _Handler) -> _Handler:
-        for f in funcs:
-            _HANDLERS[f] = handler
-        return handler
-
-    return deco
 
 
 def is_moment(x: object) -> bool:
@@ -237,8 +229,3 @@ def plain(x: Tensor) -> Tensor:
     with torch._C.DisableTorchFunctionSubclass():
         return x.as_subclass(Tensor)
 
-
-LAYER_OPS = frozenset({_T.__matmul__, _T.matmul, torch.matmul, torch.nn.functional.linear})
-
-# The rules register themselves on import; imported last because they use the names above.
-from . import moment_rules  # noqa: E402, F401

@@ -1,0 +1,117 @@
+r"""Layer moments as one interpreter: weight moments and input moments in, a Gaussian out.
+
+These functions pick the closed form (:mod:`.linear`, :mod:`.activations`, :mod:`.residual`)
+for the storage of the input and the mode, and are the only place that choice is made: the
+declared modules of :mod:`lightning_dvi.nn` and the Pyro moment pass both call them.
+
+Storage rule (shared by every front-end): in ``full`` mode a Gaussian whose covariance is
+*exactly* diagonal (a layer fed a deterministic input, and the activation after it) travels in
+diag storage, which skips the :math:`O(D^3)` work on zeros; ``diag`` mode drops covariances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..gaussian import Gaussian
+from .linear import linear_deterministic, linear_diag, linear_full, linear_full_from_diag
+from .residual import residual_diag, residual_full
+
+__all__ = ["activation_moments", "linear_moments", "residual_moments", "skip_covariance"]
+
+_Pair = tuple[Tensor, Tensor]
+
+
+def linear_moments(
+    x: Tensor | Gaussian,
+    w_loc: Tensor,
+    w_var: Tensor,
+    b_loc: Tensor | None = None,
+    b_var: Tensor | None = None,
+    *,
+    mode: str,
+) -> Gaussian:
+    r"""The Gaussian of :math:`a = hW^\top + b` with :math:`W_{kj}\sim\mathcal N(M_{kj}, V_{kj})`.
+
+    Args:
+        x: a deterministic input ``[..., D_in]`` (the output units are then independent:
+            diagonal covariance, exactly) or the input Gaussian.
+        w_loc: weight means :math:`M` ``[D_out, D_in]``.
+        w_var: weight variances :math:`V` ``[D_out, D_in]``.
+        b_loc: bias means ``[D_out]`` or ``None``.
+        b_var: bias variances ``[D_out]`` or ``None``.
+        mode: ``"full"`` (DVI) or ``"diag"`` (dDVI).
+
+    Returns:
+        The output Gaussian (diag storage when its covariance is exactly diagonal or in
+        ``diag`` mode).
+    """
+    if not isinstance(x, Gaussian):
+        mean, var = linear_deterministic(x, w_loc, w_var, b_loc, b_var)
+        return Gaussian(mean, var=var, validate=False)
+    if mode == "diag":
+        x = x.to_diag()
+    if x.is_full:
+        mean, cov = linear_full(x.mean, x.cov, w_loc, w_var, b_loc, b_var)  # type: ignore[arg-type]
+        return Gaussian(mean, cov=cov, validate=False)
+    if mode == "full":
+        mean, cov = linear_full_from_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
+        return Gaussian(mean, cov=cov, validate=False)
+    mean, var = linear_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
+    return Gaussian(mean, var=var, validate=False)
+
+
+def activation_moments(
+    x: Gaussian,
+    full: Callable[[Tensor, Tensor], _Pair],
+    diag: Callable[[Tensor, Tensor], _Pair],
+    *,
+    mode: str,
+) -> Gaussian:
+    r"""The Gaussian of :math:`h = f(a)` elementwise, from ``f``'s two closed forms.
+
+    Args:
+        x: the input Gaussian.
+        full: ``(mean, cov) -> (mean, cov)`` of ``f`` (e.g. :func:`.relu_full`).
+        diag: ``(mean, var) -> (mean, var)`` of ``f``, exact marginals (e.g. :func:`.relu_diag`).
+        mode: ``"full"`` or ``"diag"``.
+
+    A diag input in ``full`` mode has :math:`\rho = 0` exactly, so its output is diagonal too.
+    """
+    if mode == "diag":
+        x = x.to_diag()
+    if x.is_full:
+        mean, cov = full(x.mean, x.cov)  # type: ignore[arg-type]
+        return Gaussian(mean, cov=cov, validate=False)
+    mean, var = diag(x.mean, x.var)
+    return Gaussian(mean, var=var, validate=False)
+
+
+def skip_covariance(x: Gaussian) -> Tensor:
+    r""":math:`\operatorname{Cov}(a', a')` ``[..., D, D]``, the cross-covariance a skip starts from."""
+    return x.cov if x.is_full else torch.diag_embed(x.var)  # type: ignore[return-value]
+
+
+def residual_moments(x: Gaussian, delta: Gaussian, cross: Tensor) -> Gaussian:
+    r"""The Gaussian of :math:`a' + \delta` given :math:`X = \operatorname{Cov}(a', \delta)`.
+
+    Full storage of ``x`` gives :math:`\Sigma' + \Sigma_\delta + X + X^\top`; diag storage keeps
+    only the diagonal (:func:`.residual_diag`).
+
+    Raises:
+        ValueError: when the branch changed the width.
+    """
+    if delta.mean.shape[-1] != x.mean.shape[-1]:
+        raise ValueError(
+            f"Residual branch maps width {x.mean.shape[-1]} to {delta.mean.shape[-1]}; "
+            "a skip connection needs equal widths"
+        )
+    if x.is_full:
+        delta_cov = skip_covariance(delta)
+        mean, cov = residual_full(x.mean, x.cov, delta.mean, delta_cov, cross)  # type: ignore[arg-type]
+        return Gaussian(mean, cov=cov, validate=False)
+    mean, var = residual_diag(x.mean, x.var, delta.mean, delta.var, cross)
+    return Gaussian(mean, var=var, validate=False)
