@@ -9,6 +9,8 @@ of :mod:`lightning_dvi.likelihoods.functional`, which the DeterministicELBO uses
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyro.distributions as dist
 import torch
 from pyro.distributions import TorchDistribution, constraints
@@ -20,7 +22,16 @@ from ..likelihoods.functional import (
 )
 from .moment_tensor import MomentTensor, unsupported
 
-__all__ = ["Categorical", "HeteroscedasticGaussian"]
+__all__ = ["Categorical", "HeteroscedasticGaussian", "unwrap_independent"]
+
+
+def unwrap_independent(fn: Any) -> tuple[Any, int]:
+    """Strip ``Independent`` wrappers; return the base distribution and the dims they added."""
+    dims = 0
+    while isinstance(fn, torch.distributions.Independent):
+        dims += fn.reinterpreted_batch_ndims
+        fn = fn.base_dist
+    return fn, dims
 
 
 def _check_moments(name: str, x: MomentTensor) -> None:

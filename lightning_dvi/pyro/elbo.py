@@ -8,7 +8,7 @@ import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.infer.elbo import ELBO
-from pyro.infer.util import torch_item
+from pyro.infer.util import is_validation_enabled, torch_item
 from pyro.poutine.util import prune_subsample_sites
 from pyro.util import warn_if_nan
 from torch import Tensor
@@ -75,7 +75,7 @@ class DeterministicELBO(ELBO):
         guide_trace = poutine.trace(guide.moment_posteriors).get_trace(*args, **kwargs)
         weights = guide_trace.nodes["_RETURN"]["value"]
         hyper = None if self.prior is None else (self.prior.alpha, self.prior.beta)
-        messenger = MomentPassMessenger(weights, hyper)
+        messenger = MomentPassMessenger(weights, hyper, validate=is_validation_enabled())
         # Validation is off while moment tensors flow: distribution constructors would otherwise
         # run support checks (comparisons) on them, which they rightly refuse.
         with pyro.validation_enabled(False):

@@ -18,20 +18,12 @@ from pyro.poutine import get_mask
 from torch import Tensor
 from torch.distributions import biject_to
 
+from .distributions import unwrap_independent
 from .moment_tensor import MomentTensor
 
-__all__ = ["DeterministicGuide", "is_weight_prior", "unwrap_independent"]
+__all__ = ["DeterministicGuide", "is_weight_prior"]
 
 _MODES = ("diag", "full")
-
-
-def unwrap_independent(fn: Any) -> tuple[Any, int]:
-    """Strip ``Independent`` wrappers; return the base distribution and the dims they added."""
-    dims = 0
-    while isinstance(fn, torch.distributions.Independent):
-        dims += fn.reinterpreted_batch_ndims
-        fn = fn.base_dist
-    return fn, dims
 
 
 def is_weight_prior(fn: Any) -> bool:

@@ -25,9 +25,9 @@ from pyro.distributions.util import sum_rightmost
 from pyro.poutine.messenger import Messenger
 from torch import Tensor
 
-from ..likelihoods.functional import normal_expected_log_prob
+from ..likelihoods.functional import categorical_delta_expected_log_prob, normal_expected_log_prob
 from ..priors.functional import optimal_variance
-from .guide import unwrap_independent
+from .distributions import unwrap_independent
 from .moment_tensor import MomentTensor, SampledTensor, unsupported
 
 __all__ = ["MomentPassMessenger", "carries_moments"]
@@ -81,14 +81,20 @@ class MomentPassMessenger(Messenger):
             :meth:`~lightning_dvi.pyro.DeterministicGuide.moment_posteriors`.
         eb_hyper: ``(alpha, beta)`` of the empirical-Bayes inverse-gamma hyper-prior, or ``None``
             for the model's own priors.
+        validate: check observed values as Pyro's validation does (NaN/Inf, and a shape that
+            would broadcast the likelihood's batch shape), naming the site.
     """
 
     def __init__(
-        self, weights: Mapping[str, MomentTensor], eb_hyper: tuple[float, float] | None = None
+        self,
+        weights: Mapping[str, MomentTensor],
+        eb_hyper: tuple[float, float] | None = None,
+        validate: bool = True,
     ) -> None:
         super().__init__()
         self.weights = dict(weights)
         self.eb_hyper = eb_hyper
+        self.validate = validate
         self.visited: set[str] = set()
 
     def _pyro_sample(self, msg: dict) -> None:
@@ -96,7 +102,7 @@ class MomentPassMessenger(Messenger):
         if name in self.weights:
             self._weight_site(msg)
         elif msg["is_observed"]:
-            term = self._observed_term(name, msg["fn"])
+            term = self._observed_term(name, msg["fn"], msg["value"])
             if term is not None:
                 msg["fn"] = term
         elif carries_moments(msg["fn"]):
@@ -136,11 +142,36 @@ class MomentPassMessenger(Messenger):
         msg["done"] = True
 
     # ------------------------------------------------------------------ observed sites
-    def _observed_term(self, name: str, fn: Any) -> _SiteTerm | None:
+    def _observed_term(self, name: str, fn: Any, value: Any) -> _SiteTerm | None:
         if not carries_moments(fn):
             return None
+        if self.validate:
+            _check_observed(name, fn, value)
         expected = _expected_log_prob(name, fn)
         return _SiteTerm(expected, fn.batch_shape, fn.event_shape)
+
+
+def _check_observed(name: str, fn: Any, value: Any) -> None:
+    """What Trace_ELBO's validation would reject in ``log_prob``, named by site."""
+    if isinstance(value, MomentTensor):  # pyro.deterministic of the network output
+        return
+    where = f"Error while computing the expected log-likelihood at site {name!r}"
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{where}: obs must be a tensor, got {type(value).__name__}")
+    expected = fn.batch_shape + fn.event_shape
+    try:
+        broadcast = torch.broadcast_shapes(value.shape, expected)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != expected:
+        raise ValueError(
+            f"{where}: invalid obs shape {tuple(value.shape)} for a likelihood of batch shape "
+            f"{tuple(fn.batch_shape)} and event shape {tuple(fn.event_shape)}; it would "
+            f"broadcast to {broadcast and tuple(broadcast)} (e.g. y of shape [N, 1] against a "
+            "mean of shape [N]: pass y.squeeze(-1))"
+        )
+    if value.dtype.is_floating_point and not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{where}: obs contains NaN or Inf")
 
 
 def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
@@ -159,16 +190,37 @@ def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
     expected = getattr(fn, "expected_log_prob", None)
     if expected is not None:  # the library's moment-aware likelihoods
         return expected
+    if isinstance(fn, torch.distributions.Categorical):
+        logits = fn.__dict__.get("logits")
+        if isinstance(logits, MomentTensor) and logits.dvi_link == "log_softmax":
+            return categorical_expected_log_prob(name, logits)
     if isinstance(fn, torch.distributions.Normal):
-        loc, scale = fn.loc, fn.scale
-        if isinstance(scale, MomentTensor):
-            raise unsupported(
-                f"observed site {name!r}: a Normal whose scale depends on the network",
-                "use lightning_dvi.pyro.HeteroscedasticGaussian(outputs) for a learned noise",
-            )
-        return lambda y: normal_expected_log_prob(loc.dvi_mean, loc.dvi_var, y, scale * scale)
+        return _normal(name, fn.loc, fn.scale)
     raise unsupported(
         f"observed site {name!r} with a {type(fn).__name__} likelihood depending on the network",
-        "supported: Normal (fixed or latent scale), lightning_dvi.pyro.HeteroscedasticGaussian, "
-        "lightning_dvi.pyro.Categorical",
+        "supported: Normal (fixed or latent scale), "
+        "Categorical(logits=...), lightning_dvi.pyro.HeteroscedasticGaussian",
     )
+
+
+def categorical_expected_log_prob(name: str, logits: MomentTensor) -> Callable[[Tensor], Tensor]:
+    """The delta-method expected log-likelihood of Categorical logits (their moments)."""
+    if logits.dvi_mode == "full" and logits.dvi_marginal:
+        raise unsupported(
+            f"observed site {name!r}: Categorical logits whose covariance a shape op dropped",
+            "pass the network's [..., K] output directly",
+        )
+    cov = logits.dvi_var if logits.dvi_cov is None else logits.dvi_cov
+    return lambda y: categorical_delta_expected_log_prob(logits.dvi_mean, cov, y)
+
+
+def _normal(name: str, loc: Any, scale: Any) -> Callable[[Tensor], Tensor]:
+    if isinstance(loc, MomentTensor):
+        loc.check_unlinked(f"the mean of observed site {name!r}")
+    if isinstance(scale, MomentTensor):
+        raise unsupported(
+            f"observed site {name!r}: a Normal whose scale depends on the network",
+            "use lightning_dvi.pyro.HeteroscedasticGaussian(outputs) for a learned noise",
+        )
+    m_mean, m_var = (loc.dvi_mean, loc.dvi_var) if isinstance(loc, MomentTensor) else (loc, 0.0)
+    return lambda y: normal_expected_log_prob(m_mean, m_var, y, scale * scale)

@@ -138,6 +138,9 @@ def _as_tensor(x: Any, like: MomentTensor) -> Any:
 
 
 def _add_moments(op: str, a: Any, b: Any) -> MomentTensor:
+    for t in (a, b):
+        if is_moment(t):
+            t.check_unlinked(op)
     sources = union_sources(op, a, b)
     like = a if is_moment(a) else b
     a, b = _as_tensor(a, like), _as_tensor(b, like)
@@ -158,6 +161,7 @@ def _add_moments(op: str, a: Any, b: Any) -> MomentTensor:
 
 
 def _scale_moments(x: MomentTensor, c: Tensor | float) -> MomentTensor:
+    x.check_unlinked("scaling")
     c = torch.as_tensor(c, dtype=x.dvi_mean.dtype, device=x.dvi_mean.device)
     shape = torch.broadcast_shapes(x.shape, c.shape)
     x, c = expand_to(x, shape), c.expand(shape)  # type: ignore[assignment]
@@ -166,6 +170,7 @@ def _scale_moments(x: MomentTensor, c: Tensor | float) -> MomentTensor:
 
 
 def _neg(x: MomentTensor) -> MomentTensor:
+    x.check_unlinked("negation")
     return new_like(x, -x.dvi_mean, x.dvi_var, x.dvi_cov)
 
 
@@ -178,6 +183,8 @@ def _add(func: Callable[..., Any], a: Any, b: Any, *, alpha: float = 1) -> Momen
 
 @register(_T.__sub__, _T.sub, torch.sub)
 def _sub(func: Callable[..., Any], a: Any, b: Any, *, alpha: float = 1) -> MomentTensor:
+    if isinstance(b, _LogSumExp):  # logits - logits.logsumexp(-1, keepdim=True): Categorical
+        return b.normalise(a, alpha)
     b = _neg(b) if is_moment(b) else -torch.as_tensor(b)
     return _add(func, a, b, alpha=alpha)
 
@@ -265,3 +272,63 @@ def _registered_activation(func: Callable[..., Any]) -> Handler | None:
 
 
 register_resolver(_registered_activation)
+
+
+# ------------------------------------------------------------------- likelihood links
+# log_softmax of logits (dist.Categorical normalises its logits) is not Gaussian: the result
+# stands for log_softmax(a) (``dvi_link``), passes through shape ops only, and the Categorical
+# site integrates it (lightning_dvi.pyro.messenger).
+def _link(func: Callable[..., Any], x: Any, link: str) -> MomentTensor:
+    if not is_moment(x):
+        raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
+    x.check_unlinked(op_name(func))
+    return MomentTensor(
+        x.dvi_mean, x.dvi_var, x.dvi_cov, mode=x.dvi_mode, sources=x.dvi_sources,
+        marginal=x.dvi_marginal, link=link,
+    )
+
+
+@register(torch.exp, _T.exp, F.softplus, torch.sqrt, _T.sqrt)
+def _positive_link(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
+    raise unsupported(
+        f"`{op_name(func)}` on a moment-carrying tensor",
+        "for a learned observation noise, let the network output (mean, log variance) and "
+        "observe with lightning_dvi.pyro.HeteroscedasticGaussian(outputs) instead of "
+        "dist.Normal(mean, exp/softplus(...)): its expected log-likelihood is in closed form",
+    )
+
+
+def _last_dim(func: Callable[..., Any], x: Any, dim: Any) -> None:
+    if dim not in (-1, x.dim() - 1):
+        raise unsupported(f"`{op_name(func)}` over dim={dim!r}", "only the last (class) dimension")
+
+
+@register(F.log_softmax, _T.log_softmax, torch.log_softmax)
+def _log_softmax(func: Callable[..., Any], x: Any, dim: Any = None, *args: Any, **kw: Any) -> MomentTensor:
+    _last_dim(func, x, kw.pop("dim", dim))
+    if x.dvi_link == "log_softmax":
+        return x
+    return _link(func, x, "log_softmax")
+
+
+class _LogSumExp(MomentTensor):
+    """``x.logsumexp(-1, keepdim=True)``, only ever subtracted from ``x`` (Categorical's init)."""
+
+    dvi_of: MomentTensor
+
+    def normalise(self, a: Any, alpha: float) -> MomentTensor:
+        if a is not self.dvi_of or alpha != 1:
+            raise unsupported("`logsumexp` of moments other than in logits - logits.logsumexp(-1)")
+        return a if a.dvi_link == "log_softmax" else _link(_T.logsumexp, a, "log_softmax")
+
+
+@register(torch.logsumexp, _T.logsumexp)
+def _logsumexp(func: Callable[..., Any], x: Any, dim: Any, keepdim: bool = False) -> _LogSumExp:
+    _last_dim(func, x, dim)
+    if not keepdim:
+        raise unsupported("`logsumexp(keepdim=False)` of moments", "pass the logits to dist.Categorical")
+    with torch.no_grad():
+        mean = x.dvi_mean.logsumexp(-1, keepdim=True)
+    lse = _LogSumExp(mean, torch.zeros_like(mean), mode=x.dvi_mode, link="logsumexp")
+    lse.dvi_of = x
+    return lse

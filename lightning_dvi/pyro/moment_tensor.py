@@ -49,6 +49,9 @@ class MomentTensor(Tensor):
         dvi_mode: ``"diag"`` or ``"full"``, the guide's mode.
         dvi_sources: names of the weight sites this tensor depends on.
         dvi_marginal: in full mode, whether only marginals are known (covariance dropped).
+        dvi_link: ``None``, or ``"log_softmax"``: the tensor stands for that function of the
+            carried Gaussian (``dist.Categorical`` normalises its logits so). A linked tensor
+            only goes through shape ops, into the likelihood that integrates the link.
     """
 
     dvi_mean: Tensor
@@ -57,6 +60,7 @@ class MomentTensor(Tensor):
     dvi_mode: str
     dvi_sources: frozenset[str]
     dvi_marginal: bool
+    dvi_link: str | None
 
     @staticmethod
     def __new__(
@@ -68,6 +72,7 @@ class MomentTensor(Tensor):
         mode: str = "diag",
         sources: Iterable[str] = (),
         marginal: bool = False,
+        link: str | None = None,
     ) -> MomentTensor:
         """Wrap ``mean`` with its variances (or full covariance) and provenance."""
         mean, var, cov = (
@@ -84,6 +89,7 @@ class MomentTensor(Tensor):
             var = var.expand(mean.shape)
         obj.dvi_mean, obj.dvi_var, obj.dvi_cov = mean, var, cov
         obj.dvi_mode, obj.dvi_sources, obj.dvi_marginal = mode, frozenset(sources), marginal
+        obj.dvi_link = link
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -91,7 +97,8 @@ class MomentTensor(Tensor):
 
     def __repr__(self) -> str:
         kind = "cov" if self.dvi_cov is not None else "var"
-        return f"MomentTensor(shape={tuple(self.shape)}, {kind}, mode={self.dvi_mode!r})"
+        link = f", link={self.dvi_link!r}" if self.dvi_link else ""
+        return f"MomentTensor(shape={tuple(self.shape)}, {kind}, mode={self.dvi_mode!r}{link})"
 
     @classmethod
     def __torch_function__(
@@ -114,8 +121,10 @@ class MomentTensor(Tensor):
         Diag storage for independent units (``diag`` mode, or exactly diagonal in ``full``).
 
         Raises:
-            NotImplementedError: in ``full`` mode after a shape op dropped the covariance.
+            NotImplementedError: in ``full`` mode after a shape op dropped the covariance, or
+                on a linked tensor (see :meth:`check_unlinked`).
         """
+        self.check_unlinked(op)
         if self.dvi_cov is not None:
             return Gaussian(self.dvi_mean, cov=self.dvi_cov, validate=False)
         if self.dvi_mode == "full" and self.dvi_marginal:
@@ -124,6 +133,14 @@ class MomentTensor(Tensor):
                 "in mode='full' only ops on batch dimensions may precede a layer",
             )
         return Gaussian(self.dvi_mean, var=self.dvi_var, validate=False)
+
+    def check_unlinked(self, op: str) -> None:
+        """Refuse ``op`` on a tensor that stands for ``log_softmax`` of moments."""
+        if self.dvi_link is not None:
+            raise unsupported(
+                f"`{op}` on {self.dvi_link}(network output)",
+                f"{self.dvi_link} is integrated only by the dist.Categorical it is passed to",
+            )
 
     @classmethod
     def of(cls, g: Gaussian, mode: str, sources: Iterable[str]) -> MomentTensor:
@@ -172,6 +189,7 @@ def new_like(
         mode=like.dvi_mode,
         sources=like.dvi_sources if sources is None else sources,
         marginal=like.dvi_marginal if marginal is None else marginal,
+        link=like.dvi_link,
     )
 
 

@@ -1,0 +1,124 @@
+"""The Pyro front-end fails where Trace_ELBO fails, naming the site (issue 18, item 5)."""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule, PyroSample
+from torch import nn
+
+from lightning_dvi.pyro import Categorical, DeterministicELBO, DeterministicGuide
+
+pytestmark = pytest.mark.usefixtures("pyro_state")
+
+
+class Net(PyroModule):
+    def __init__(self, d_in=2, d_out=1):
+        super().__init__()
+        self.l1 = PyroModule[nn.Linear](d_in, 8)
+        self.l1.weight = PyroSample(dist.Normal(0.0, 1.0).expand([8, d_in]).to_event(2))
+        self.l1.bias = PyroSample(dist.Normal(0.0, 1.0).expand([8]).to_event(1))
+        self.l2 = PyroModule[nn.Linear](8, d_out)
+        self.l2.weight = PyroSample(dist.Normal(0.0, 1.0).expand([d_out, 8]).to_event(2))
+        self.l2.bias = PyroSample(dist.Normal(0.0, 1.0).expand([d_out]).to_event(1))
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+def regression(net):
+    def model(x, y=None):
+        mean = net(x).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, 0.5), obs=y)
+
+    return model
+
+
+def test_nan_in_obs_raises_naming_the_site_like_trace_elbo():
+    model = regression(Net())
+    x, y = torch.randn(10, 2), torch.randn(10)
+    y[3] = float("nan")
+    with pytest.raises(ValueError, match="site 'obs'"):  # Pyro's own behaviour
+        Trace_ELBO().loss(model, AutoNormal(model), x, y)
+    with pytest.raises(ValueError, match="site 'obs'.*NaN"):
+        DeterministicELBO().loss(model, DeterministicGuide(model), x, y)
+
+
+def test_obs_of_shape_n_by_1_against_a_mean_of_shape_n_raises():
+    model = regression(Net())
+    x, y = torch.randn(10, 2), torch.randn(10, 1)
+    with pytest.raises(ValueError, match="shape"):  # Pyro's own behaviour
+        Trace_ELBO().loss(model, AutoNormal(model), x, y)
+    with pytest.raises(ValueError, match=r"site 'obs'.*invalid obs shape \(10, 1\)"):
+        DeterministicELBO().loss(model, DeterministicGuide(model), x, y)
+
+
+def test_validation_can_be_switched_off_as_in_pyro():
+    model = regression(Net())
+    x, y = torch.randn(10, 2), torch.randn(10, 1)
+    with pyro.validation_enabled(False):
+        DeterministicELBO().loss(model, DeterministicGuide(model), x, y)  # broadcasts, as Pyro
+
+
+def classifier(net, likelihood):
+    def model(x, y=None):
+        logits = net(x)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", likelihood(logits=logits), obs=y)
+
+    return model
+
+
+@pytest.mark.parametrize("mode", ["diag", "full"])
+def test_plain_pyro_categorical_with_logits_works_in_the_moment_pass(mode):
+    net = Net(2, 3)
+    x, y = torch.randn(12, 2), torch.randint(0, 3, (12,))
+    plain, ours = classifier(net, dist.Categorical), classifier(net, Categorical)
+    guide = DeterministicGuide(plain, mode=mode, init_scale=0.3)
+    loss = DeterministicELBO().loss(plain, guide, x, y)
+    # The library's Categorical (the delta-method closed form) with the same posterior.
+    assert loss == pytest.approx(DeterministicELBO().loss(ours, guide, x, y), rel=1e-6)
+    svi = SVI(plain, guide, pyro.optim.Adam({"lr": 0.05}), DeterministicELBO())
+    losses = [svi.step(x, y) for _ in range(30)]
+    assert losses[-1] < losses[0]
+
+
+def test_log_softmax_logits_and_misuse_of_normalised_logits():
+    net = Net(2, 3)
+    x, y = torch.randn(12, 2), torch.randint(0, 3, (12,))
+
+    def model(x, y=None):
+        logits = torch.log_softmax(net(x), dim=-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+    guide = DeterministicGuide(model, init_scale=0.3)
+    ours = classifier(net, Categorical)
+    assert DeterministicELBO().loss(model, guide, x, y) == pytest.approx(
+        DeterministicELBO().loss(ours, guide, x, y), rel=1e-6
+    )
+
+    def misuse(x, y=None):
+        logits = net(x)
+        return (logits - logits.logsumexp(-1, keepdim=True)) * 2
+
+    with pytest.raises(NotImplementedError, match="log_softmax"):
+        DeterministicELBO().loss(misuse, DeterministicGuide(misuse), x, y)
+
+
+def test_exp_noise_scale_names_the_heteroscedastic_likelihood():
+    net = Net(2, 2)
+
+    def model(x, y=None):
+        out = net(x)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(out[..., 0], torch.exp(out[..., 1])), obs=y)
+
+    x, y = torch.randn(10, 2), torch.randn(10)
+    with pytest.raises(NotImplementedError, match="HeteroscedasticGaussian"):
+        DeterministicELBO().loss(model, DeterministicGuide(model), x, y)
