@@ -122,3 +122,23 @@ def test_exp_noise_scale_names_the_heteroscedastic_likelihood():
     x, y = torch.randn(10, 2), torch.randn(10)
     with pytest.raises(NotImplementedError, match="HeteroscedasticGaussian"):
         DeterministicELBO().loss(model, DeterministicGuide(model), x, y)
+
+
+def test_pyro_md_lightning_example_sets_module_local_params_first():
+    # issue 18 item 7: the Lightning-style example must run as written and set
+    # module_local_params before any PyroModule is built.
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "pyro.md").read_text()
+    section = doc[doc.index("Lightning style") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "before the model and the guide" in section[: section.index("```python")]
+    setting = code.index("pyro.settings.set(module_local_params=True)")
+    assert setting < code.index("PyroModule[") and setting < code.index("DeterministicGuide(")
+    namespace: dict = {}
+    try:
+        exec(compile(code, "docs/pyro.md", "exec"), namespace)
+    finally:
+        pyro.settings.set(module_local_params=False)
+    assert torch.isfinite(namespace["loss"])
