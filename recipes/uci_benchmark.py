@@ -282,9 +282,9 @@ def score(model: Any, x: Any, y_std: Any, mc_eval_samples: int) -> tuple[float, 
     y = y_std.double() * scale + loc
     with torch.no_grad():
         if model.mode in ("sample", "local"):
-            f = model.net(x, mode=model.mode, num_samples=mc_eval_samples)
-            log_p = model.likelihood.log_prob(f, y_std).double()  # [S, B], standardised units
-            ll = torch.logsumexp(log_p, 0) - math.log(mc_eval_samples) - math.log(scale)
+            f = model.net(x, mode=model.mode, num_samples=mc_eval_samples).double()
+            # the mixture density, standardised units -> original units (- log scale)
+            ll = model.likelihood.mixture_log_prob(f, y_std.double()) - math.log(scale)
             mean = f[..., 0].double().mean(0) * scale + loc
         else:
             mean, var = model.predictive(x)

@@ -183,8 +183,8 @@ class DVIRegressor(DVIModule):
         if isinstance(out, Gaussian):
             dist = self.likelihood.predictive(out)
             return dist.mean, dist.variance
-        # One Gaussian per network sample (zero output variance), then the mixture's moments.
-        per_sample = self.likelihood.predictive(Gaussian(out, var=torch.zeros_like(out)))
+        # p(y | f_s) per network sample, then the mixture's moments.
+        per_sample = self.likelihood.conditional(out)
         means, variances = per_sample.mean, per_sample.variance
         return means.mean(0), variances.mean(0) + means.var(0, correction=0)
 

@@ -15,11 +15,14 @@ __all__ = ["Likelihood"]
 class Likelihood(nn.Module):
     r"""Base class for observation models :math:`p(y\mid a^L)` on the network's last activations.
 
-    In the style of GPyTorch likelihoods: the base class supplies a generic Monte Carlo
-    :meth:`expected_log_prob` that only needs :meth:`log_prob`; subclasses override it in closed
-    form, and the tests compare the two.
+    In the style of GPyTorch likelihoods: a subclass states the conditional
+    :math:`p(y\mid f)` (:meth:`conditional`, a ``torch.distributions`` object), and everything
+    that needs a density at given outputs derives from it: :meth:`log_prob`, the generic Monte
+    Carlo :meth:`expected_log_prob` (which subclasses override in closed form, and the tests
+    compare the two), the Monte Carlo predictive density :meth:`mixture_log_prob` of the
+    sampling modes, and the Pyro sites.
 
-    Subclasses set :attr:`num_outputs` and implement :meth:`_log_prob`, :meth:`predictive`
+    Subclasses set :attr:`num_outputs` and implement :meth:`conditional`, :meth:`predictive`
     and, where the targets are not real numbers, :meth:`_check_values`.
 
     Args:
@@ -52,8 +55,31 @@ class Likelihood(nn.Module):
         return self._log_prob(f, self.validate_target(y, f))
 
     def _log_prob(self, f: Tensor, y: Tensor) -> Tensor:
-        """:meth:`log_prob` on already validated targets ``[B]``; subclasses implement this."""
+        """:meth:`log_prob` on already validated targets ``[B]``: the :meth:`conditional`'s."""
+        return self.conditional(f).log_prob(y)
+
+    def conditional(self, f: Tensor) -> torch.distributions.Distribution:
+        r"""The observation model :math:`p(y\mid f)` at network outputs ``f [..., B, D]``.
+
+        Returns:
+            A ``torch.distributions.Distribution`` with batch shape ``[..., B]`` (no checks on
+            ``f``: it is called on samples inside the hot loop).
+        """
         raise NotImplementedError
+
+    def mixture_log_prob(self, f: Tensor, y: Tensor) -> Tensor:
+        r"""Monte Carlo predictive log-density :math:`\log\frac1S\sum_s p(y\mid f_s)` per datum.
+
+        The predictive score of the sampling modes (MCVI): ``f [S, B, D]`` are network outputs
+        under ``S`` weight draws (``net(x, mode="sample", num_samples=S)``). This is the
+        log-density of the mixture itself, not of a Gaussian matched to its moments.
+
+        Returns:
+            ``[B]`` log-densities, in the units of ``y``.
+        """
+        if f.dim() < 3:
+            raise ValueError(f"mixture_log_prob needs samples [S, B, D], got {tuple(f.shape)}")
+        return torch.logsumexp(self.log_prob(f, y), 0) - math.log(f.shape[0])
 
     def predictive(self, out: Gaussian) -> torch.distributions.Distribution:
         """The (approximate) posterior predictive distribution, batch shape ``[B]``."""

@@ -74,6 +74,10 @@ class Categorical(Likelihood):
     def _cov(out: Gaussian) -> Tensor:
         return out.cov if out.is_full else out.var  # type: ignore[return-value]
 
+    def conditional(self, f: Tensor) -> torch.distributions.Categorical:
+        r""":math:`\operatorname{Cat}(\operatorname{softmax} f)` over the last dimension."""
+        return torch.distributions.Categorical(logits=f, validate_args=False)
+
     def _log_prob(self, f: Tensor, y: Tensor) -> Tensor:
         index = y.expand(f.shape[:-1]).unsqueeze(-1)
         return torch.log_softmax(f, dim=-1).gather(-1, index).squeeze(-1)

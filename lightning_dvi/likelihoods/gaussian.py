@@ -13,8 +13,6 @@ from .base import Likelihood
 
 __all__ = ["HeteroscedasticGaussian", "HomoscedasticGaussian"]
 
-_LOG_2PI = math.log(2 * math.pi)
-
 
 class HeteroscedasticGaussian(Likelihood):
     r"""Regression with a predicted noise level: outputs :math:`(m, \ell)`, :math:`y\sim\mathcal N(m, e^\ell)`.
@@ -67,9 +65,9 @@ class HeteroscedasticGaussian(Likelihood):
         var_m, var_l = out.var.unbind(-1)
         return mean_m, var_m, mean_l, var_l, None
 
-    def _log_prob(self, f: Tensor, y: Tensor) -> Tensor:
-        m, log_var = f[..., 0], f[..., 1]
-        return -0.5 * (_LOG_2PI + log_var + (y - m).square() * torch.exp(-log_var))
+    def conditional(self, f: Tensor) -> torch.distributions.Normal:
+        r""":math:`\mathcal N(m, e^\ell)` with ``m = f[..., 0]``, ``ℓ = f[..., 1]``."""
+        return torch.distributions.Normal(f[..., 0], (0.5 * f[..., 1]).exp(), validate_args=False)
 
     def expected_log_prob(self, out: Gaussian, y: Tensor, mc_samples: int | None = None) -> Tensor:
         r"""Closed form :math:`\mathbb E\log\mathcal N(y; m, e^\ell)` per datum, ``[B]``.
@@ -120,9 +118,10 @@ class HomoscedasticGaussian(Likelihood):
     def _log_var(self, like: Tensor) -> Tensor:
         return self.log_variance.to(dtype=like.dtype, device=like.device)
 
-    def _log_prob(self, f: Tensor, y: Tensor) -> Tensor:
-        log_var = self._log_var(f)
-        return -0.5 * (_LOG_2PI + log_var + (y - f[..., 0]).square() * torch.exp(-log_var))
+    def conditional(self, f: Tensor) -> torch.distributions.Normal:
+        r""":math:`\mathcal N(m, e^\lambda)` with ``m = f[..., 0]``."""
+        scale = (0.5 * self._log_var(f)).exp()
+        return torch.distributions.Normal(f[..., 0], scale, validate_args=False)
 
     def expected_log_prob(self, out: Gaussian, y: Tensor, mc_samples: int | None = None) -> Tensor:
         r"""Closed form :math:`-\tfrac12[\log 2\pi e^\lambda + ((y-\langle m\rangle)^2 + \Sigma_{mm})e^{-\lambda}]`, ``[B]``."""

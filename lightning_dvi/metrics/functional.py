@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor
 
+from ..likelihoods.functional import normal_expected_log_prob
+
 __all__ = [
     "categorical_brier",
     "categorical_nll",
@@ -23,7 +25,6 @@ __all__ = [
     "level_name",
 ]
 
-_LOG_2PI = math.log(2.0 * math.pi)
 _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -113,7 +114,7 @@ def gaussian_nll(mean: Tensor, var: Tensor, target: Tensor) -> Tensor:
     predictive scores a huge finite value instead of NaN.
     """
     var = var.clamp_min(torch.finfo(var.dtype).tiny)
-    return 0.5 * (_LOG_2PI + torch.log(var) + (target - mean) ** 2 / var)
+    return -normal_expected_log_prob(mean, torch.zeros_like(var), target, var)
 
 
 def gaussian_crps(mean: Tensor, var: Tensor, target: Tensor) -> Tensor:

@@ -1,14 +1,17 @@
 r"""Likelihoods for ``pyro.sample("obs", ..., obs=y)`` that also know their DVI expectation.
 
 Outside a moment pass these are ordinary Pyro distributions (sample, ``log_prob``,
-``Predictive``). When their parameters are :class:`~lightning_dvi.pyro.MomentTensor` outputs of
-a moment pass, :meth:`expected_log_prob` gives the closed-form :math:`\mathbb E_q\log p(y\mid f)`
-of :mod:`lightning_dvi.likelihoods.functional`, which the DeterministicELBO uses in place of
-``log_prob``. A plain ``dist.Normal(f, sigma)`` needs no wrapper: it is recognised directly.
+``Predictive``): the conditional :math:`p(y\mid f)` of the matching
+:mod:`lightning_dvi.likelihoods` class. When their parameters are
+:class:`~lightning_dvi.pyro.MomentTensor` outputs of a moment pass, :meth:`expected_log_prob`
+gives the closed-form :math:`\mathbb E_q\log p(y\mid f)` of
+:mod:`lightning_dvi.likelihoods.functional`, which the DeterministicELBO uses in place of
+``log_prob``. Plain ``dist.Normal(f, sigma)`` and ``dist.Categorical(logits=f)`` need no wrapper.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pyro.distributions as dist
@@ -16,13 +19,21 @@ import torch
 from pyro.distributions import TorchDistribution, constraints
 from torch import Tensor
 
+from .. import likelihoods
 from ..likelihoods.functional import (
     categorical_delta_expected_log_prob,
     heteroscedastic_expected_log_prob,
 )
 from .moment_tensor import MomentTensor, unsupported
 
-__all__ = ["Categorical", "HeteroscedasticGaussian", "unwrap_independent"]
+__all__ = [
+    "Categorical",
+    "HeteroscedasticGaussian",
+    "categorical_expected_log_prob",
+    "unwrap_independent",
+]
+
+_HETEROSCEDASTIC = likelihoods.HeteroscedasticGaussian()
 
 
 def unwrap_independent(fn: Any) -> tuple[Any, int]:
@@ -34,12 +45,19 @@ def unwrap_independent(fn: Any) -> tuple[Any, int]:
     return fn, dims
 
 
-def _check_moments(name: str, x: MomentTensor) -> None:
+def _gaussian(what: str, x: MomentTensor) -> Any:
     if x.dvi_mode == "full" and x.dvi_marginal:
         raise unsupported(
-            f"{name} on outputs whose covariance an earlier shape op dropped",
+            f"{what} on outputs whose covariance an earlier shape op dropped",
             "pass the network's [..., K] output directly",
         )
+    return x.dvi_mean, x.dvi_var if x.dvi_cov is None else x.dvi_cov
+
+
+def categorical_expected_log_prob(what: str, logits: MomentTensor) -> Callable[[Tensor], Tensor]:
+    """``y -> `` the delta-method expected log-likelihood of Gaussian logits (appendix B.4)."""
+    mean, cov = _gaussian(what, logits)
+    return lambda y: categorical_delta_expected_log_prob(mean, cov, y)
 
 
 class HeteroscedasticGaussian(TorchDistribution):
@@ -81,10 +99,10 @@ class HeteroscedasticGaussian(TorchDistribution):
             validate_args = False
         super().__init__(outputs.shape[:-1], torch.Size(), validate_args=validate_args)
 
-    def _normal(self) -> dist.Normal:
+    def _normal(self) -> torch.distributions.Normal:
         if isinstance(self.outputs, MomentTensor):
             raise unsupported("sampling or log_prob of a likelihood whose outputs are moments")
-        return dist.Normal(self.outputs[..., 0], (0.5 * self.outputs[..., 1]).exp())
+        return _HETEROSCEDASTIC.conditional(self.outputs)
 
     @property
     def mean(self) -> Tensor:
@@ -116,19 +134,20 @@ class HeteroscedasticGaussian(TorchDistribution):
         o = self.outputs
         if not isinstance(o, MomentTensor):
             return self.log_prob(value)
-        _check_moments("HeteroscedasticGaussian", o)
-        cov_ml = torch.zeros_like(o.dvi_var[..., 0]) if o.dvi_cov is None else o.dvi_cov[..., 0, 1]
-        mean, var = o.dvi_mean, o.dvi_var
+        mean, cov = _gaussian("HeteroscedasticGaussian", o)
+        cov_ml = torch.zeros_like(o.dvi_var[..., 0]) if o.dvi_cov is None else cov[..., 0, 1]
+        var = o.dvi_var
         return heteroscedastic_expected_log_prob(
             mean[..., 0], var[..., 0], mean[..., 1], var[..., 1], cov_ml, value
         )
 
 
 class Categorical(dist.Categorical):
-    r"""Pyro's Categorical; with moment-tensor ``logits``, also the DVI expected log-likelihood.
+    r"""Pyro's Categorical, with :meth:`expected_log_prob` for moment-tensor ``logits``.
 
-    In a moment pass the logits :math:`a \sim \mathcal N(\mu, C)` and the softmax likelihood is
-    integrated by the second-order delta method (paper appendix B.4):
+    A plain ``dist.Categorical(logits=...)`` works in a moment pass as well; this class adds
+    the method for direct use. The logits :math:`a \sim \mathcal N(\mu, C)` and the softmax
+    likelihood is integrated by the second-order delta method (paper appendix B.4):
 
     .. math::
         \mathbb E\log\operatorname{softmax}(a)_y \approx \mu_y - \operatorname{logsumexp}\mu
@@ -151,38 +170,18 @@ class Categorical(dist.Categorical):
     ) -> None:
         if isinstance(probs, MomentTensor):
             raise unsupported("Categorical(probs=...) on moments", "pass logits=network output")
-        self._moment_logits = logits if isinstance(logits, MomentTensor) else None
-        if self._moment_logits is None:
-            super().__init__(probs=probs, logits=logits, validate_args=validate_args)
-            return
-        self._num_events = logits.shape[-1]  # type: ignore[union-attr]
-        TorchDistribution.__init__(self, logits.shape[:-1], torch.Size(), validate_args=False)  # type: ignore[union-attr]
+        if isinstance(logits, MomentTensor):
+            validate_args = False  # support checks are comparisons, which moments refuse
+        super().__init__(probs=probs, logits=logits, validate_args=validate_args)
 
-    def expand(self, batch_shape: torch.Size, _instance: object = None) -> dist.Categorical:
+    def expand(self, batch_shape: torch.Size, _instance: Any = None) -> Categorical:
         """Broadcast the batch shape (moment logits keep their covariance)."""
-        shape = torch.Size(batch_shape)
-        if shape == self.batch_shape:
-            return self
-        logits = self.logits if self._moment_logits is None else self._moment_logits
-        return type(self)(logits=logits.expand((*shape, self._num_events)), validate_args=False)
-
-    def log_prob(self, value: Tensor) -> Tensor:
-        """Ordinary categorical log-probability (refused on moment logits)."""
-        if self._moment_logits is not None:
-            raise unsupported("log_prob of a Categorical with moment logits")
-        return super().log_prob(value)
-
-    def sample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
-        """Ordinary categorical draws (refused on moment logits)."""
-        if self._moment_logits is not None:
-            raise unsupported("sampling a Categorical with moment logits")
-        return super().sample(sample_shape)
+        new = type(self).__new__(type(self)) if _instance is None else _instance
+        return super().expand(batch_shape, _instance=new)
 
     def expected_log_prob(self, value: Tensor) -> Tensor:
         r"""Delta-method :math:`\mathbb E_q\log p(y\mid a)` (``log_prob`` for plain logits)."""
-        a = self._moment_logits
-        if a is None:
+        logits = self.__dict__.get("logits")
+        if not isinstance(logits, MomentTensor):
             return self.log_prob(value)
-        _check_moments("Categorical", a)
-        cov = a.dvi_var if a.dvi_cov is None else a.dvi_cov
-        return categorical_delta_expected_log_prob(a.dvi_mean, cov, value)
+        return categorical_expected_log_prob("Categorical", logits)(value)

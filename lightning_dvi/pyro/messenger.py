@@ -25,9 +25,9 @@ from pyro.distributions.util import sum_rightmost
 from pyro.poutine.messenger import Messenger
 from torch import Tensor
 
-from ..likelihoods.functional import categorical_delta_expected_log_prob, normal_expected_log_prob
+from ..likelihoods.functional import normal_expected_log_prob
 from ..priors.functional import optimal_variance
-from .distributions import unwrap_independent
+from .distributions import categorical_expected_log_prob, unwrap_independent
 from .moment_tensor import MomentTensor, SampledTensor, unsupported
 
 __all__ = ["MomentPassMessenger", "carries_moments"]
@@ -193,7 +193,7 @@ def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
     if isinstance(fn, torch.distributions.Categorical):
         logits = fn.__dict__.get("logits")
         if isinstance(logits, MomentTensor) and logits.dvi_link == "log_softmax":
-            return categorical_expected_log_prob(name, logits)
+            return categorical_expected_log_prob(f"observed site {name!r}: Categorical", logits)
     if isinstance(fn, torch.distributions.Normal):
         return _normal(name, fn.loc, fn.scale)
     raise unsupported(
@@ -201,17 +201,6 @@ def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
         "supported: Normal (fixed or latent scale), "
         "Categorical(logits=...), lightning_dvi.pyro.HeteroscedasticGaussian",
     )
-
-
-def categorical_expected_log_prob(name: str, logits: MomentTensor) -> Callable[[Tensor], Tensor]:
-    """The delta-method expected log-likelihood of Categorical logits (their moments)."""
-    if logits.dvi_mode == "full" and logits.dvi_marginal:
-        raise unsupported(
-            f"observed site {name!r}: Categorical logits whose covariance a shape op dropped",
-            "pass the network's [..., K] output directly",
-        )
-    cov = logits.dvi_var if logits.dvi_cov is None else logits.dvi_cov
-    return lambda y: categorical_delta_expected_log_prob(logits.dvi_mean, cov, y)
 
 
 def _normal(name: str, loc: Any, scale: Any) -> Callable[[Tensor], Tensor]:
