@@ -36,7 +36,9 @@ def test_log_prob_and_monte_carlo_expectation_derive_from_the_conditional():
     f = torch.randn(3, 6, 2, dtype=torch.float64)
     y = torch.randn(6, dtype=torch.float64)
     torch.testing.assert_close(lik.log_prob(f, y), lik.conditional(f).log_prob(y))
-    out = Gaussian(torch.randn(6, 2, dtype=torch.float64), var=torch.rand(6, 2, dtype=torch.float64))
+    out = Gaussian(
+        torch.randn(6, 2, dtype=torch.float64), var=torch.rand(6, 2, dtype=torch.float64)
+    )
     closed = lik.expected_log_prob(out, y)
     mc = super(HeteroscedasticGaussian, lik).expected_log_prob(out, y, mc_samples=200_000)
     torch.testing.assert_close(mc, closed, rtol=0, atol=0.02)

@@ -198,8 +198,9 @@ def import_graph() -> dict[str, set[str]]:
                     base = base.rpartition(".")[0]
                 module = node.module or ""
                 base = f"{base}.{module}".strip(".") if node.level else module
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
-                           for a in node.names]
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names
+                ]
             graph[name].update(t for t in targets if t in files and t != name)
     return graph
 
@@ -214,7 +215,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt):], nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -240,3 +241,16 @@ def test_import_graph_sees_relative_imports():
 
 def test_the_package_has_no_import_cycle():
     assert find_cycle(import_graph()) is None
+
+
+def test_adding_a_layer_page_runs_and_checks_against_monte_carlo():
+    import re
+
+    doc = (PACKAGE.parent / "docs" / "adding_a_layer.md").read_text()
+    namespace: dict = {}
+    try:
+        for block in re.findall(r"```python\n(.*?)```", doc, re.S):
+            exec(compile(block, "docs/adding_a_layer.md", "exec"), namespace)
+    finally:
+        R._SPECS.pop("doc_scaled_relu", None)
+    assert "fidelity" in namespace

@@ -45,7 +45,7 @@ def test_nan_in_obs_raises_naming_the_site_like_trace_elbo():
     y[3] = float("nan")
     with pytest.raises(ValueError, match="site 'obs'"):  # Pyro's own behaviour
         Trace_ELBO().loss(model, AutoNormal(model), x, y)
-    with pytest.raises(ValueError, match="site 'obs'.*NaN"):
+    with pytest.raises(ValueError, match=r"site 'obs'.*NaN"):
         DeterministicELBO().loss(model, DeterministicGuide(model), x, y)
 
 

@@ -79,9 +79,7 @@ class BayesModule(nn.Module):
             f"{type(self).__name__} cannot be used inside a Residual block (no cross-covariance rule)"
         )
 
-    def propagate_with_cross(
-        self, cross: Tensor, x: Gaussian, mode: str
-    ) -> tuple[Tensor, Moments]:
+    def propagate_with_cross(self, cross: Tensor, x: Gaussian, mode: str) -> tuple[Tensor, Moments]:
         r"""``(Cov(r, output), output)`` in one pass: :meth:`propagate_cross` and :meth:`propagate`.
 
         Containers override it so that a branch is walked once however deeply skip

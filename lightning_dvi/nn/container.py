@@ -62,9 +62,7 @@ class Sequential(BayesModule):
         """Carry a cross-covariance through the layers in order."""
         return self.propagate_with_cross(cross, x, mode)[0]
 
-    def propagate_with_cross(
-        self, cross: Tensor, x: Gaussian, mode: str
-    ) -> tuple[Tensor, Moments]:
+    def propagate_with_cross(self, cross: Tensor, x: Gaussian, mode: str) -> tuple[Tensor, Moments]:
         """The cross-covariance and the moments through the layers, in one walk."""
         h: Moments = x
         for layer in self.layers:
@@ -109,7 +107,9 @@ class Residual(BayesModule):
         if cross is not None:
             rows = cross.shape[-2]
             batch = torch.broadcast_shapes(cross.shape[:-2], own.shape[:-2])
-            own = torch.cat([cross.expand(*batch, *cross.shape[-2:]), own.expand(*batch, *own.shape[-2:])], -2)
+            own = torch.cat(
+                [cross.expand(*batch, *cross.shape[-2:]), own.expand(*batch, *own.shape[-2:])], -2
+            )
         stacked, delta = self.branch.propagate_with_cross(own, x, mode)
         if not isinstance(delta, Gaussian):
             raise ValueError("Residual branch must contain a BayesLinear layer")
@@ -121,9 +121,7 @@ class Residual(BayesModule):
         """``Cov(r, a' + delta) = Cov(r, a') + Cov(r, delta)``."""
         return self._skip(x, cross, mode)[0]
 
-    def propagate_with_cross(
-        self, cross: Tensor, x: Gaussian, mode: str
-    ) -> tuple[Tensor, Moments]:
+    def propagate_with_cross(self, cross: Tensor, x: Gaussian, mode: str) -> tuple[Tensor, Moments]:
         """The cross-covariance and the moments of ``a' + delta`` in one walk of the branch."""
         return self._skip(x, cross, mode)
 

@@ -283,8 +283,13 @@ def _link(func: Callable[..., Any], x: Any, link: str) -> MomentTensor:
         raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
     x.check_unlinked(op_name(func))
     return MomentTensor(
-        x.dvi_mean, x.dvi_var, x.dvi_cov, mode=x.dvi_mode, sources=x.dvi_sources,
-        marginal=x.dvi_marginal, link=link,
+        x.dvi_mean,
+        x.dvi_var,
+        x.dvi_cov,
+        mode=x.dvi_mode,
+        sources=x.dvi_sources,
+        marginal=x.dvi_marginal,
+        link=link,
     )
 
 
@@ -304,7 +309,9 @@ def _last_dim(func: Callable[..., Any], x: Any, dim: Any) -> None:
 
 
 @register(F.log_softmax, _T.log_softmax, torch.log_softmax)
-def _log_softmax(func: Callable[..., Any], x: Any, dim: Any = None, *args: Any, **kw: Any) -> MomentTensor:
+def _log_softmax(
+    func: Callable[..., Any], x: Any, dim: Any = None, *args: Any, **kw: Any
+) -> MomentTensor:
     _last_dim(func, x, kw.pop("dim", dim))
     if x.dvi_link == "log_softmax":
         return x
@@ -326,7 +333,9 @@ class _LogSumExp(MomentTensor):
 def _logsumexp(func: Callable[..., Any], x: Any, dim: Any, keepdim: bool = False) -> _LogSumExp:
     _last_dim(func, x, dim)
     if not keepdim:
-        raise unsupported("`logsumexp(keepdim=False)` of moments", "pass the logits to dist.Categorical")
+        raise unsupported(
+            "`logsumexp(keepdim=False)` of moments", "pass the logits to dist.Categorical"
+        )
     with torch.no_grad():
         mean = x.dvi_mean.logsumexp(-1, keepdim=True)
     lse = _LogSumExp(mean, torch.zeros_like(mean), mode=x.dvi_mode, link="logsumexp")

@@ -246,4 +246,3 @@ def plain(x: Tensor) -> Tensor:
         return x
     with torch._C.DisableTorchFunctionSubclass():
         return x.as_subclass(Tensor)
-
