@@ -1,10 +1,18 @@
-"""Lightning callbacks: ``lightning_dvi.callbacks.EmpiricalBayes`` and the plot callbacks.
+"""Lightning callbacks: ``lightning_dvi.callbacks.EmpiricalBayesRefresh`` and the plot callbacks.
 
-A stable import path for YAML configs (``class_path: lightning_dvi.callbacks.EmpiricalBayes``);
+A stable import path for YAML configs
+(``class_path: lightning_dvi.callbacks.EmpiricalBayesRefresh``; ``EmpiricalBayes`` is its
+deprecated former name);
 the implementations live in :mod:`lightning_dvi.lightning`.
 """
 
-from .lightning.callbacks import EmpiricalBayes
+from .lightning.callbacks import EmpiricalBayes, EmpiricalBayesRefresh
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
 
-__all__ = ["CalibrationPlot", "EmpiricalBayes", "PredictiveBandPlot", "ReliabilityDiagram"]
+__all__ = [
+    "CalibrationPlot",
+    "EmpiricalBayes",
+    "EmpiricalBayesRefresh",
+    "PredictiveBandPlot",
+    "ReliabilityDiagram",
+]

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-__all__ = ["Gaussian", "Mode", "validate_mode"]
+__all__ = ["MODES", "MOMENT_MODES", "MONTE_CARLO_MODES", "Gaussian", "Mode", "validate_mode"]
 
 Mode = Literal["full", "diag", "sample", "local"]
-_MODES = ("full", "diag", "sample", "local")
+"""How a declared network runs (the one definition; front-ends import it)."""
+MODES: tuple[str, ...] = get_args(Mode)
+MOMENT_MODES = ("full", "diag")
+"""The modes that propagate moments (a Gaussian out)."""
+MONTE_CARLO_MODES = ("sample", "local")
+"""The modes that draw samples (a tensor ``[S, B, D]`` out)."""
+_MODES = MODES
 
 
 def validate_mode(mode: str) -> str:

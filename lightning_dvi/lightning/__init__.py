@@ -1,6 +1,6 @@
 """Lightning front-end: LightningModules, the empirical-Bayes callback and plot callbacks."""
 
-from .callbacks import EmpiricalBayes
+from .callbacks import EmpiricalBayes, EmpiricalBayesRefresh
 from .classifier import DVIClassifier
 from .plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
 from .regressor import DVIRegressor
@@ -10,6 +10,7 @@ __all__ = [
     "DVIClassifier",
     "DVIRegressor",
     "EmpiricalBayes",
+    "EmpiricalBayesRefresh",
     "PredictiveBandPlot",
     "ReliabilityDiagram",
 ]

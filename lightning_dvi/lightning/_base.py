@@ -21,7 +21,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torchmetrics import MetricCollection
 
-from ..gaussian import Gaussian
+from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode  # noqa: F401 (Mode: re-exported)
 from ..likelihoods import Likelihood
 from ..nn import BayesLinear, BayesModule, bayes_layers, mlp
 from ..objective import ELBOTerms, KLSchedule, elbo
@@ -29,13 +29,11 @@ from ..priors import EmpiricalBayes, GaussianPrior, Prior
 
 __all__ = ["DVIModule", "logs_this_step"]
 
-Mode = Literal["full", "diag", "sample", "local"]
 Activation = Literal["relu", "heaviside"]
 PriorName = Literal["empirical_bayes", "gaussian"]
 EBMode = Literal["in_graph", "buffer"]
 
-_MODES = ("full", "diag", "sample", "local")
-_MC_MODES = ("sample", "local")
+_MODES, _MC_MODES = MODES, MONTE_CARLO_MODES
 
 
 def _check(condition: bool, message: str) -> None:

@@ -12,6 +12,8 @@ the prior computes :math:`s^*` inside every loss evaluation and the callback onl
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -22,7 +24,7 @@ from ..priors import EmpiricalBayes as EmpiricalBayesPrior
 from ..priors import named_parameter_groups
 from ._base import logs_this_step
 
-__all__ = ["EmpiricalBayes"]
+__all__ = ["EmpiricalBayes", "EmpiricalBayesRefresh"]
 
 
 def _non_negative_int(name: str, value: object, minimum: int = 0) -> int:
@@ -31,7 +33,7 @@ def _non_negative_int(name: str, value: object, minimum: int = 0) -> int:
     return value
 
 
-class EmpiricalBayes(Callback):
+class EmpiricalBayesRefresh(Callback):
     """Refresh empirical-Bayes prior variances on a schedule (buffer mode) and log them.
 
     The module must have ``net`` (a :mod:`lightning_dvi.nn` network) and ``prior`` attributes,
@@ -68,7 +70,7 @@ class EmpiricalBayes(Callback):
 
     Examples:
         >>> from lightning.pytorch import Trainer
-        >>> eb = EmpiricalBayes(every_n_steps=10, warmup_steps=100)
+        >>> eb = EmpiricalBayesRefresh(every_n_steps=10, warmup_steps=100)
         >>> trainer = Trainer(callbacks=[eb], logger=False)  # doctest: +SKIP
     """
 
@@ -91,12 +93,17 @@ class EmpiricalBayes(Callback):
 
     @property
     def state_key(self) -> str:
-        """Unique per schedule, so two instances with different schedules keep separate state."""
-        return self._generate_state_key(
-            every_n_steps=self.every_n_steps,
-            warmup_steps=self.warmup_steps,
-            freeze_after_steps=self.freeze_after_steps,
-        )
+        """Unique per schedule, so two instances with different schedules keep separate state.
+
+        Spelled with the callback's former name, so checkpoints written before the rename
+        restore into it.
+        """
+        schedule = {
+            "every_n_steps": self.every_n_steps,
+            "warmup_steps": self.warmup_steps,
+            "freeze_after_steps": self.freeze_after_steps,
+        }
+        return f"EmpiricalBayes{schedule!r}"
 
     # ------------------------------------------------------------------ schedule
     def should_refresh(self, step: int) -> bool:
@@ -174,3 +181,24 @@ class EmpiricalBayes(Callback):
         """Restore the counters saved by :meth:`state_dict`."""
         self.last_refresh_step = state_dict["last_refresh_step"]
         self.num_refreshes = int(state_dict["num_refreshes"])
+
+
+class EmpiricalBayes(EmpiricalBayesRefresh):
+    """Deprecated alias of :class:`EmpiricalBayesRefresh` (it shared its name with the prior
+    :class:`lightning_dvi.priors.EmpiricalBayes`); removed in the next release.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        warmup_steps: int = 0,
+        freeze_after_steps: int | None = None,
+        log: bool = True,
+    ) -> None:
+        warnings.warn(
+            "lightning_dvi.callbacks.EmpiricalBayes is deprecated and will be removed in the next "
+            "release; use lightning_dvi.callbacks.EmpiricalBayesRefresh (same arguments)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        super().__init__(every_n_steps, warmup_steps, freeze_after_steps, log)

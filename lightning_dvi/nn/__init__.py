@@ -26,6 +26,7 @@ __all__ = [
     "activation_specs",
     "bayes_layers",
     "mlp",
+    "named_parameter_groups",
     "parameter_groups",
     "register_activation",
 ]
@@ -38,6 +39,20 @@ def bayes_layers(module: nn.Module) -> Iterator[BayesLinear]:
             yield m
 
 
+def named_parameter_groups(module: nn.Module) -> list[tuple[str, ParameterGroup]]:
+    """Every prior group in ``module`` with a dotted name such as ``"layers.0.weight"``.
+
+    The one walk over parameter groups. Names follow ``module.named_modules()``, so they match
+    the state-dict keys of the layers.
+    """
+    return [
+        (f"{prefix}.{group.name}" if prefix else group.name, group)
+        for prefix, layer in module.named_modules()
+        if isinstance(layer, BayesLinear)
+        for group in layer.parameter_groups()
+    ]
+
+
 def parameter_groups(module: nn.Module) -> list[ParameterGroup]:
     """Every prior group (one per weight matrix, one per bias vector) inside ``module``."""
-    return [g for layer in bayes_layers(module) for g in layer.parameter_groups()]
+    return [group for _, group in named_parameter_groups(module)]

@@ -7,23 +7,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..nn import BayesLinear, ParameterGroup, parameter_groups
+from ..nn import ParameterGroup, named_parameter_groups, parameter_groups
 from .functional import gaussian_kl, grouped_gaussian_kl
 
 __all__ = ["GaussianPrior", "Prior", "named_parameter_groups"]
-
-
-def named_parameter_groups(net: nn.Module) -> list[tuple[str, ParameterGroup]]:
-    """Every prior group in ``net`` with a dotted name such as ``"layers.0.weight"``.
-
-    Names follow ``net.named_modules()``, so they match the state-dict keys of the layers.
-    """
-    named = []
-    for prefix, module in net.named_modules():
-        if isinstance(module, BayesLinear):
-            for group in module.parameter_groups():
-                named.append((f"{prefix}.{group.name}" if prefix else group.name, group))
-    return named
 
 
 class Prior(nn.Module):

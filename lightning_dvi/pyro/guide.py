@@ -18,12 +18,12 @@ from pyro.poutine import get_mask
 from torch import Tensor
 from torch.distributions import biject_to
 
+from ..gaussian import MOMENT_MODES
 from .distributions import unwrap_independent
 from .moment_tensor import MomentTensor
 
 __all__ = ["DeterministicGuide", "is_weight_prior"]
 
-_MODES = ("diag", "full")
 
 
 def is_weight_prior(fn: Any) -> bool:
@@ -79,7 +79,7 @@ class DeterministicGuide(AutoNormal):
         sampled_sites: Iterable[str] = (),
         create_plates: Callable[..., Any] | None = None,
     ) -> None:
-        if mode not in _MODES:
+        if mode not in MOMENT_MODES:
             raise ValueError(f"mode must be 'diag' or 'full', got {mode!r}")
         self.mode = mode
         self.sampled_sites = frozenset(sampled_sites)
