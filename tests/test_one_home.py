@@ -42,3 +42,48 @@ def test_empirical_bayes_callback_is_renamed_with_a_deprecated_alias():
     # checkpoints written under the old name restore into the new one
     assert old.state_key == new.state_key
     assert new.state_key.startswith("EmpiricalBayes{")
+
+
+def test_reliability_bins_live_in_metrics_and_reproduce_the_ece():
+    import numpy as np
+    import torch
+
+    from lightning_dvi.metrics import ClassificationMetrics
+    from lightning_dvi.metrics.functional import reliability_bins
+
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(2 * torch.randn(500, 4, generator=gen), -1).double()
+    target = torch.randint(0, 4, (500,), generator=gen)
+    metrics = ClassificationMetrics(4, n_bins=10).set_dtype(torch.float64)
+    metrics.update(probs, target)
+    bins = metrics["ece"].reliability_bins()
+    conf, hit = probs.max(-1).values, (probs.argmax(-1) == target).double()
+    index = np.minimum((conf.numpy() * 10).astype(int), 9)  # [b/10, (b+1)/10)
+    count = np.bincount(index, minlength=10)
+    np.testing.assert_array_equal(bins["count"].numpy(), count)
+    mean_conf = np.bincount(index, conf.numpy(), 10) / np.maximum(count, 1)
+    np.testing.assert_allclose(bins["confidence"].numpy(), mean_conf, rtol=1e-12)
+    ece = (bins["count"] / 500 * (bins["accuracy"] - bins["confidence"]).abs()).sum()
+    assert ece.item() == pytest.approx(metrics.compute()["ece"].item(), abs=1e-6)  # float32 ECE
+    again = reliability_bins(conf, hit, 10)
+    torch.testing.assert_close(again["accuracy"], bins["accuracy"])
+
+
+def test_dead_public_names_are_deprecated_not_deleted():
+    import numpy as np
+    import torch
+    from scipy import stats
+
+    from lightning_dvi import metrics, moments
+
+    x = torch.linspace(-5, 5, 11, dtype=torch.float64)
+    with pytest.warns(DeprecationWarning, match="soft_relu"):
+        sr = moments.soft_relu(x)
+    ref = stats.norm.pdf(x.numpy()) + x.numpy() * stats.norm.cdf(x.numpy())
+    np.testing.assert_allclose(sr.numpy(), ref, rtol=1e-10, atol=1e-300)
+    with pytest.warns(DeprecationWarning, match="min_variance"):
+        assert moments.min_variance(torch.float64) == 1e-30
+    with pytest.warns(DeprecationWarning, match="RegressionMetrics"):
+        assert isinstance(metrics.regression_metrics(), metrics.RegressionMetrics)
+    with pytest.warns(DeprecationWarning, match="ClassificationMetrics"):
+        assert isinstance(metrics.classification_metrics(3), metrics.ClassificationMetrics)

@@ -13,7 +13,6 @@ the prior computes :math:`s^*` inside every loss evaluation and the callback onl
 from __future__ import annotations
 
 import warnings
-
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -184,8 +183,9 @@ class EmpiricalBayesRefresh(Callback):
 
 
 class EmpiricalBayes(EmpiricalBayesRefresh):
-    """Deprecated alias of :class:`EmpiricalBayesRefresh` (it shared its name with the prior
-    :class:`lightning_dvi.priors.EmpiricalBayes`); removed in the next release.
+    """Deprecated alias of :class:`EmpiricalBayesRefresh`; removed in the next release.
+
+    Renamed because it shared its name with the prior :class:`lightning_dvi.priors.EmpiricalBayes`.
     """
 
     def __init__(

@@ -7,7 +7,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 from torchmetrics import MetricCollection
-from torchmetrics.utilities import dim_zero_cat
 
 from ..gaussian import Gaussian
 from ..likelihoods import Categorical
@@ -140,24 +139,5 @@ class DVIClassifier(DVIModule):
         metrics.update(self.predict_proba(x), y.long())
 
     def _curve(self, metrics: MetricCollection) -> dict[str, Tensor]:
-        """Reliability-diagram bins from the ECE metric's (synced) confidences and hits."""
-        ece = metrics["ece"]
-        with ece.sync_context(should_sync=ece._to_sync):
-            confidence = dim_zero_cat(ece.confidences).double()
-            accuracy = dim_zero_cat(ece.accuracies).double()
-        edges = torch.linspace(
-            0.0, 1.0, self.ece_bins + 1, dtype=torch.float64, device=confidence.device
-        )
-        # Bins are [lo, hi), as in torchmetrics' ECE; a confidence of exactly 1 joins the last bin.
-        index = (torch.bucketize(confidence, edges, right=True) - 1).clamp(0, self.ece_bins - 1)
-        count = torch.zeros(self.ece_bins, dtype=torch.float64, device=confidence.device)
-        count.index_add_(0, index, torch.ones_like(confidence))
-        conf_sum = torch.zeros_like(count).index_add_(0, index, confidence)
-        acc_sum = torch.zeros_like(count).index_add_(0, index, accuracy)
-        safe = count.clamp_min(1)
-        return {
-            "bin_edges": edges,
-            "count": count,
-            "confidence": conf_sum / safe,
-            "accuracy": acc_sum / safe,
-        }
+        """Reliability-diagram bins of the ECE metric (synced across processes)."""
+        return metrics["ece"].reliability_bins()

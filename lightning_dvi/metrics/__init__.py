@@ -10,6 +10,7 @@ from .classification import (
     BrierScore,
     ClassificationMetrics,
     ClassificationNLL,
+    ExpectedCalibrationError,
     classification_metrics,
 )
 from .regression import (
@@ -28,6 +29,7 @@ __all__ = [
     "BrierScore",
     "ClassificationMetrics",
     "ClassificationNLL",
+    "ExpectedCalibrationError",
     "GaussianCRPS",
     "GaussianNLL",
     "IntervalCoverage",

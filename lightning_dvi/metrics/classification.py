@@ -8,16 +8,29 @@ the NLL and the Brier score with sum states, and a collection that validates inp
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
+from torchmetrics.utilities import dim_zero_cat
 
-from .functional import categorical_brier, categorical_nll, check_probabilities
+from .functional import (
+    categorical_brier,
+    categorical_nll,
+    check_probabilities,
+    reliability_bins,
+)
 
-__all__ = ["BrierScore", "ClassificationMetrics", "ClassificationNLL", "classification_metrics"]
+__all__ = [
+    "BrierScore",
+    "ClassificationMetrics",
+    "ClassificationNLL",
+    "ExpectedCalibrationError",
+    "classification_metrics",
+]
 
 
 class _MeanOfClassScores(Metric):
@@ -93,6 +106,29 @@ class BrierScore(_MeanOfClassScores):
         return categorical_brier(probs, target)
 
 
+class ExpectedCalibrationError(MulticlassCalibrationError):
+    """torchmetrics' top-label L1 calibration error, plus its reliability-diagram bins.
+
+    Args:
+        num_classes: number of classes ``K``.
+        n_bins: confidence bins.
+        **kwargs: passed to ``MulticlassCalibrationError``.
+    """
+
+    def __init__(self, num_classes: int, n_bins: int = 15, **kwargs: Any) -> None:
+        super().__init__(num_classes, n_bins=n_bins, norm="l1", **kwargs)
+
+    def reliability_bins(self) -> dict[str, Tensor]:
+        """:func:`~lightning_dvi.metrics.functional.reliability_bins` of every update so far.
+
+        Synchronised across processes (as ``compute()`` is, when ``sync_on_compute``).
+        """
+        with self.sync_context(should_sync=self.sync_on_compute):
+            confidence = dim_zero_cat(self.confidences)
+            accuracy = dim_zero_cat(self.accuracies)
+        return reliability_bins(confidence, accuracy, self.n_bins)
+
+
 class ClassificationMetrics(MetricCollection):
     """Accuracy, NLL, Brier score and ECE in one collection, updated with ``(probs, target)``.
 
@@ -123,9 +159,7 @@ class ClassificationMetrics(MetricCollection):
                 "acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False),
                 "nll": ClassificationNLL(validate_args=False),
                 "brier": BrierScore(validate_args=False),
-                "ece": MulticlassCalibrationError(
-                    num_classes, n_bins=n_bins, norm="l1", validate_args=False
-                ),
+                "ece": ExpectedCalibrationError(num_classes, n_bins=n_bins, validate_args=False),
             },
             prefix=prefix or None,
             compute_groups=False,
@@ -156,5 +190,11 @@ class ClassificationMetrics(MetricCollection):
 def classification_metrics(
     num_classes: int, prefix: str = "", **kwargs: Any
 ) -> ClassificationMetrics:
-    """Shorthand for :class:`ClassificationMetrics` (``kwargs`` go to its constructor)."""
+    """Deprecated shorthand for :class:`ClassificationMetrics`; removed in the next release."""
+    warnings.warn(
+        "lightning_dvi.metrics.classification_metrics() is deprecated and will be removed in the next release; "
+        "use ClassificationMetrics(...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return ClassificationMetrics(num_classes, prefix=prefix, **kwargs)

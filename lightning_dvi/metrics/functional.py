@@ -23,6 +23,7 @@ __all__ = [
     "gaussian_crps",
     "gaussian_nll",
     "level_name",
+    "reliability_bins",
 ]
 
 _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
@@ -176,6 +177,37 @@ def categorical_brier(probs: Tensor, target: Tensor) -> Tensor:
     r"""Per-point Brier score :math:`\sum_k (p_k - [y = k])^2` (summed over classes, in [0, 2])."""
     one_hot = torch.nn.functional.one_hot(target.long(), probs.shape[-1]).to(probs)
     return ((probs - one_hot) ** 2).sum(dim=-1)
+
+
+def reliability_bins(confidence: Tensor, accuracy: Tensor, n_bins: int) -> dict[str, Tensor]:
+    r"""Reliability-diagram bins of top-label confidences and hits.
+
+    Bins are :math:`[b/n, (b+1)/n)`, as in torchmetrics' ECE (a confidence of exactly 1 joins
+    the last bin). The ECE is :math:`\sum_b \frac{n_b}{N}|\bar a_b - \bar c_b|` over them.
+
+    Args:
+        confidence: top-label probabilities ``[N]``.
+        accuracy: whether the top label was right, ``[N]`` (0/1).
+        n_bins: number of equal-width bins on [0, 1].
+
+    Returns:
+        ``bin_edges [n_bins + 1]``, ``count``, mean ``confidence`` and mean ``accuracy`` per
+        bin (``[n_bins]`` each, float64; empty bins hold 0).
+    """
+    confidence, accuracy = confidence.double(), accuracy.double()
+    edges = torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64, device=confidence.device)
+    index = (torch.bucketize(confidence, edges, right=True) - 1).clamp(0, n_bins - 1)
+    count = torch.zeros(n_bins, dtype=torch.float64, device=confidence.device)
+    count.index_add_(0, index, torch.ones_like(confidence))
+    conf_sum = torch.zeros_like(count).index_add_(0, index, confidence)
+    acc_sum = torch.zeros_like(count).index_add_(0, index, accuracy)
+    safe = count.clamp_min(1)
+    return {
+        "bin_edges": edges,
+        "count": count,
+        "confidence": conf_sum / safe,
+        "accuracy": acc_sum / safe,
+    }
 
 
 def level_name(level: float) -> str:

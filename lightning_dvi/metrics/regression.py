@@ -16,6 +16,7 @@ predictive variance.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -339,5 +340,11 @@ class RegressionMetrics(MetricCollection):
 
 
 def regression_metrics(prefix: str = "", **kwargs: Any) -> RegressionMetrics:
-    """Shorthand for :class:`RegressionMetrics` (``kwargs`` go to its constructor)."""
+    """Deprecated shorthand for :class:`RegressionMetrics`; removed in the next release."""
+    warnings.warn(
+        "lightning_dvi.metrics.regression_metrics() is deprecated and will be removed in the next release; "
+        "use RegressionMetrics(...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return RegressionMetrics(prefix=prefix, **kwargs)

@@ -50,7 +50,6 @@ _SQRT_HALF = math.sqrt(0.5)
 _SQRT_HALF_PI = math.sqrt(0.5 * math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 INV_2PI = 1.0 / (2.0 * math.pi)
-_MU_CLAMP = 1e3
 
 
 def floors(dtype: torch.dtype) -> tuple[float, float, float, float]:

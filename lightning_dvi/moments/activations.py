@@ -36,6 +36,7 @@ diagonal output covariance), so values and gradients stay finite there.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -67,12 +68,17 @@ _MU_CLAMP = 1e3
 
 
 def min_variance(dtype: torch.dtype) -> float:
-    """The variance floor used before dividing by a standard deviation."""
-    return 1e-30 if dtype == torch.float64 else 1e-24
+    """Deprecated: the variance floor, ``floors(dtype)[0]`` of :mod:`._relu` (its one home)."""
+    warnings.warn(
+        "lightning_dvi.moments.min_variance is deprecated and will be removed in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return floors(dtype)[0]
 
 
 def _standardise(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
-    sd = var.clamp_min(min_variance(var.dtype)).sqrt()
+    sd = var.clamp_min(floors(var.dtype)[0]).sqrt()
     return sd, mean / sd
 
 
@@ -102,8 +108,8 @@ def relu_diag(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
 def relu_slope(mean: Tensor, var: Tensor) -> Tensor:
     r""":math:`E[\mathrm{relu}'(a)] = \Phi(\mu)`, the slope used for skip connections.
 
-    By Stein's lemma :math:`\operatorname{Cov}(x, \mathrm{relu}(a)) = \operatorname{Cov}(x, a)\,\Phi(\mu)` for jointly
-    Gaussian :math:`(x, a)` (used for skip connections).
+    By Stein's lemma :math:`\operatorname{Cov}(x, \mathrm{relu}(a)) =
+    \operatorname{Cov}(x, a)\,\Phi(\mu)` for jointly Gaussian :math:`(x, a)`.
     """
     _, mu = _standardise(mean, var)
     return normal_cdf(mu)
@@ -118,6 +124,10 @@ def relu_full(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
     \frac{\rho^2 G}{2\pi}\exp[-\beta(\mu_j^2+\mu_l^2) + \gamma\mu_j\mu_l]` with
     :math:`G = g_r/\rho`, :math:`\beta = 1/(2G(1+\bar\rho))`, :math:`\gamma = \rho\,h(\rho)/G`,
     :math:`h(\rho) = (\arcsin\rho - \rho)/\rho^3`.
+
+    The off-diagonal block is evaluated by :func:`._relu_cov.relu_cov` on the upper triangle,
+    block by block, with a closed-form backward pass; :math:`\mu` is clamped to
+    :math:`\pm 10^3`, beyond which the correction underflows to exactly zero anyway.
 
     Args:
         mean: ``[..., D]``.

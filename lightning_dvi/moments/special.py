@@ -7,6 +7,7 @@ All functions are elementwise and differentiable; ratios with removable singular
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -44,19 +45,20 @@ def normal_pdf(x: Tensor) -> Tensor:
 
 
 def soft_relu(x: Tensor) -> Tensor:
-    r"""The paper's "soft ReLU" :math:`SR(x) = \phi(x) + x\Phi(x) = E[\max(0, x + \epsilon)]`.
+    r"""Deprecated (unused): the paper's soft ReLU :math:`SR(x) = \phi(x) + x\Phi(x)`.
 
-    For :math:`x < 0` it is evaluated as :math:`\phi(x)\,[1 + x R(x)]` with the Mills ratio
-    :math:`R(x) = \Phi(x)/\phi(x) = \sqrt{\pi/2}\,\operatorname{erfcx}(-x/\sqrt2)`, which avoids
-    subtracting two nearly equal numbers in the lower tail.
+    It is the mean of :func:`lightning_dvi.moments.relu_diag` at unit variance, which is where
+    the formula lives; removed in the next release.
     """
-    pos = x >= 0
-    x_neg = torch.where(pos, torch.zeros_like(x), x)
-    mills = math.sqrt(math.pi / 2) * torch.special.erfcx(-x_neg * _SQRT_HALF)
-    neg_val = normal_pdf(x_neg) * (1 + x_neg * mills)
-    x_pos = torch.where(pos, x, torch.zeros_like(x))
-    pos_val = normal_pdf(x_pos) + x_pos * normal_cdf(x_pos)
-    return torch.where(pos, pos_val, neg_val).clamp_min(0)
+    warnings.warn(
+        "lightning_dvi.moments.soft_relu is deprecated and will be removed in the next release; "
+        "use relu_diag(x, torch.ones_like(x))[0]",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    from .activations import relu_diag
+
+    return relu_diag(x, torch.ones_like(x))[0]
 
 
 def clip_correlation(rho: Tensor, eps: float | None = None) -> Tensor:

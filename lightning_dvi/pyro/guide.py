@@ -25,7 +25,6 @@ from .moment_tensor import MomentTensor
 __all__ = ["DeterministicGuide", "is_weight_prior"]
 
 
-
 def is_weight_prior(fn: Any) -> bool:
     """A site is a *weight site* when its prior is a (batched, ``to_event``'d) Normal."""
     base, _ = unwrap_independent(fn)
