@@ -188,17 +188,11 @@ class EmpiricalBayes(EmpiricalBayesRefresh):
     Renamed because it shared its name with the prior :class:`lightning_dvi.priors.EmpiricalBayes`.
     """
 
-    def __init__(
-        self,
-        every_n_steps: int = 1,
-        warmup_steps: int = 0,
-        freeze_after_steps: int | None = None,
-        log: bool = True,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         warnings.warn(
             "lightning_dvi.callbacks.EmpiricalBayes is deprecated and will be removed in the next "
             "release; use lightning_dvi.callbacks.EmpiricalBayesRefresh (same arguments)",
             FutureWarning,
             stacklevel=2,
         )
-        super().__init__(every_n_steps, warmup_steps, freeze_after_steps, log)
+        super().__init__(*args, **kwargs)

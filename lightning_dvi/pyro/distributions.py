@@ -20,20 +20,16 @@ from pyro.distributions import TorchDistribution, constraints
 from torch import Tensor
 
 from .. import likelihoods
-from ..likelihoods.functional import (
-    categorical_delta_expected_log_prob,
-    heteroscedastic_expected_log_prob,
-)
+from ..likelihoods.functional import categorical_delta_expected_log_prob
 from .moment_tensor import MomentTensor, unsupported
 
 __all__ = [
     "Categorical",
     "HeteroscedasticGaussian",
+    "LikelihoodSite",
     "categorical_expected_log_prob",
     "unwrap_independent",
 ]
-
-_HETEROSCEDASTIC = likelihoods.HeteroscedasticGaussian()
 
 
 def unwrap_independent(fn: Any) -> tuple[Any, int]:
@@ -60,12 +56,81 @@ def categorical_expected_log_prob(what: str, logits: MomentTensor) -> Callable[[
     return lambda y: categorical_delta_expected_log_prob(mean, cov, y)
 
 
-class HeteroscedasticGaussian(TorchDistribution):
+class LikelihoodSite(TorchDistribution):
+    r"""A :mod:`lightning_dvi.likelihoods` likelihood as the distribution of an observed site.
+
+    Outside a moment pass it is the likelihood's conditional :math:`p(y\mid f)`
+    (:meth:`~lightning_dvi.likelihoods.Likelihood.conditional`: sampling, ``log_prob``,
+    ``Predictive``); on moment-tensor outputs, :meth:`expected_log_prob` is the likelihood's
+    closed form on their Gaussian. Subclasses set :attr:`likelihood`.
+
+    Args:
+        outputs: network outputs ``[..., D]``; batch shape ``outputs.shape[:-1]``.
+        validate_args: as for torch distributions.
+    """
+
+    arg_constraints = {"outputs": constraints.real}  # noqa: RUF012
+    support = constraints.real
+    has_rsample = True
+    likelihood: likelihoods.Likelihood
+
+    def __init__(self, outputs: Tensor, validate_args: bool | None = None) -> None:
+        d = self.likelihood.num_outputs
+        if outputs.dim() < 1 or outputs.shape[-1] != d:
+            raise ValueError(
+                f"{type(self).__name__} needs outputs [..., {d}], got {tuple(outputs.shape)}"
+            )
+        self.outputs = outputs
+        if isinstance(outputs, MomentTensor):
+            validate_args = False
+        super().__init__(outputs.shape[:-1], torch.Size(), validate_args=validate_args)
+
+    def _conditional(self) -> torch.distributions.Distribution:
+        if isinstance(self.outputs, MomentTensor):
+            raise unsupported("sampling or log_prob of a likelihood whose outputs are moments")
+        return self.likelihood.conditional(self.outputs)
+
+    @property
+    def mean(self) -> Tensor:
+        """Mean of the conditional."""
+        return self._conditional().mean
+
+    @property
+    def variance(self) -> Tensor:
+        """Variance of the conditional."""
+        return self._conditional().variance
+
+    def rsample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
+        """Reparameterised draws of ``y``."""
+        return self._conditional().rsample(sample_shape)
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        r""":math:`\log p(y\mid f)`."""
+        return self._conditional().log_prob(value)
+
+    def expand(self, batch_shape: torch.Size, _instance: object = None) -> LikelihoodSite:
+        """Broadcast the outputs (moment tensors keep their covariance)."""
+        shape = torch.Size(batch_shape)
+        if shape == self.batch_shape:
+            return self
+        outputs = self.outputs.expand((*shape, self.outputs.shape[-1]))
+        return type(self)(outputs, validate_args=False)
+
+    def expected_log_prob(self, value: Tensor) -> Tensor:
+        r""":math:`\mathbb E_q\log p(y\mid f)` in closed form (``log_prob`` for plain outputs)."""
+        if not isinstance(self.outputs, MomentTensor):
+            return self.log_prob(value)
+        out = self.outputs.gaussian(type(self).__name__)
+        return self.likelihood.expected_log_prob(out, value)
+
+
+class HeteroscedasticGaussian(LikelihoodSite):
     r"""Gaussian observation with a learned noise: :math:`y \sim \mathcal N(m, e^{\ell})`.
 
     ``outputs[..., 0]`` is the mean :math:`m` and ``outputs[..., 1]`` the log noise variance
     :math:`\ell`, i.e. a network with two outputs, as in the paper's heteroscedastic regression.
-    In a moment pass, with :math:`(m, \ell)` Gaussian,
+    In a moment pass, with :math:`(m, \ell)` Gaussian, the expected log-likelihood is
+    :meth:`lightning_dvi.likelihoods.HeteroscedasticGaussian.expected_log_prob`,
 
     .. math::
         \mathbb E\log p(y) = -\tfrac12\Big[\log 2\pi + \langle\ell\rangle
@@ -75,7 +140,7 @@ class HeteroscedasticGaussian(TorchDistribution):
     (:math:`\Sigma_{m\ell} = 0` in ``diag`` mode).
 
     Args:
-        outputs: ``[..., 2]``; batch shape ``outputs.shape[:-1]``.
+        outputs: ``[..., 2]`` (mean, log variance); batch shape ``outputs.shape[:-1]``.
         validate_args: as for torch distributions.
 
     Examples:
@@ -84,62 +149,7 @@ class HeteroscedasticGaussian(TorchDistribution):
         -0.9189
     """
 
-    arg_constraints = {"outputs": constraints.real}  # noqa: RUF012
-    support = constraints.real
-    has_rsample = True
-
-    def __init__(self, outputs: Tensor, validate_args: bool | None = None) -> None:
-        if outputs.dim() < 1 or outputs.shape[-1] != 2:
-            raise ValueError(
-                f"HeteroscedasticGaussian needs outputs [..., 2] (mean, log variance), got "
-                f"{tuple(outputs.shape)}"
-            )
-        self.outputs = outputs
-        if isinstance(outputs, MomentTensor):
-            validate_args = False
-        super().__init__(outputs.shape[:-1], torch.Size(), validate_args=validate_args)
-
-    def _normal(self) -> torch.distributions.Normal:
-        if isinstance(self.outputs, MomentTensor):
-            raise unsupported("sampling or log_prob of a likelihood whose outputs are moments")
-        return _HETEROSCEDASTIC.conditional(self.outputs)
-
-    @property
-    def mean(self) -> Tensor:
-        """:math:`m`."""
-        return self._normal().mean
-
-    @property
-    def variance(self) -> Tensor:
-        r""":math:`e^\ell`."""
-        return self._normal().variance
-
-    def rsample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
-        """Reparameterised draws of ``y``."""
-        return self._normal().rsample(sample_shape)
-
-    def log_prob(self, value: Tensor) -> Tensor:
-        r""":math:`\log\mathcal N(y; m, e^\ell)`."""
-        return self._normal().log_prob(value)
-
-    def expand(self, batch_shape: torch.Size, _instance: object = None) -> HeteroscedasticGaussian:
-        """Broadcast the outputs (moment tensors keep their covariance)."""
-        shape = torch.Size(batch_shape)
-        if shape == self.batch_shape:
-            return self
-        return type(self)(self.outputs.expand((*shape, 2)), validate_args=False)
-
-    def expected_log_prob(self, value: Tensor) -> Tensor:
-        r""":math:`\mathbb E_q\log p(y\mid m,\ell)` in closed form (``log_prob`` for plain outputs)."""
-        o = self.outputs
-        if not isinstance(o, MomentTensor):
-            return self.log_prob(value)
-        mean, cov = _gaussian("HeteroscedasticGaussian", o)
-        cov_ml = torch.zeros_like(o.dvi_var[..., 0]) if o.dvi_cov is None else cov[..., 0, 1]
-        var = o.dvi_var
-        return heteroscedastic_expected_log_prob(
-            mean[..., 0], var[..., 0], mean[..., 1], var[..., 1], cov_ml, value
-        )
+    likelihood = likelihoods.HeteroscedasticGaussian()
 
 
 class Categorical(dist.Categorical):

@@ -66,28 +66,12 @@ def _probe_gather(func: Callable[..., Any], x: MomentTensor, args: tuple, kwargs
 
 
 _SHAPE_OPS = (
-    _T.expand,
-    _T.reshape,
-    torch.reshape,
-    _T.view,
-    _T.squeeze,
-    torch.squeeze,
-    _T.unsqueeze,
-    torch.unsqueeze,
-    _T.__getitem__,
-    _T.flatten,
-    torch.flatten,
-    _T.permute,
-    torch.permute,
-    _T.transpose,
-    torch.transpose,
-    _T.t,
-    torch.t,
+    *(getattr(_T, n) for n in ("expand", "view", "__getitem__", "contiguous", "clone", "t")),
+    *(getattr(m, n) for m in (_T, torch) for n in ("reshape", "squeeze", "unsqueeze", "flatten")),
+    *(getattr(m, n) for m in (_T, torch) for n in ("permute", "transpose")),
+    *(getattr(torch, n) for n in ("t", "clone")),
     _T.mT.__get__,  # type: ignore[attr-defined]
     _T.T.__get__,  # type: ignore[attr-defined]
-    _T.contiguous,
-    _T.clone,
-    torch.clone,
 )
 
 
@@ -282,15 +266,9 @@ def _link(func: Callable[..., Any], x: Any, link: str) -> MomentTensor:
     if not is_moment(x):
         raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
     x.check_unlinked(op_name(func))
-    return MomentTensor(
-        x.dvi_mean,
-        x.dvi_var,
-        x.dvi_cov,
-        mode=x.dvi_mode,
-        sources=x.dvi_sources,
-        marginal=x.dvi_marginal,
-        link=link,
-    )
+    out = new_like(x, x.dvi_mean, x.dvi_var, x.dvi_cov)
+    out.dvi_link = link
+    return out
 
 
 @register(torch.exp, _T.exp, F.softplus, torch.sqrt, _T.sqrt)

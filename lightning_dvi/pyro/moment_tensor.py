@@ -38,6 +38,9 @@ from .dispatch import LAYER_OPS, handler_for, op_name, unsupported
 
 __all__ = ["MomentTensor", "SampledTensor", "unsupported"]
 
+_Op = Callable[..., Any]
+_Kw = dict[str, Any] | None
+
 
 class MomentTensor(Tensor):
     """Gaussian moments disguised as a tensor (the tensor data is a detached copy of the mean).
@@ -101,13 +104,7 @@ class MomentTensor(Tensor):
         return f"MomentTensor(shape={tuple(self.shape)}, {kind}, mode={self.dvi_mode!r}{link})"
 
     @classmethod
-    def __torch_function__(
-        cls,
-        func: Callable[..., Any],
-        types: Iterable[type],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def __torch_function__(cls, func: _Op, types: Any, args: tuple = (), kwargs: _Kw = None) -> Any:
         """Dispatch ``func`` to its moment rule, answer metadata queries, refuse the rest."""
         kwargs = kwargs or {}
         if func in _METADATA:
@@ -149,24 +146,12 @@ class MomentTensor(Tensor):
 
 
 _T = Tensor
+# Queries answered from the tensor data (a detached copy of the mean), not moment rules.
 _METADATA = {
-    _T.shape.__get__,  # type: ignore[attr-defined]
-    _T.dtype.__get__,  # type: ignore[attr-defined]
-    _T.device.__get__,  # type: ignore[attr-defined]
-    _T.ndim.__get__,  # type: ignore[attr-defined]
-    _T.layout.__get__,  # type: ignore[attr-defined]
-    _T.is_cuda.__get__,  # type: ignore[attr-defined]
+    *(getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "ndim", "layout", "is_cuda")),
     _T.requires_grad.__get__,  # type: ignore[attr-defined]
-    _T.size,
-    _T.dim,
-    _T.ndimension,
-    _T.numel,
-    _T.nelement,
-    _T.__len__,
-    _T.__hash__,
-    _T.is_floating_point,
-    _T.is_complex,
-    _T.get_device,
+    *(getattr(_T, n) for n in ("size", "dim", "ndimension", "numel", "nelement", "__len__")),
+    *(getattr(_T, n) for n in ("__hash__", "is_floating_point", "is_complex", "get_device")),
 }
 
 
@@ -218,13 +203,7 @@ class SampledTensor(Tensor):
     """
 
     @classmethod
-    def __torch_function__(
-        cls,
-        func: Callable[..., Any],
-        types: Iterable[type],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def __torch_function__(cls, func: _Op, types: Any, args: tuple = (), kwargs: _Kw = None) -> Any:
         """Refuse layer ops whose weight is sampled; everything else as for a plain tensor."""
         if func in LAYER_OPS and any(isinstance(a, SampledTensor) for a in args[1:3]):
             raise sampled_weight_error(func)
