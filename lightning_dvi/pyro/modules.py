@@ -24,8 +24,8 @@ from torch import Tensor
 
 from ..nn import BayesLinear, BayesModule
 from ..nn.linear import WeightMoments, given_weights
-from .dispatch import op_name, unsupported
-from .moment_tensor import MomentTensor, SampledTensor, sampled_weight_error, union_sources
+from .dispatch import unsupported
+from .moment_tensor import MomentTensor, SampledTensor, union_sources
 
 __all__ = ["PyroBayesNet"]
 
@@ -93,7 +93,10 @@ class PyroBayesNet(PyroModule):
         weights = self._sample_weights(x)
         values = [t for wb in weights.values() for t in wb if t is not None]
         if any(isinstance(t, SampledTensor) for t in values):
-            raise sampled_weight_error(type(self).forward)
+            raise unsupported(
+                "PyroBayesNet weights drawn from a non-Normal prior (or listed in sampled_sites)",
+                "DVI integrates weights with Normal priors only",
+            )
         moments = [t for t in (x, *values) if isinstance(t, MomentTensor)]
         if not moments:  # sampled weights (Predictive, Trace_ELBO): the plain network
             given = {layer: (w, None, b, None) for layer, (w, b) in weights.items()}
@@ -102,7 +105,7 @@ class PyroBayesNet(PyroModule):
         if len(moments) != len(values) + isinstance(x, MomentTensor):
             raise unsupported("a PyroBayesNet with some weights given as values, not moments")
         mode = moments[0].dvi_mode
-        sources = union_sources(op_name(type(self).forward), x, *values)
+        sources = union_sources("PyroBayesNet", x, *values)
         with given_weights({layer: _moments(w, b) for layer, (w, b) in weights.items()}):
             h = x.gaussian("PyroBayesNet") if isinstance(x, MomentTensor) else x
             out = self.net.propagate(h, mode)
