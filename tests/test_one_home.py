@@ -87,3 +87,22 @@ def test_dead_public_names_are_deprecated_not_deleted():
         assert isinstance(metrics.regression_metrics(), metrics.RegressionMetrics)
     with pytest.warns(DeprecationWarning, match="ClassificationMetrics"):
         assert isinstance(metrics.classification_metrics(3), metrics.ClassificationMetrics)
+
+
+def test_elementwise_gaussian_kl_lives_in_priors_and_matches_torch():
+    import torch
+
+    from lightning_dvi.priors.functional import gaussian_kl_elementwise
+
+    g = torch.Generator().manual_seed(0)
+    q_loc, p_loc = (
+        torch.randn(5, generator=g, dtype=torch.float64),
+        torch.randn(5, dtype=torch.float64, generator=g),
+    )
+    q_var = torch.rand(5, generator=g, dtype=torch.float64) + 0.1
+    p_var = torch.rand(5, generator=g, dtype=torch.float64) + 0.1
+    ref = torch.distributions.kl_divergence(
+        torch.distributions.Normal(q_loc, q_var.sqrt()),
+        torch.distributions.Normal(p_loc, p_var.sqrt()),
+    )
+    torch.testing.assert_close(gaussian_kl_elementwise(q_loc, q_var, p_loc, p_var), ref)

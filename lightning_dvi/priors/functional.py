@@ -13,7 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["gaussian_kl", "grouped_gaussian_kl", "inverse_gamma_log_prob", "optimal_variance"]
+__all__ = [
+    "gaussian_kl",
+    "gaussian_kl_elementwise",
+    "grouped_gaussian_kl",
+    "inverse_gamma_log_prob",
+    "optimal_variance",
+]
 
 
 def gaussian_kl(loc: Tensor, scale: Tensor, prior_variance: Tensor | float) -> Tensor:
@@ -59,6 +65,23 @@ def optimal_variance(loc: Tensor, scale: Tensor, alpha: float, beta: float) -> T
 def inverse_gamma_log_prob(s: Tensor, alpha: float, beta: float) -> Tensor:
     r""":math:`\log\mathrm{IG}(s;\alpha,\beta) = \alpha\log\beta - \log\Gamma(\alpha) - (\alpha+1)\log s - \beta/s`."""
     return alpha * math.log(beta) - math.lgamma(alpha) - (alpha + 1) * s.log() - beta / s
+
+
+def gaussian_kl_elementwise(q_loc: Tensor, q_var: Tensor, p_loc: Tensor, p_var: Tensor) -> Tensor:
+    r""":math:`\mathrm{KL}(\mathcal N(\mu_q,v_q)\,\|\,\mathcal N(\mu_p,v_p))` per element (broadcast).
+
+    .. math::
+        \mathrm{KL} = \tfrac12\Big[\frac{v_q + (\mu_q-\mu_p)^2}{v_p} - 1
+        - \log\frac{v_q}{v_p}\Big].
+
+    Used by the Pyro front-end, whose weight priors may have non-zero means.
+
+    Examples:
+        >>> z, one = torch.zeros(()), torch.ones(())
+        >>> round(gaussian_kl_elementwise(z, one, z, one).item(), 6)
+        0.0
+    """
+    return 0.5 * ((q_var + (q_loc - p_loc).square()) / p_var - 1.0 - (q_var / p_var).log())
 
 
 def grouped_gaussian_kl(

@@ -26,7 +26,7 @@ from pyro.poutine.messenger import Messenger
 from torch import Tensor
 
 from ..likelihoods.functional import normal_expected_log_prob
-from ..priors.functional import optimal_variance
+from ..priors.functional import gaussian_kl_elementwise, optimal_variance
 from .distributions import categorical_expected_log_prob, unwrap_independent
 from .moment_tensor import MomentTensor, SampledTensor, unsupported
 
@@ -66,11 +66,6 @@ def _plain(x: Any, what: str) -> Any:
     if isinstance(x, MomentTensor):
         raise unsupported(what)
     return x
-
-
-def gaussian_kl_elementwise(q_loc: Tensor, q_var: Tensor, p_loc: Tensor, p_var: Tensor) -> Tensor:
-    r""":math:`\mathrm{KL}(\mathcal N(\mu_q,v_q)\,\|\,\mathcal N(\mu_p,v_p))` per element (broadcast)."""
-    return 0.5 * ((q_var + (q_loc - p_loc).square()) / p_var - 1.0 - (q_var / p_var).log())
 
 
 class MomentPassMessenger(Messenger):
