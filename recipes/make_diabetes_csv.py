@@ -1,5 +1,7 @@
-"""Write scikit-learn's diabetes data (442 patients, 10 inputs, a disease-progression target) as a
-CSV file with a header, to try :class:`lightning_dvi.data.CSVDataModule` on a real table:
+"""Write scikit-learn's diabetes data as a CSV file with a header.
+
+442 patients, 10 inputs, a disease-progression target: a real table to try
+:class:`lightning_dvi.data.CSVDataModule` on:
 
     python recipes/make_diabetes_csv.py diabetes.csv
     lightning-dvi fit --config recipes/csv_regression.yaml --data.path diabetes.csv

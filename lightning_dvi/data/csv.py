@@ -112,13 +112,7 @@ def _read_text(path: Path, wanted: Sequence[str] | None, delimiter: str | None) 
                         path,
                         f"line {line}",
                         name,
-                        f"non-numeric value {text!r}"
-                        + (
-                            ""
-                            if wanted is not None
-                            else " (list the input columns in `features`"
-                            " to leave a non-numeric column out)"
-                        ),
+                        f"non-numeric value {text!r}",
                     ) from None
                 if not math.isfinite(value):
                     raise _fail(path, f"line {line}", name, f"{text} (not a finite number)")
@@ -483,7 +477,15 @@ class CSVDataModule(InMemoryDataModule):
             available = _column_names(path, self.delimiter)
             if self.target not in available:
                 wanted = list(features)
-        names, table, row_name = read_tabular(path, wanted, self.delimiter)
+        try:
+            names, table, row_name = read_tabular(path, wanted, self.delimiter)
+        except ValueError as err:
+            if self.features is None and "non-numeric value" in str(err):
+                raise ValueError(
+                    f"{err} (list the input columns in `features` to leave a non-numeric "
+                    "column out)"
+                ) from None
+            raise
         x = table[:, : len(features)]
         y = table[:, len(features)] if len(names) > len(features) else None
         if y is not None and self.task == "classification":
