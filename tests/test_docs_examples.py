@@ -238,8 +238,26 @@ def test_directives_are_known_attached_and_give_reasons():
             else:
                 raise AssertionError(f"{block.id}: unknown docs-test directive {directive!r}")
     attached = sum(len(b.directives) for b in BLOCKS)
-    written = sum(len(DIRECTIVE.findall(p.read_text())) for p in pages())
+    written = sum(_directive_lines(p) for p in pages())
     assert attached == written, "a docs-test directive is not directly above a code fence"
+
+
+def _directive_lines(path: Path) -> int:
+    """Lines outside code fences that are a ``docs-test`` directive and nothing else."""
+    count, fence = 0, None
+    for line in path.read_text().splitlines():
+        match = FENCE.match(line)
+        if fence is None and match:
+            fence = match["fence"]
+        elif (
+            fence is not None
+            and line.strip().startswith(fence)
+            and not line.strip().strip(fence[0])
+        ):
+            fence = None
+        elif fence is None and DIRECTIVE.fullmatch(line.strip()):
+            count += 1
+    return count
 
 
 def test_bash_commands_are_mapped_to_this_interpreter():
