@@ -237,3 +237,17 @@ def test_cli_fit_on_the_diabetes_csv_via_the_recipe(tmp_path):
     # `predict --config RECIPE --data.path diabetes.csv --ckpt_path <checkpoint>` in tmp_path
     # and compare the CSV's rows with (mean, var) above to 1e-6 (the rows are the test split,
     # in order).
+
+
+def test_a_bad_file_through_the_cli_exits_2_naming_file_row_and_column(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dvi"])
+    (tmp_path / "bad.csv").write_text("a,b,target\n1,2,3\n4,oops,6\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["--config", str(RECIPE), "--data.path", "bad.csv"], run=False)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "bad.csv, line 3, column 'b': non-numeric value 'oops'" in message
+    assert "Traceback" not in message
