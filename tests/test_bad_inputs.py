@@ -3,11 +3,12 @@
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from lightning_dvi import Gaussian
-from lightning_dvi.data import UCIDataModule
+from lightning_dvi.data import CSVDataModule, UCIDataModule
 from lightning_dvi.likelihoods import Categorical, HeteroscedasticGaussian
 from lightning_dvi.nn import mlp
 from lightning_dvi.objective import elbo
@@ -36,6 +37,15 @@ GOOD = {
     "index_train_0.txt": "0\n1\n",
     "index_test_0.txt": "2\n",
 }
+
+
+def _csv(tmp_path, text, name="data.csv", **kwargs):
+    path = tmp_path / name
+    path.write_text(text)
+    return CSVDataModule(str(path), **{"target": "y", **kwargs}).num_train
+
+
+CSV_GOOD = "a,b,y\n1,2,3\n4,5,6\n7,8,9\n"
 
 CATALOGUE = [
     (
@@ -159,6 +169,83 @@ CATALOGUE = [
         lambda t: _uci(t, {**GOOD, "index_train_0.txt": "0\n1\n2\n"}),
         ValueError,
         "in both the train and test indices",
+    ),
+    (
+        "csv_missing_file",
+        lambda t: CSVDataModule(str(t / "nope.csv"), target="y").num_train,
+        FileNotFoundError,
+        "data file not found",
+    ),
+    (
+        "csv_missing_column",
+        lambda t: _csv(t, CSV_GOOD, target="price"),
+        ValueError,
+        "data.csv: no column 'price' (columns in the file: a, b, y)",
+    ),
+    (
+        "csv_missing_feature",
+        lambda t: _csv(t, CSV_GOOD, features=["a", "c"]),
+        ValueError,
+        "data.csv: no column 'c'",
+    ),
+    (
+        "csv_empty_cell",
+        lambda t: _csv(t, "a,b,y\n1,2,3\n4,,6\n"),
+        ValueError,
+        "data.csv, line 3, column 'b': empty cell",
+    ),
+    (
+        "csv_nan",
+        lambda t: _csv(t, "a,b,y\n1,2,3\n4,5,NaN\n"),
+        ValueError,
+        "data.csv, line 3, column 'y': NaN (not a finite number)",
+    ),
+    (
+        "csv_non_numeric",
+        lambda t: _csv(t, "a,b,y\n1,2,3\n4,five,6\n"),
+        ValueError,
+        "data.csv, line 3, column 'b': non-numeric value 'five'",
+    ),
+    (
+        "csv_ragged_row",
+        lambda t: _csv(t, "a,b,y\n1,2,3\n4,5\n"),
+        ValueError,
+        "data.csv, line 3: 2 cells, but the header has 3 columns",
+    ),
+    ("csv_empty_file", lambda t: _csv(t, ""), ValueError, "data.csv is empty"),
+    ("csv_header_only", lambda t: _csv(t, "a,b,y\n"), ValueError, "has a header but no data rows"),
+    (
+        "csv_duplicate_column",
+        lambda t: _csv(t, "a,a,y\n1,2,3\n"),
+        ValueError,
+        "data.csv, line 1: column 'a' appears twice",
+    ),
+    (
+        "csv_label_not_integer",
+        lambda t: _csv(t, "a,b,y\n1,2,0\n4,5,1.5\n", task="classification"),
+        ValueError,
+        "data.csv, line 3, column 'y': class label 1.5 is not an integer >= 0",
+    ),
+    (
+        "csv_label_out_of_range",
+        lambda t: _csv(t, "a,b,y\n1,2,0\n4,5,3\n", task="classification", num_classes=3),
+        ValueError,
+        "data.csv, line 3, column 'y': class label 3 is out of range for num_classes=3",
+    ),
+    (
+        "csv_unsupported_type",
+        lambda t: _csv(t, CSV_GOOD, name="data.xlsx"),
+        ValueError,
+        "unsupported file type '.xlsx'",
+    ),
+    (
+        "npy_nan",
+        lambda t: (
+            np.save(t / "d.npy", np.array([[1.0, 2.0], [np.nan, 3.0]])),
+            CSVDataModule(str(t / "d.npy"), target="1").num_train,
+        ),
+        ValueError,
+        "d.npy, row 1, column '0': nan (not a finite number)",
     ),
 ]
 

@@ -1,4 +1,4 @@
-"""Data: toy generator and LightningDataModules (toy, UCI, digits).
+"""Data: toy generator and LightningDataModules (toy, UCI, digits, your own tabular files).
 
 Every DataModule exposes ``in_features`` and ``num_train`` (the ``N`` of ``KL / N``) right after
 construction; regression ones also ``target_loc`` and ``target_scale`` (training statistics of
@@ -7,18 +7,21 @@ for regression and int64 labels for classification.
 """
 
 from ._base import EpochSeededSampler
+from .csv import CSVDataModule, read_tabular
 from .digits import DigitsDataModule
 from .toy import make_toy_heteroscedastic, toy_mean, toy_noise_std, toy_true_log_likelihood
 from .toy_module import ToyHeteroscedasticDataModule
 from .uci import UCIDataModule, count_uci_splits
 
 __all__ = [
+    "CSVDataModule",
     "DigitsDataModule",
     "EpochSeededSampler",
     "ToyHeteroscedasticDataModule",
     "UCIDataModule",
     "count_uci_splits",
     "make_toy_heteroscedastic",
+    "read_tabular",
     "toy_mean",
     "toy_noise_std",
     "toy_true_log_likelihood",
