@@ -13,11 +13,14 @@ all-reduce averages across processes, so the update is that of the global batch.
 
 from __future__ import annotations
 
+import importlib
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MetricCollection
 
@@ -26,16 +29,31 @@ from ..likelihoods import Likelihood
 from ..nn import BayesLinear, BayesModule, bayes_layers, mlp
 from ..objective import ELBOTerms, KLSchedule, elbo
 from ..priors import EmpiricalBayes, GaussianPrior, Prior
+from ._data import DataView
 
-__all__ = ["DVIModule", "logs_this_step"]
+__all__ = ["DVIModule", "UnbuiltNetwork", "logs_this_step"]
 
 Mode = Literal["full", "diag", "sample", "local"]
 Activation = Literal["relu", "heaviside"]
 PriorName = Literal["empirical_bayes", "gaussian"]
 EBMode = Literal["in_graph", "buffer"]
 
+PredictiveMethod = Literal["closed_form", "mc"]
+
 _MODES = ("full", "diag", "sample", "local")
 _MC_MODES = ("sample", "local")
+_DEFAULT_MC_SAMPLES = 100
+
+
+def resolve_method(mode: str, method: str | None) -> str:
+    """The predictive method: ``method``, or the default of a model trained in ``mode``."""
+    if method is None:
+        return "mc" if mode in _MC_MODES else "closed_form"
+    _check(
+        method in ("closed_form", "mc"),
+        f"method must be 'closed_form' or 'mc', got {method!r}",
+    )
+    return method
 
 
 def _check(condition: bool, message: str) -> None:
@@ -52,6 +70,68 @@ def _positive_float(name: str, value: object, allow_zero: bool = False) -> float
     ok = ok and (value >= 0 if allow_zero else value > 0)  # type: ignore[operator]
     _check(ok, f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
     return float(value)  # type: ignore[arg-type]
+
+
+def _fraction(name: str, value: object) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    _check(ok and 0.0 <= value <= 1.0, f"{name} must be a fraction in [0, 1], got {value!r}")  # type: ignore[operator]
+    return float(value)  # type: ignore[arg-type]
+
+
+# The hyper-parameters that only describe the built-in MLP; not recorded for an injected network.
+_MLP_HPARAMS = ("hidden", "activation", "residual", "init_scale")
+
+
+def instantiate_net(config: Mapping[str, Any]) -> nn.Module:
+    """Build a network from ``{"class_path": ..., "init_args": {...}}`` (how the CLI saves it).
+
+    Nested ``class_path`` dictionaries in ``init_args`` are built first (jsonargparse's form).
+    """
+    if "class_path" not in config:
+        raise ValueError(f"a network configuration needs a class_path, got keys {sorted(config)}")
+
+    def build(value: Any) -> Any:
+        if isinstance(value, Mapping) and "class_path" in value:
+            module_name, _, class_name = str(value["class_path"]).rpartition(".")
+            cls = getattr(importlib.import_module(module_name), class_name)
+            args = value.get("init_args") or {}
+            positional = args.get("modules") if isinstance(args, Mapping) else None
+            kwargs = {k: build(v) for k, v in dict(args).items() if k != "modules"}
+            if isinstance(positional, (list, tuple)):
+                return cls(*[build(v) for v in positional], **kwargs)
+            return cls(**kwargs)
+        if isinstance(value, (list, tuple)):
+            return [build(v) for v in value]
+        return value
+
+    return build(config)
+
+
+def _primitive(value: Any) -> Any:
+    """A plain-container copy (dicts, lists, scalars) of a jsonargparse configuration."""
+    if type(value).__name__ == "Namespace":
+        value = vars(value)
+    if isinstance(value, Mapping):
+        return {str(k): _primitive(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_primitive(v) for v in value]
+    return value
+
+
+class UnbuiltNetwork(nn.Module):
+    """Stands in for the network until ``setup()`` has read ``in_features`` from the data."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Raise: there is no network yet."""
+        raise RuntimeError(
+            f"{self.owner}: the network is not built yet. It was created without in_features, "
+            "which is read from the data when a Trainer runs it (trainer.fit / validate / test / "
+            "predict call setup()); pass in_features= to use the model before that"
+        )
 
 
 def logs_this_step(trainer: Trainer) -> bool:
@@ -107,9 +187,11 @@ class DVIModule(LightningModule):
         lr: float,
         weight_decay: float,
         init_scale: float | None,
-        net: nn.Module | None,
+        net: nn.Module | Mapping[str, Any] | None,
         lr_schedule: str = "constant",
         min_lr: float = 0.0,
+        kl_warmup_fraction: float = 0.0,
+        kl_anneal_fraction: float = 0.0,
     ) -> None:
         super().__init__()
         _check(mode in _MODES, f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
@@ -141,20 +223,42 @@ class DVIModule(LightningModule):
         self.min_lr = _positive_float("min_lr", min_lr, allow_zero=True)
         _check(self.min_lr <= self.lr, f"min_lr ({min_lr}) must not exceed lr ({lr})")
         self.kl_schedule = KLSchedule(kl_warmup_steps, kl_anneal_steps)
+        self.kl_warmup_fraction = _fraction("kl_warmup_fraction", kl_warmup_fraction)
+        self.kl_anneal_fraction = _fraction("kl_anneal_fraction", kl_anneal_fraction)
+        _check(
+            self.kl_warmup_fraction + self.kl_anneal_fraction <= 1.0,
+            "kl_warmup_fraction + kl_anneal_fraction must not exceed 1, got "
+            f"{kl_warmup_fraction} + {kl_anneal_fraction}",
+        )
+        _check(
+            not (
+                (kl_warmup_fraction or kl_anneal_fraction) and (kl_warmup_steps or kl_anneal_steps)
+            ),
+            "give the KL schedule either in steps (kl_warmup_steps, kl_anneal_steps) or as "
+            "fractions of the run (kl_warmup_fraction, kl_anneal_fraction), not both",
+        )
         self.prior = self._build_prior(prior, prior_alpha, prior_beta, prior_variance, eb_mode)
+        _check(
+            in_features is None or (_is_int(in_features) and in_features >= 1),
+            f"in_features must be a positive int or None (read from the data), got {in_features!r}",
+        )
+        self.in_features = in_features
+        self.out_features = out_features
+        self._mlp_args: dict[str, Any] = {}
+        self.net_injected = net is not None
+        self._net_config = _primitive(net) if isinstance(net, Mapping) else None
+        if isinstance(net, Mapping):
+            # A checkpoint of a CLI run with model.init_args.net records the network's config.
+            net = instantiate_net(net)
         if net is None:
-            self.net: nn.Module = self._build_net(
-                in_features,
-                out_features,
-                hidden,
-                activation,
-                residual,
-                init_scale,
-                prior,
-                prior_variance,
-            )
+            self._mlp_args = self._check_mlp_args(hidden, activation, residual, init_scale)
+            self._mlp_args["prior_variance"] = prior_variance
+            self.net: nn.Module = UnbuiltNetwork(type(self).__name__)
+            if in_features is not None and out_features is not None:
+                self.net = self._build_net(in_features, out_features, **self._mlp_args)
         else:
             self.net = self._check_net(net, in_features, out_features)
+            self.in_features = next(iter(bayes_layers(self.net))).in_features
         self.calibration_curves: dict[str, dict[str, Tensor]] = {}
 
     # ------------------------------------------------------------------ construction
@@ -168,25 +272,9 @@ class DVIModule(LightningModule):
         raise ValueError(f"prior must be 'empirical_bayes' or 'gaussian', got {prior!r}")
 
     @staticmethod
-    def _build_net(
-        in_features: int | None,
-        out_features: int,
-        hidden: list[int],
-        activation: str,
-        residual: bool,
-        init_scale: float | None,
-        prior: str,
-        prior_variance: float,
-    ) -> nn.Module:
-        _check(
-            in_features is not None,
-            "in_features is required when no `net` is given (LightningCLI links it from "
-            "data.in_features)",
-        )
-        _check(
-            _is_int(in_features) and in_features >= 1,  # type: ignore[operator]
-            f"in_features must be a positive int, got {in_features!r}",
-        )
+    def _check_mlp_args(
+        hidden: list[int] | None, activation: str, residual: bool, init_scale: float | None
+    ) -> dict[str, Any]:
         _check(
             isinstance(hidden, (list, tuple)) and all(_is_int(h) and h >= 1 for h in hidden),
             f"hidden must be a list of positive ints, got {hidden!r}",
@@ -195,13 +283,63 @@ class DVIModule(LightningModule):
             activation in ("relu", "heaviside"),
             f"activation must be 'relu' or 'heaviside', got {activation!r}",
         )
-        kwargs: dict[str, Any] = {"prior_variance": prior_variance}
+        args: dict[str, Any] = {
+            "hidden": list(hidden),  # type: ignore[arg-type]
+            "activation": activation,
+            "residual": bool(residual),
+        }
         if init_scale is not None:
-            kwargs["init_scale"] = _positive_float("init_scale", init_scale)
-        return mlp(in_features, list(hidden), out_features, activation, bool(residual), **kwargs)  # type: ignore[arg-type]
+            args["init_scale"] = _positive_float("init_scale", init_scale)
+        return args
 
     @staticmethod
-    def _check_net(net: nn.Module, in_features: int | None, out_features: int) -> nn.Module:
+    def _build_net(
+        in_features: int,
+        out_features: int,
+        *,
+        hidden: list[int],
+        activation: str,
+        residual: bool,
+        **layer_kwargs: Any,
+    ) -> nn.Module:
+        return mlp(in_features, hidden, out_features, activation, residual, **layer_kwargs)  # type: ignore[arg-type]
+
+    def _finish_hparams(self) -> None:
+        """After ``save_hyperparameters``: an injected network records no MLP arguments."""
+        if not self.net_injected:
+            return
+        for key in _MLP_HPARAMS:
+            self.hparams.pop(key, None)
+        if self._net_config is not None:
+            self.hparams["net"] = self._net_config
+
+    @property
+    def network_built(self) -> bool:
+        """Whether the network exists (it is built in ``setup()`` when ``in_features`` was not given)."""
+        return not isinstance(self.net, UnbuiltNetwork)
+
+    def build_network(self, in_features: int) -> None:
+        """Build the MLP for ``in_features`` inputs (once) and record the width in the hyper-parameters."""
+        if self.network_built:
+            return
+        _check(
+            _is_int(in_features) and in_features >= 1,
+            f"in_features must be a positive int, got {in_features!r}",
+        )
+        _check(
+            self.out_features is not None,
+            f"{type(self).__name__}: the number of outputs is not known yet",
+        )
+        self.in_features = int(in_features)
+        self.net = self._build_net(self.in_features, self.out_features, **self._mlp_args)  # type: ignore[arg-type]
+        self.hparams["in_features"] = self.in_features
+        self._after_build()
+
+    def _after_build(self) -> None:
+        """Initialise what depends on the built network (subclasses override)."""
+
+    @staticmethod
+    def _check_net(net: nn.Module, in_features: int | None, out_features: int | None) -> nn.Module:
         _check(
             isinstance(net, BayesModule),
             f"net must be a lightning_dvi.nn module (BayesModule), got {type(net).__name__}",
@@ -210,7 +348,7 @@ class DVIModule(LightningModule):
         _check(bool(layers), f"net {type(net).__name__} has no BayesLinear layer")
         first, last = layers[0], layers[-1]
         _check(
-            last.out_features == out_features,
+            out_features is None or last.out_features == out_features,
             f"the injected net ends in {last.out_features} outputs but the likelihood needs "
             f"{out_features}",
         )
@@ -219,6 +357,17 @@ class DVIModule(LightningModule):
             f"the injected net takes {first.in_features} inputs but in_features={in_features}",
         )
         return net
+
+    def _weight_draws(self, x: Tensor, num_samples: int | None) -> Tensor:
+        """Network outputs ``[S, B, D]`` under ``S`` posterior draws of the weights."""
+        if num_samples is None:
+            num_samples = self.num_samples if self.mode in _MC_MODES else _DEFAULT_MC_SAMPLES
+        _check(
+            _is_int(num_samples) and num_samples >= 1,  # type: ignore[operator]
+            f"num_samples must be a positive int, got {num_samples!r}",
+        )
+        draw_mode = "local" if self.mode == "local" else "sample"
+        return self.net(x, mode=draw_mode, num_samples=num_samples)
 
     def _last_layer(self) -> BayesLinear:
         return list(bayes_layers(self.net))[-1]
@@ -232,19 +381,119 @@ class DVIModule(LightningModule):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
-        """Take ``N`` from ``trainer.datamodule.num_train`` when ``num_data`` was not given."""
-        if stage != "fit" or self.num_data is not None:
-            return
-        datamodule = getattr(self.trainer, "datamodule", None)
-        num_train = getattr(datamodule, "num_train", None)
-        if num_train is None:
+        """Resolve what was not given from the data, then build the network if needed.
+
+        ``in_features`` comes from ``trainer.datamodule.in_features`` or the width of the first
+        batch; ``num_data`` (the ``N`` of ``KL / N``, when fitting) from
+        ``trainer.datamodule.num_train`` or the training dataset's length. Subclasses add their
+        own (the classifier's classes, the regressor's target statistics). The resolved values
+        are recorded in the hyper-parameters, so checkpoints rebuild the same module.
+        """
+        self._resolve_from_data(DataView(self.trainer, stage))
+
+    def _resolve_from_data(self, view: DataView) -> None:
+        name = type(self).__name__
+        if not self.network_built:
+            in_features = self.in_features or view.attribute("in_features")
+            if in_features is None:
+                batch = view.first_batch()
+                if batch is None:
+                    raise ValueError(
+                        f"{name}: in_features was not given and cannot be read from the data "
+                        f"(no datamodule with `in_features` and no {view.stage} dataloader); "
+                        "pass in_features="
+                    )
+                x = batch[0]
+                if x.dim() < 2:
+                    raise ValueError(
+                        f"{name}: cannot read in_features from input batches of shape "
+                        f"{tuple(x.shape)}; batches must be (x [B, D], y [B]), or pass in_features="
+                    )
+                in_features = x.shape[-1]
+            self.build_network(int(in_features))
+        if self.num_data is None and (view.stage == "fit" or view.datamodule is not None):
+            num_train = view.attribute("num_train")
+            if num_train is None and view.stage == "fit":
+                num_train = view.num_examples()
+            if num_train is None and view.stage == "fit":
+                raise ValueError(
+                    f"{name}: num_data (the training-set size N in KL / N) is not set, the "
+                    "trainer has no datamodule with `num_train` and the training dataset has no "
+                    "length; pass num_data=N"
+                )
+            if num_train is not None:
+                self.num_data = int(num_train)
+                # Recorded so a checkpoint rebuilds the module with the same N.
+                self.hparams["num_data"] = self.num_data
+
+    def _total_steps(self, what: str) -> int:
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total) or total < 1:
             raise ValueError(
-                f"{type(self).__name__}: num_data (the training-set size N in KL / N) is not set "
-                "and the trainer has no datamodule with `num_train`; pass num_data=N"
+                f"{what} needs a finite number of optimisation steps; set the trainer's "
+                f"max_steps or max_epochs (estimated steps: {total})"
             )
-        self.num_data = int(num_train)
-        # Recorded so a checkpoint rebuilds the module with the same N.
-        self.hparams["num_data"] = self.num_data
+        return int(total)
+
+    def on_train_start(self) -> None:
+        """Turn the KL warm-up/ramp fractions into steps; refuse a warm-up that outlasts the run.
+
+        Run when training starts (after a checkpoint is restored): the number of optimisation
+        steps is ``trainer.estimated_stepping_batches``.
+        """
+        if self.lr_schedule == "cosine":
+            self._total_steps("lr_schedule='cosine'")
+        total: float = self.trainer.estimated_stepping_batches
+        finite = math.isfinite(total) and total >= 1
+        if self.kl_warmup_fraction or self.kl_anneal_fraction:
+            total = self._total_steps("kl_warmup_fraction/kl_anneal_fraction")
+            self.kl_schedule = KLSchedule(
+                round(self.kl_warmup_fraction * total), round(self.kl_anneal_fraction * total)
+            )
+            return
+        if not finite:
+            return
+        warmup, anneal = self.kl_schedule.warmup_steps, self.kl_schedule.anneal_steps
+        if warmup and warmup >= total:
+            raise ValueError(
+                f"kl_warmup_steps={warmup} does not end before the run does ({int(total)} "
+                "optimisation steps): the KL would never be switched on. Shorten the warm-up or "
+                "give it as a fraction of the run (kl_warmup_fraction, kl_anneal_fraction)"
+            )
+        if warmup + anneal > total:
+            rank_zero_warn(
+                f"{type(self).__name__}: the KL ramp (kl_warmup_steps={warmup} + "
+                f"kl_anneal_steps={anneal}) ends after the run's {int(total)} optimisation steps, "
+                "so the KL never reaches full weight; consider kl_warmup_fraction/"
+                "kl_anneal_fraction"
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record whether the network was injected (``net=``) and its class."""
+        net = type(self.net)
+        checkpoint["lightning_dvi"] = {
+            "injected_net": f"{net.__module__}.{net.__qualname__}" if self.net_injected else None
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Build a deferred network from the saved weights; refuse to drop an injected one."""
+        injected = checkpoint.get("lightning_dvi", {}).get("injected_net")
+        if injected and not self.net_injected:
+            raise ValueError(
+                f"this checkpoint was trained with an injected network ({injected}), which the "
+                f"hyper-parameters cannot rebuild; pass net= with the same architecture, e.g. "
+                f"{type(self).__name__}.load_from_checkpoint(path, net=...)"
+            )
+        if not self.network_built:
+            in_features = checkpoint.get("hyper_parameters", {}).get("in_features")
+            if in_features is None:
+                first = next(
+                    (v for k, v in checkpoint["state_dict"].items() if k.endswith("weight_loc")),
+                    None,
+                )
+                in_features = None if first is None else int(first.shape[-1])
+            if in_features is not None:
+                self.build_network(int(in_features))
 
     def _elbo(self, batch: tuple[Tensor, Tensor], kl_weight: float, stage: str) -> ELBOTerms:
         x, y = batch
@@ -253,6 +502,7 @@ class DVIModule(LightningModule):
                 f"{type(self).__name__}: num_data is not set; pass num_data=N or train with a "
                 "datamodule that has `num_train`"
             )
+        y = self._network_targets(y)
         try:
             return elbo(
                 self.net,
@@ -342,15 +592,17 @@ class DVIModule(LightningModule):
         optimiser = torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         if self.lr_schedule == "constant":
             return optimiser
-        total = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total) or total < 1:
-            raise ValueError(
-                "lr_schedule='cosine' needs a finite number of optimisation steps; set the "
-                f"trainer's max_steps or max_epochs (estimated steps: {total})"
-            )
-        steps, floor = int(total), self.min_lr / self.lr
+        floor = self.min_lr / self.lr
+        horizon: list[int] = []
 
         def factor(step: int) -> float:
+            if step == 0:
+                return 1.0  # cos(0) = 1 for any horizon
+            # Read lazily: estimating the steps loads the training data, which before the
+            # checkpoint is restored would lose a resumed loader's position.
+            if not horizon:
+                horizon.append(self._total_steps("lr_schedule='cosine'"))
+            steps = horizon[0]
             return floor + (1.0 - floor) * 0.5 * (
                 1.0 + math.cos(math.pi * min(step, steps) / steps)
             )
@@ -359,6 +611,10 @@ class DVIModule(LightningModule):
         return {"optimizer": optimiser, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     # ------------------------------------------------------------------ subclass interface
+    def _network_targets(self, y: Tensor) -> Tensor:
+        """The targets as the likelihood sees them (the regressor standardises)."""
+        return y
+
     def _update_metrics(self, metrics: MetricCollection, x: Tensor, y: Tensor) -> None:
         raise NotImplementedError
 
