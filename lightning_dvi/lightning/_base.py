@@ -86,6 +86,9 @@ def instantiate_net(config: Mapping[str, Any]) -> nn.Module:
     """Build a network from ``{"class_path": ..., "init_args": {...}}`` (how the CLI saves it).
 
     Nested ``class_path`` dictionaries in ``init_args`` are built first (jsonargparse's form).
+
+    Raises:
+        ValueError: without a ``class_path``.
     """
     if "class_path" not in config:
         raise ValueError(f"a network configuration needs a class_path, got keys {sorted(config)}")
@@ -94,12 +97,7 @@ def instantiate_net(config: Mapping[str, Any]) -> nn.Module:
         if isinstance(value, Mapping) and "class_path" in value:
             module_name, _, class_name = str(value["class_path"]).rpartition(".")
             cls = getattr(importlib.import_module(module_name), class_name)
-            args = value.get("init_args") or {}
-            positional = args.get("modules") if isinstance(args, Mapping) else None
-            kwargs = {k: build(v) for k, v in dict(args).items() if k != "modules"}
-            if isinstance(positional, (list, tuple)):
-                return cls(*[build(v) for v in positional], **kwargs)
-            return cls(**kwargs)
+            return cls(**{k: build(v) for k, v in dict(value.get("init_args") or {}).items()})
         if isinstance(value, (list, tuple)):
             return [build(v) for v in value]
         return value
