@@ -2,6 +2,8 @@
 injected networks that checkpoints rebuild."""
 
 import csv
+import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -9,8 +11,9 @@ import pytest
 import torch
 import yaml
 
-from lightning_dvi import DVIRegressor
+from lightning_dvi import DVIClassifier, DVIRegressor
 from lightning_dvi.cli import cli, write_predictions_csv
+from lightning_dvi.lightning._base import DVIModule
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "recipes" / "toy_heteroscedastic.yaml"
@@ -107,3 +110,22 @@ def test_injected_network_from_the_cli_is_rebuilt_from_its_checkpoint(tmp_path):
     loaded = DVIRegressor.load_from_checkpoint(tmp_path / "last.ckpt")  # no net= needed
     assert loaded.net.init_scale == 0.05
     torch.testing.assert_close(loaded.net.weight_loc, run.model.net.weight_loc)
+
+
+@pytest.mark.parametrize("model", [DVIRegressor, DVIClassifier])
+def test_help_lists_every_argument_once_forwarded(model, capsys):
+    """Shared arguments are forwarded with **kwargs, yet --model.help shows all of them."""
+    expected = {
+        name
+        for cls in (model, DVIModule)
+        for name in inspect.signature(cls.__init__).parameters
+        if name not in ("self", "kwargs", "out_features")
+    }
+    with pytest.raises(SystemExit):
+        cli(["fit", "--model.help", model.__name__])
+    shown = set(re.findall(r"--model\.([a-z_]+) ", capsys.readouterr().out))
+    assert expected <= shown, expected - shown
+    assert "out_features" not in shown
+    # and every one of them is a saved hyper-parameter
+    kwargs = {"in_features": 2} | ({"num_classes": 3} if model is DVIClassifier else {})
+    assert expected - {"net"} <= set(model(**kwargs).hparams)

@@ -30,6 +30,11 @@ from ..nn import BayesLinear, BayesModule, bayes_layers, mlp
 from ..objective import ELBOTerms, KLSchedule, elbo
 from ..priors import EmpiricalBayes, GaussianPrior, Prior
 from ._data import DataView
+from ._validation import check as _check
+from ._validation import fraction as _fraction
+from ._validation import is_int as _is_int
+from ._validation import positive_float as _positive_float
+from ._validation import positive_int as _positive_int
 
 __all__ = ["DVIModule", "UnbuiltNetwork", "logs_this_step"]
 
@@ -54,28 +59,6 @@ def resolve_method(mode: str, method: str | None) -> str:
         f"method must be 'closed_form' or 'mc', got {method!r}",
     )
     return method
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_float(name: str, value: object, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value >= 0 if allow_zero else value > 0)  # type: ignore[operator]
-    _check(ok, f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _fraction(name: str, value: object) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    _check(ok and 0.0 <= value <= 1.0, f"{name} must be a fraction in [0, 1], got {value!r}")  # type: ignore[operator]
-    return float(value)  # type: ignore[arg-type]
 
 
 # The hyper-parameters that only describe the built-in MLP; not recorded for an injected network.
@@ -145,17 +128,58 @@ def logs_this_step(trainer: Trainer) -> bool:
 
 
 class DVIModule(LightningModule):
-    """Base class of :class:`~lightning_dvi.DVIRegressor` and :class:`~lightning_dvi.DVIClassifier`.
+    r"""Base class of :class:`~lightning_dvi.DVIRegressor` and :class:`~lightning_dvi.DVIClassifier`.
 
-    Subclasses build the likelihood and the metric collections, call
-    ``save_hyperparameters(ignore=["net"])`` and implement :meth:`_update_metrics`,
-    :meth:`_curve` and ``predict_step``. Argument meanings are documented on the subclasses.
+    It takes the arguments the two share (the subclasses forward them with ``**kwargs``, and
+    LightningCLI lists them under each subclass). Subclasses pass ``in_features``, ``hidden`` and
+    ``out_features`` (the likelihood's width, ``None`` until the data tell), build the likelihood
+    and the metric collections, and implement :meth:`_update_metrics`, :meth:`_curve`,
+    ``predictive`` and ``predict_step``. The hyper-parameters (every constructor argument but
+    ``net``) are saved here.
+
+    Args:
+        in_features: input size; ``None`` reads it from the data in ``setup()`` (the CLI links
+            ``data.in_features``).
+        hidden: hidden-layer widths of the MLP.
+        out_features: network outputs (set by the subclass).
+        activation: ``"relu"`` or ``"heaviside"``.
+        residual: skip connections between equal-width hidden layers.
+        mode: ``"full"`` (DVI), ``"diag"`` (dDVI), ``"sample"`` (MCVI) or ``"local"`` (local
+            reparameterisation).
+        num_samples: network samples per step in ``sample``/``local`` mode (default 1; also used
+            for the validation/test predictive); must be unset otherwise.
+        prior: ``"empirical_bayes"`` (inverse-gamma hyper-prior, per-group optimum) or
+            ``"gaussian"`` (fixed variance).
+        prior_alpha: inverse-gamma shape :math:`\alpha`.
+        prior_beta: inverse-gamma scale :math:`\beta`.
+        prior_variance: the fixed prior variance (``"gaussian"``), or the initial value of the
+            empirical-Bayes buffers until the first refresh (``eb_mode="buffer"``).
+        eb_mode: ``"in_graph"`` (optimum inside the loss, the authors' choice) or ``"buffer"``
+            (set by the :class:`~lightning_dvi.callbacks.EmpiricalBayes` callback).
+        num_data: training-set size :math:`N`; ``None`` takes ``trainer.datamodule.num_train``
+            or the length of the training dataset.
+        kl_warmup_steps: optimisation steps with the KL switched off (an error if the run ends
+            first).
+        kl_anneal_steps: steps of the linear KL ramp that follows.
+        kl_warmup_fraction: the warm-up as a fraction of the run's optimisation steps
+            (``trainer.estimated_stepping_batches``); exclusive with the ``*_steps`` arguments.
+        kl_anneal_fraction: the ramp as a fraction of the run's optimisation steps.
+        lr: Adam learning rate.
+        lr_schedule: ``"constant"`` (default) or ``"cosine"``: cosine decay from ``lr`` to
+            ``min_lr`` over the trainer's optimisation steps, per step.
+        min_lr: the learning rate the cosine schedule ends at (``0 <= min_lr <= lr``).
+        weight_decay: Adam weight decay.
+        init_scale: initial posterior std of the weights (default: the layer's,
+            :math:`0.1/\sqrt{\text{fan\_in}}`).
+        net: a user-built :mod:`lightning_dvi.nn` network to use instead of the MLP (then
+            ``hidden``, ``activation``, ``residual`` and ``init_scale`` are not used and not
+            recorded). A CLI run (``model.init_args.net``) saves the network's class path and
+            arguments, so ``load_from_checkpoint(path)`` rebuilds it; in Python pass ``net=``
+            again to ``load_from_checkpoint`` (a checkpoint loaded without it raises, saying so).
 
     Attributes:
-        net: the Bayesian network (``lightning_dvi.nn``).
         likelihood: the observation model.
         prior: the weight prior (its variances live in the layers' persistent buffers).
-        num_data: :math:`N` of ``KL / N`` (set in :meth:`setup` from the datamodule if ``None``).
         calibration_curves: per stage (``"val"``/``"test"``), the data of the last epoch's
             calibration plot, synced across processes (read by the plot callbacks).
     """
@@ -168,37 +192,33 @@ class DVIModule(LightningModule):
         self,
         *,
         in_features: int | None,
-        out_features: int,
         hidden: list[int],
-        activation: str,
-        residual: bool,
-        mode: str,
-        num_samples: int | None,
-        prior: str,
-        prior_alpha: float,
-        prior_beta: float,
-        prior_variance: float,
-        eb_mode: str,
-        num_data: int | None,
-        kl_warmup_steps: int,
-        kl_anneal_steps: int,
-        lr: float,
-        weight_decay: float,
-        init_scale: float | None,
-        net: nn.Module | Mapping[str, Any] | None,
-        lr_schedule: str = "constant",
-        min_lr: float = 0.0,
+        out_features: int | None,
+        activation: Activation = "relu",
+        residual: bool = False,
+        mode: Mode = "full",
+        num_samples: int | None = None,
+        prior: PriorName = "empirical_bayes",
+        prior_alpha: float = 1.0,
+        prior_beta: float = 10.0,
+        prior_variance: float = 1.0,
+        eb_mode: EBMode = "in_graph",
+        num_data: int | None = None,
+        kl_warmup_steps: int = 0,
+        kl_anneal_steps: int = 0,
         kl_warmup_fraction: float = 0.0,
         kl_anneal_fraction: float = 0.0,
+        lr: float = 1e-3,
+        lr_schedule: Literal["constant", "cosine"] = "constant",
+        min_lr: float = 0.0,
+        weight_decay: float = 0.0,
+        init_scale: float | None = None,
+        net: BayesModule | None = None,
     ) -> None:
         super().__init__()
         _check(mode in _MODES, f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
         if mode in _MC_MODES:
-            num_samples = 1 if num_samples is None else num_samples
-            _check(
-                _is_int(num_samples) and num_samples >= 1,  # type: ignore[operator]
-                f"num_samples must be a positive int, got {num_samples!r}",
-            )
+            num_samples = _positive_int("num_samples", 1 if num_samples is None else num_samples)
         else:
             _check(
                 num_samples is None,
@@ -245,7 +265,7 @@ class DVIModule(LightningModule):
         self._mlp_args: dict[str, Any] = {}
         self.net_injected = net is not None
         self._net_config = _primitive(net) if isinstance(net, Mapping) else None
-        if isinstance(net, Mapping):
+        if isinstance(net, Mapping):  # type: ignore[unreachable]
             # A checkpoint of a CLI run with model.init_args.net records the network's config.
             net = instantiate_net(net)
         if net is None:
@@ -258,6 +278,9 @@ class DVIModule(LightningModule):
             self.net = self._check_net(net, in_features, out_features)
             self.in_features = next(iter(bayes_layers(self.net))).in_features
         self.calibration_curves: dict[str, dict[str, Tensor]] = {}
+        # Collects this frame's and the subclass's arguments (the subclass's win).
+        self.save_hyperparameters(ignore=["net", "out_features"])
+        self._finish_hparams()
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -320,10 +343,7 @@ class DVIModule(LightningModule):
         """Build the MLP for ``in_features`` inputs (once) and record the width in the hyper-parameters."""
         if self.network_built:
             return
-        _check(
-            _is_int(in_features) and in_features >= 1,
-            f"in_features must be a positive int, got {in_features!r}",
-        )
+        _positive_int("in_features", in_features)
         _check(
             self.out_features is not None,
             f"{type(self).__name__}: the number of outputs is not known yet",
@@ -360,10 +380,7 @@ class DVIModule(LightningModule):
         """Network outputs ``[S, B, D]`` under ``S`` posterior draws of the weights."""
         if num_samples is None:
             num_samples = self.num_samples if self.mode in _MC_MODES else _DEFAULT_MC_SAMPLES
-        _check(
-            _is_int(num_samples) and num_samples >= 1,  # type: ignore[operator]
-            f"num_samples must be a positive int, got {num_samples!r}",
-        )
+        _positive_int("num_samples", num_samples)
         draw_mode = "local" if self.mode == "local" else "sample"
         return self.net(x, mode=draw_mode, num_samples=num_samples)
 

@@ -9,7 +9,6 @@ process sees the whole training set and computes the same statistics).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -149,13 +148,3 @@ class DataView:
                 return None
             parts.append(y.detach().reshape(y.shape[0], -1) if y.dim() > 1 else y.detach())
         return torch.cat(parts) if parts else None
-
-
-def check_positive_int(name: str, value: Any) -> int:
-    """``value`` as an int, raising ``ValueError`` unless it is a positive integer."""
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    if not ok and isinstance(value, float) and math.isfinite(value) and value == int(value):
-        ok, value = value >= 1, int(value)
-    if not ok:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)

@@ -3,7 +3,7 @@ r"""``DVIClassifier``: a Bayesian MLP for softmax classification trained by DVI 
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -12,9 +12,9 @@ from torchmetrics.utilities import dim_zero_cat
 
 from ..likelihoods import Categorical
 from ..metrics import ClassificationMetrics
-from ..nn import BayesModule
-from ._base import Activation, DVIModule, EBMode, Mode, PredictiveMethod, PriorName, resolve_method
+from ._base import DVIModule, PredictiveMethod, resolve_method
 from ._data import DataView
+from ._validation import positive_int
 
 __all__ = ["DVIClassifier"]
 
@@ -42,34 +42,13 @@ class DVIClassifier(DVIModule):
         num_classes: number of classes :math:`K`; ``None`` reads it from the data (the CLI
             links ``data.num_classes``).
         hidden: hidden-layer widths.
-        activation: ``"relu"`` or ``"heaviside"``.
-        residual: skip connections between equal-width hidden layers.
-        mode: ``"full"``, ``"diag"``, ``"sample"`` or ``"local"``.
-        num_samples: network samples in ``sample``/``local`` mode (default 1); unset otherwise.
         likelihood_method: ``"delta"`` (closed form, appendix B.4) or ``"mc"`` (DVI-MC:
             Monte Carlo over the logit Gaussian only).
         likelihood_mc_samples: logit draws for ``likelihood_method="mc"``.
-        prior: ``"empirical_bayes"`` or ``"gaussian"``.
-        prior_alpha: inverse-gamma shape.
-        prior_beta: inverse-gamma scale.
-        prior_variance: fixed prior variance, or the initial empirical-Bayes buffer value.
-        eb_mode: ``"in_graph"`` or ``"buffer"``.
-        num_data: training-set size :math:`N`; ``None`` takes ``trainer.datamodule.num_train``
-            or the length of the training dataset.
-        kl_warmup_steps: steps with the KL switched off (an error if the run ends first).
-        kl_anneal_steps: steps of the linear KL ramp.
-        kl_warmup_fraction: the warm-up as a fraction of the run's optimisation steps;
-            exclusive with the ``*_steps`` arguments.
-        kl_anneal_fraction: the ramp as a fraction of the run's optimisation steps.
-        lr: Adam learning rate.
-        lr_schedule: ``"constant"`` (default) or ``"cosine"``: cosine decay from ``lr`` to
-            ``min_lr`` over the trainer's optimisation steps, per step.
-        min_lr: the learning rate the cosine schedule ends at (``0 <= min_lr <= lr``).
-        weight_decay: Adam weight decay.
-        init_scale: initial posterior std of the weights (default: the layer's).
         ece_bins: confidence bins of the expected calibration error and reliability diagram.
-        net: a user-built :mod:`lightning_dvi.nn` network with ``num_classes`` outputs (see
-            :class:`~lightning_dvi.DVIRegressor` for how checkpoints treat it).
+        **kwargs: the shared arguments of :class:`~lightning_dvi.lightning._base.DVIModule`
+            (``mode``, ``prior``, ``lr``, the KL schedule, ``net``, ...; see
+            :class:`~lightning_dvi.DVIRegressor`).
 
     Examples:
         >>> model = DVIClassifier(in_features=4, num_classes=3, hidden=[8], num_data=10)
@@ -82,61 +61,15 @@ class DVIClassifier(DVIModule):
         in_features: int | None = None,
         num_classes: int | None = None,
         hidden: list[int] = [64],  # noqa: B006 (jsonargparse and the CLI help show it)
-        activation: Activation = "relu",
-        residual: bool = False,
-        mode: Mode = "full",
-        num_samples: int | None = None,
         likelihood_method: Literal["delta", "mc"] = "delta",
         likelihood_mc_samples: int = 32,
-        prior: PriorName = "empirical_bayes",
-        prior_alpha: float = 1.0,
-        prior_beta: float = 10.0,
-        prior_variance: float = 1.0,
-        eb_mode: EBMode = "in_graph",
-        num_data: int | None = None,
-        kl_warmup_steps: int = 0,
-        kl_anneal_steps: int = 0,
-        kl_warmup_fraction: float = 0.0,
-        kl_anneal_fraction: float = 0.0,
-        lr: float = 1e-3,
-        lr_schedule: Literal["constant", "cosine"] = "constant",
-        min_lr: float = 0.0,
-        weight_decay: float = 0.0,
-        init_scale: float | None = None,
         ece_bins: int = 15,
-        net: BayesModule | None = None,
+        **kwargs: Any,
     ) -> None:
-        # Checked now even when the number of classes comes from the data later.
-        Categorical(num_classes or 2, likelihood_method, likelihood_mc_samples)
-        if isinstance(ece_bins, bool) or not isinstance(ece_bins, int) or ece_bins < 1:
-            raise ValueError(f"ece_bins must be a positive int, got {ece_bins!r}")
-        super().__init__(
-            in_features=in_features,
-            out_features=num_classes,
-            hidden=hidden,
-            activation=activation,
-            residual=residual,
-            mode=mode,
-            num_samples=num_samples,
-            prior=prior,
-            prior_alpha=prior_alpha,
-            prior_beta=prior_beta,
-            prior_variance=prior_variance,
-            eb_mode=eb_mode,
-            num_data=num_data,
-            kl_warmup_steps=kl_warmup_steps,
-            kl_anneal_steps=kl_anneal_steps,
-            kl_warmup_fraction=kl_warmup_fraction,
-            kl_anneal_fraction=kl_anneal_fraction,
-            lr=lr,
-            lr_schedule=lr_schedule,
-            min_lr=min_lr,
-            weight_decay=weight_decay,
-            init_scale=init_scale,
-            net=net,
-        )
-        self.save_hyperparameters(ignore=["net"])
-        self._finish_hparams()
+        if num_classes is None:  # otherwise _set_num_classes checks them, once
+            Categorical(2, likelihood_method, likelihood_mc_samples)
+        positive_int("ece_bins", ece_bins)
+        super().__init__(in_features=in_features, hidden=hidden, out_features=num_classes, **kwargs)
         self.likelihood_method = likelihood_method
         self.likelihood_mc_samples = likelihood_mc_samples
         self.ece_bins = ece_bins

@@ -3,7 +3,7 @@ r"""``DVIRegressor``: a Bayesian MLP for regression trained by DVI, dDVI or MCVI
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -13,16 +13,7 @@ from torchmetrics import Metric, MetricCollection
 from ..gaussian import Gaussian
 from ..likelihoods import HeteroscedasticGaussian, HomoscedasticGaussian
 from ..metrics import RegressionMetrics
-from ..nn import BayesModule
-from ._base import (
-    Activation,
-    DVIModule,
-    EBMode,
-    Mode,
-    PredictiveMethod,
-    PriorName,
-    resolve_method,
-)
+from ._base import DVIModule, PredictiveMethod, resolve_method
 from ._data import DataView, target_statistics
 
 __all__ = ["DVIRegressor", "VarianceSplit"]
@@ -86,37 +77,8 @@ class DVIRegressor(DVIModule):
         in_features: input size; ``None`` reads it from the data in ``setup()`` (the CLI links
             ``data.in_features``).
         hidden: hidden-layer widths.
-        activation: ``"relu"`` or ``"heaviside"``.
-        residual: skip connections between equal-width hidden layers.
-        mode: ``"full"`` (DVI), ``"diag"`` (dDVI), ``"sample"`` (MCVI) or ``"local"`` (local
-            reparameterisation).
-        num_samples: network samples per step in ``sample``/``local`` mode (default 1; also used
-            for the validation/test predictive); must be unset otherwise.
         likelihood: ``"heteroscedastic"`` (outputs :math:`(m, \ell)`, noise :math:`e^\ell`) or
             ``"homoscedastic"`` (one output, a learned global log-variance).
-        prior: ``"empirical_bayes"`` (inverse-gamma hyper-prior, per-group optimum) or
-            ``"gaussian"`` (fixed variance).
-        prior_alpha: inverse-gamma shape :math:`\alpha`.
-        prior_beta: inverse-gamma scale :math:`\beta`.
-        prior_variance: the fixed prior variance (``"gaussian"``), or the initial value of the
-            empirical-Bayes buffers until the first refresh (``eb_mode="buffer"``).
-        eb_mode: ``"in_graph"`` (optimum inside the loss, the authors' choice) or ``"buffer"``
-            (set by the :class:`~lightning_dvi.callbacks.EmpiricalBayes` callback).
-        num_data: training-set size :math:`N`; ``None`` takes ``trainer.datamodule.num_train``
-            or the length of the training dataset.
-        kl_warmup_steps: optimisation steps with the KL switched off (an error if the run ends
-            first).
-        kl_anneal_steps: steps of the linear KL ramp that follows.
-        kl_warmup_fraction: the warm-up as a fraction of the run's optimisation steps
-            (``trainer.estimated_stepping_batches``); exclusive with the ``*_steps`` arguments.
-        kl_anneal_fraction: the ramp as a fraction of the run's optimisation steps.
-        lr: Adam learning rate.
-        lr_schedule: ``"constant"`` (default) or ``"cosine"``: cosine decay from ``lr`` to
-            ``min_lr`` over the trainer's optimisation steps, per step.
-        min_lr: the learning rate the cosine schedule ends at (``0 <= min_lr <= lr``).
-        weight_decay: Adam weight decay.
-        init_scale: initial posterior std of the weights (default: the layer's,
-            :math:`0.1/\sqrt{\text{fan\_in}}`).
         init_log_noise: initial log noise variance: the bias of the :math:`\ell` output
             (heteroscedastic) or :math:`\lambda` (homoscedastic). Starting low lets the mean fit
             before the noise explains the data away.
@@ -125,12 +87,12 @@ class DVIRegressor(DVIModule):
         target_scale: :math:`s`, the standard deviation of the training targets.
         standardize_targets: ``True`` (default): batches hold raw ``y`` and the module
             standardises it; ``False``: batches hold already-standardised ``y``.
-        net: a user-built :mod:`lightning_dvi.nn` network to use instead of the MLP (then
-            ``hidden``, ``activation``, ``residual``, ``init_scale`` and ``init_log_noise`` for
-            the heteroscedastic bias are not used and not recorded). A CLI run
-            (``model.init_args.net``) saves the network's class path and arguments, so
-            ``load_from_checkpoint(path)`` rebuilds it; in Python pass ``net=`` again to
-            ``load_from_checkpoint`` (a checkpoint loaded without it raises, saying so).
+        **kwargs: the shared arguments of :class:`~lightning_dvi.lightning._base.DVIModule`:
+            ``activation``, ``residual``, ``mode``, ``num_samples``, ``prior``,
+            ``prior_alpha``, ``prior_beta``, ``prior_variance``, ``eb_mode``, ``num_data``,
+            ``kl_warmup_steps``, ``kl_anneal_steps``, ``kl_warmup_fraction``,
+            ``kl_anneal_fraction``, ``lr``, ``lr_schedule``, ``min_lr``, ``weight_decay``,
+            ``init_scale``, ``net`` (with ``net``, ``init_log_noise`` does not set its bias).
 
     Examples:
         >>> model = DVIRegressor(in_features=1, hidden=[16], num_data=100)
@@ -146,31 +108,12 @@ class DVIRegressor(DVIModule):
         self,
         in_features: int | None = None,
         hidden: list[int] = [128, 128],  # noqa: B006 (jsonargparse and the CLI help show it)
-        activation: Activation = "relu",
-        residual: bool = False,
-        mode: Mode = "full",
-        num_samples: int | None = None,
         likelihood: Literal["heteroscedastic", "homoscedastic"] = "heteroscedastic",
-        prior: PriorName = "empirical_bayes",
-        prior_alpha: float = 1.0,
-        prior_beta: float = 10.0,
-        prior_variance: float = 1.0,
-        eb_mode: EBMode = "in_graph",
-        num_data: int | None = None,
-        kl_warmup_steps: int = 0,
-        kl_anneal_steps: int = 0,
-        kl_warmup_fraction: float = 0.0,
-        kl_anneal_fraction: float = 0.0,
-        lr: float = 1e-3,
-        lr_schedule: Literal["constant", "cosine"] = "constant",
-        min_lr: float = 0.0,
-        weight_decay: float = 0.0,
-        init_scale: float | None = None,
         init_log_noise: float = -3.0,
         target_loc: float | None = None,
         target_scale: float | None = None,
         standardize_targets: bool = True,
-        net: BayesModule | None = None,
+        **kwargs: Any,
     ) -> None:
         if likelihood == "heteroscedastic":
             lik: HeteroscedasticGaussian | HomoscedasticGaussian = HeteroscedasticGaussian()
@@ -183,32 +126,8 @@ class DVIRegressor(DVIModule):
         if not isinstance(standardize_targets, bool):
             raise ValueError(f"standardize_targets must be a bool, got {standardize_targets!r}")
         super().__init__(
-            in_features=in_features,
-            out_features=lik.num_outputs,
-            hidden=hidden,
-            activation=activation,
-            residual=residual,
-            mode=mode,
-            num_samples=num_samples,
-            prior=prior,
-            prior_alpha=prior_alpha,
-            prior_beta=prior_beta,
-            prior_variance=prior_variance,
-            eb_mode=eb_mode,
-            num_data=num_data,
-            kl_warmup_steps=kl_warmup_steps,
-            kl_anneal_steps=kl_anneal_steps,
-            kl_warmup_fraction=kl_warmup_fraction,
-            kl_anneal_fraction=kl_anneal_fraction,
-            lr=lr,
-            lr_schedule=lr_schedule,
-            min_lr=min_lr,
-            weight_decay=weight_decay,
-            init_scale=init_scale,
-            net=net,
+            in_features=in_features, hidden=hidden, out_features=lik.num_outputs, **kwargs
         )
-        self.save_hyperparameters(ignore=["net"])
-        self._finish_hparams()
         self.likelihood = lik
         self.init_log_noise = float(init_log_noise)
         if self.network_built and not self.net_injected:
