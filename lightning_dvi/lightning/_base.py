@@ -13,7 +13,6 @@ all-reduce averages across processes, so the update is that of the global batch.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -30,13 +29,14 @@ from ..nn import BayesLinear, BayesModule, bayes_layers, mlp
 from ..objective import ELBOTerms, KLSchedule, elbo
 from ..priors import EmpiricalBayes, GaussianPrior, Prior
 from ._data import DataView
+from ._network import UnbuiltNetwork, instantiate_net, primitive
 from ._validation import check as _check
 from ._validation import fraction as _fraction
 from ._validation import is_int as _is_int
 from ._validation import positive_float as _positive_float
 from ._validation import positive_int as _positive_int
 
-__all__ = ["DVIModule", "UnbuiltNetwork", "logs_this_step"]
+__all__ = ["DVIModule", "logs_this_step"]
 
 Mode = Literal["full", "diag", "sample", "local"]
 Activation = Literal["relu", "heaviside"]
@@ -63,56 +63,6 @@ def resolve_method(mode: str, method: str | None) -> str:
 
 # The hyper-parameters that only describe the built-in MLP; not recorded for an injected network.
 _MLP_HPARAMS = ("hidden", "activation", "residual", "init_scale")
-
-
-def instantiate_net(config: Mapping[str, Any]) -> nn.Module:
-    """Build a network from ``{"class_path": ..., "init_args": {...}}`` (how the CLI saves it).
-
-    Nested ``class_path`` dictionaries in ``init_args`` are built first (jsonargparse's form).
-
-    Raises:
-        ValueError: without a ``class_path``.
-    """
-    if "class_path" not in config:
-        raise ValueError(f"a network configuration needs a class_path, got keys {sorted(config)}")
-
-    def build(value: Any) -> Any:
-        if isinstance(value, Mapping) and "class_path" in value:
-            module_name, _, class_name = str(value["class_path"]).rpartition(".")
-            cls = getattr(importlib.import_module(module_name), class_name)
-            return cls(**{k: build(v) for k, v in dict(value.get("init_args") or {}).items()})
-        if isinstance(value, (list, tuple)):
-            return [build(v) for v in value]
-        return value
-
-    return build(config)
-
-
-def _primitive(value: Any) -> Any:
-    """A plain-container copy (dicts, lists, scalars) of a jsonargparse configuration."""
-    if type(value).__name__ == "Namespace":
-        value = vars(value)
-    if isinstance(value, Mapping):
-        return {str(k): _primitive(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_primitive(v) for v in value]
-    return value
-
-
-class UnbuiltNetwork(nn.Module):
-    """Stands in for the network until ``setup()`` has read ``in_features`` from the data."""
-
-    def __init__(self, owner: str) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Raise: there is no network yet."""
-        raise RuntimeError(
-            f"{self.owner}: the network is not built yet. It was created without in_features, "
-            "which is read from the data when a Trainer runs it (trainer.fit / validate / test / "
-            "predict call setup()); pass in_features= to use the model before that"
-        )
 
 
 def logs_this_step(trainer: Trainer) -> bool:
@@ -264,7 +214,7 @@ class DVIModule(LightningModule):
         self.out_features = out_features
         self._mlp_args: dict[str, Any] = {}
         self.net_injected = net is not None
-        self._net_config = _primitive(net) if isinstance(net, Mapping) else None
+        self._net_config = primitive(net) if isinstance(net, Mapping) else None
         if isinstance(net, Mapping):  # type: ignore[unreachable]
             # A checkpoint of a CLI run with model.init_args.net records the network's config.
             net = instantiate_net(net)
