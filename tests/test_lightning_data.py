@@ -127,8 +127,13 @@ def test_readme_lightning_users_example_runs_as_written():
     _trainer(max_epochs=1).fit(model, dm)
     assert (model.in_features, model.num_data) == (1, 32)
     assert (model.hparams.in_features, model.hparams.num_data) == (1, 32)
-    # the heteroscedastic log-noise bias starts low on a network built in setup() too
-    assert model.net[-1].bias_loc.shape == (2,)
+
+
+def test_a_network_built_later_gets_the_same_initialisation():
+    later = DVIRegressor(hidden=[4], init_log_noise=-4.0)
+    later.build_network(3)
+    assert later.hparams.in_features == 3
+    assert float(later.net[-1].bias_loc[1]) == -4.0  # the heteroscedastic noise starts low
 
 
 def test_plain_dataloader_gives_in_features_n_and_target_statistics():
