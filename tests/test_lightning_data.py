@@ -305,3 +305,10 @@ def test_the_split_is_logged_per_stage():
         float(trainer.callback_metrics[f"val/{k}_std"]) for k in ("aleatoric", "epistemic")
     )
     assert alea > 0 and epi > 0 and math.isfinite(alea + epi)
+
+
+def test_predict_step_split_shares_the_draws_of_its_variance():
+    model = DVIRegressor(in_features=2, hidden=[4], mode="sample", num_samples=8)
+    out = model.predict_step((torch.randn(6, 2),), 0)
+    torch.testing.assert_close(out["aleatoric_var"] + out["epistemic_var"], out["var"])
+    assert (out["epistemic_var"] > 0).all()

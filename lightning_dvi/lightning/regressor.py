@@ -270,17 +270,15 @@ class DVIRegressor(DVIModule):
         with ``method="mc"``). Homoscedastic: aleatoric :math:`e^\lambda`. The two add up to
         the variance of :meth:`predictive`.
         """
-        _, var, epistemic = self._network_predictive(x, method, num_samples)
-        scale2 = self.target_scale.square()
-        return (var - epistemic).clamp_min(0) * scale2, epistemic * scale2
+        _, var, epistemic = self._original_units(*self._network_predictive(x, method, num_samples))
+        return (var - epistemic).clamp_min(0), epistemic
 
     def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:
         """``{"mean", "var", "aleatoric_var", "epistemic_var"}``, each ``[B]``, original units of y."""
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        _, var, epistemic = self._network_predictive(x, None, None)
-        mean, var = self.predictive(x)
-        scale2 = self.target_scale.square()
-        epistemic = epistemic.detach() * scale2
+        # One pass, so that in the MC modes the split and the variance share their draws.
+        with torch.no_grad():
+            mean, var, epistemic = self._original_units(*self._network_predictive(x, None, None))
         return {
             "mean": mean,
             "var": var,
@@ -288,11 +286,15 @@ class DVIRegressor(DVIModule):
             "epistemic_var": epistemic,
         }
 
+    def _original_units(
+        self, mean: Tensor, var: Tensor, epistemic: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        scale2 = self.target_scale.square()
+        return mean * self.target_scale + self.target_loc, var * scale2, epistemic * scale2
+
     def _update_metrics(self, metrics: MetricCollection, x: Tensor, y: Tensor) -> None:
         with torch.no_grad():
-            mean, var, epistemic = self._network_predictive(x, None, None)
-        scale, loc = self.target_scale, self.target_loc
-        mean, var, epistemic = mean * scale + loc, var * scale.square(), epistemic * scale.square()
+            mean, var, epistemic = self._original_units(*self._network_predictive(x, None, None))
         target = self.targets_in_original_units(y.reshape(mean.shape))
         metrics.update(mean, var, target)
         split = getattr(self, f"{metrics.prefix.rstrip('/')}_split", None)
