@@ -207,6 +207,7 @@ def test_kl_fractions_become_steps_of_the_run():
 def test_a_warmup_that_outlasts_the_run_is_an_error_and_a_late_ramp_a_warning():
     with pytest.raises(ValueError, match="does not end before the run does"):
         _trainer(max_steps=4).fit(DVIRegressor(hidden=[4], kl_warmup_steps=4), _toy())
+    _trainer(fast_dev_run=1).fit(DVIRegressor(hidden=[4], kl_warmup_steps=4), _toy())  # smoke test
     with pytest.warns(UserWarning, match="never reaches full weight"):
         _trainer(max_steps=4).fit(
             DVIRegressor(hidden=[4], kl_warmup_steps=2, kl_anneal_steps=5), _toy()

@@ -416,7 +416,7 @@ class DVIModule(LightningModule):
                 round(self.kl_warmup_fraction * total), round(self.kl_anneal_fraction * total)
             )
             return
-        if not finite:
+        if not finite or self.trainer.fast_dev_run:  # a smoke test is not the run
             return
         warmup, anneal = self.kl_schedule.warmup_steps, self.kl_schedule.anneal_steps
         if warmup and warmup >= total:
