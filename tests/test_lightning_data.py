@@ -313,3 +313,19 @@ def test_predict_step_split_shares_the_draws_of_its_variance():
     out = model.predict_step((torch.randn(6, 2),), 0)
     torch.testing.assert_close(out["aleatoric_var"] + out["epistemic_var"], out["var"])
     assert (out["epistemic_var"] > 0).all()
+
+
+def test_predictive_log_prob_closed_form_and_mixture():
+    model = _linear_model()
+    x = torch.randn(4, 2, dtype=torch.float64)
+    y = 3.0 + 2.0 * torch.randn(4, dtype=torch.float64)
+    mean, var = model.predictive(x)
+    expected = -0.5 * ((y - mean) ** 2 / var + torch.log(2 * math.pi * var))
+    torch.testing.assert_close(model.predictive_log_prob(x, y, "closed_form"), expected)
+    torch.manual_seed(3)
+    mixture = model.predictive_log_prob(x, y, "mc", num_samples=30)
+    torch.manual_seed(3)
+    f = model.net(x, mode="sample", num_samples=30)
+    m, v = f[..., 0] * 2.0 + 3.0, f[..., 1].exp() * 4.0  # each draw in original units
+    density = (torch.exp(-0.5 * (y - m) ** 2 / v) / torch.sqrt(2 * math.pi * v)).mean(0)
+    torch.testing.assert_close(mixture, density.log())

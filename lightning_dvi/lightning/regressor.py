@@ -258,6 +258,31 @@ class DVIRegressor(DVIModule):
         return mean * self.target_scale + self.target_loc, var * self.target_scale.square()
 
     @torch.no_grad()
+    def predictive_log_prob(
+        self,
+        x: Tensor,
+        y: Tensor,
+        method: PredictiveMethod | None = None,
+        num_samples: int | None = None,
+    ) -> Tensor:
+        r"""Log predictive density of targets ``y`` (original units, as in the batches), ``[B]``.
+
+        ``"closed_form"``: :math:`\log\mathcal N(y; \mu, \sigma^2)` with :meth:`predictive`'s
+        moments. ``"mc"``: the density of the mixture itself over ``num_samples`` weight draws,
+        :math:`\log\frac1S\sum_s\mathcal N(y; \mu_s, \sigma_s^2)` (not its moment-matched
+        Gaussian; the usual MCVI test log-likelihood). Per point, in the original units of ``y``.
+        """
+        y = self.targets_in_original_units(y.reshape(x.shape[0]))
+        if resolve_method(self.mode, method) == "closed_form":
+            mean, var = self.predictive(x, "closed_form")
+            return torch.distributions.Normal(mean, var.sqrt()).log_prob(y)
+        f = self._weight_draws(x, num_samples)
+        per_sample = self.likelihood.predictive(Gaussian(f, var=torch.zeros_like(f)))
+        y_std = (y - self.target_loc) / self.target_scale
+        log_p = per_sample.log_prob(y_std.to(f.dtype))  # [S, B], standardised units
+        return torch.logsumexp(log_p, 0) - math.log(f.shape[0]) - torch.log(self.target_scale)
+
+    @torch.no_grad()
     def variance_decomposition(
         self, x: Tensor, method: PredictiveMethod | None = None, num_samples: int | None = None
     ) -> tuple[Tensor, Tensor]:
