@@ -17,17 +17,24 @@ the model accepts them (otherwise the link is skipped):
 * ``data.target_loc`` / ``data.target_scale`` -> the regressor's target standardisation
 * ``data.num_classes`` -> ``model.init_args.num_classes`` (the classifier)
 
+The model may also leave these unset and read them from the data in ``setup()``.
+
 Invalid configurations stop with jsonargparse's message naming the key and exit code 2: type
-errors while parsing, and the modules' own ``ValueError`` checks while instantiating.
+errors while parsing, and the modules' own ``ValueError`` checks while instantiating. ``test``,
+``validate`` and ``predict`` with ``--ckpt_path last`` and no last checkpoint, and ``validate``
+or ``test`` on a data module without that split, stop with a message and exit code 1 instead of
+running an untrained model or nothing.
 """
 
 from __future__ import annotations
 
+import csv
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from jsonargparse.typing import PositiveInt
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -41,7 +48,7 @@ from .data import ToyHeteroscedasticDataModule, toy_true_log_likelihood
 from .lightning import DVIClassifier, DVIRegressor  # noqa: F401
 from .lightning._base import DVIModule
 
-__all__ = ["DVILightningCLI", "cli", "main"]
+__all__ = ["DVILightningCLI", "cli", "main", "write_predictions_csv"]
 
 _LINKS = (
     ("in_features", "in_features"),
@@ -87,19 +94,77 @@ class DVILightningCLI(LightningCLI):
             torch.set_num_threads(config["num_threads"])
 
     def instantiate_classes(self) -> None:
-        """Instantiate, turning the classes' argument checks into a parser error (exit 2)."""
+        """Instantiate, turning the classes' argument checks into a parser error (exit 2).
+
+        An injected network (``model.init_args.net``) is recorded in the model's
+        hyper-parameters as its class path and arguments, so ``load_from_checkpoint`` rebuilds it.
+        """
         try:
             super().instantiate_classes()
         except (ValueError, FileNotFoundError) as err:
             self.parser.error(f"invalid configuration ({type(err).__name__}): {err}")
+        net_config = self._model_config().get("net")
+        model = getattr(self, "model", None)
+        if isinstance(net_config, dict) and "class_path" in net_config and model is not None:
+            model.hparams["net"] = net_config
+
+    def _model_config(self) -> dict[str, Any]:
+        config = getattr(self, "config_dump", None)
+        if config is None:
+            config = yaml.safe_load(self.parser.dump(self.config, skip_none=False, format="yaml"))
+            if self.subcommand:
+                config = config[self.subcommand]
+        model = config.get("model") or {}
+        return model.get("init_args", model) if isinstance(model, dict) else {}
+
+    def _require_last_checkpoint(self, kwargs: dict[str, Any]) -> None:
+        """``--ckpt_path last`` must name an existing checkpoint (Lightning only warns)."""
+        if kwargs.get("ckpt_path") != "last":
+            return
+        candidates: set[str] = set()
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                candidates |= callback._find_last_checkpoints(self.trainer)
+        if not any(Path(path).is_file() for path in candidates):
+            raise SystemExit(
+                f"lightning-dvi {self.subcommand}: --ckpt_path last, but there is no last "
+                "checkpoint (no last.ckpt where the config's ModelCheckpoint saves); run `fit` "
+                "first or pass --ckpt_path PATH"
+            )
+
+    def _require_batches(self, stage: str, counts: list[int] | int) -> None:
+        total = sum(counts) if isinstance(counts, list) else counts
+        if not total:
+            raise SystemExit(
+                f"lightning-dvi {self.subcommand}: the data module has no {stage} data, so "
+                f"nothing was evaluated (e.g. a split fraction of 0, such as "
+                f"data.val_fraction=0 for validation); give it a {stage} split"
+            )
+
+    def validate(self, **kwargs: Any) -> None:
+        """Run ``trainer.validate``; fail when there is no checkpoint to load or no validation data."""
+        self._require_last_checkpoint(kwargs)
+        self.trainer.validate(**kwargs)
+        self._require_batches("validation", self.trainer.num_val_batches)
+
+    def test(self, **kwargs: Any) -> None:
+        """Run ``trainer.test``; fail when there is no checkpoint to load or no test data."""
+        self._require_last_checkpoint(kwargs)
+        self.trainer.test(**kwargs)
+        self._require_batches("test", self.trainer.num_test_batches)
 
     def predict(self, **kwargs: Any) -> None:
-        """Run ``trainer.predict`` and save the predictions to ``<log_dir>/predictions.pt``.
+        """Run ``trainer.predict`` and save the predictions to ``<log_dir>/predictions.pt`` and ``.csv``.
 
-        Regression: ``{"mean": [N], "var": [N]}`` in the original units of y; classification:
-        probabilities ``[N, K]`` (``torch.load(path, weights_only=True)`` reads either). Under DDP
-        each process saves its own share as ``predictions_rank<r>.pt``.
+        Regression: ``{"mean", "var", "aleatoric_var", "epistemic_var"}``, each ``[N]``, in the
+        original units of y; classification: probabilities ``[N, K]``
+        (``torch.load(path, weights_only=True)`` reads either). Beside it, ``predictions.csv``
+        holds one row per example: for regression ``mean, std, lower_95, upper_95`` (the central
+        95 % interval of the Gaussian predictive), ``aleatoric_std, epistemic_std``; for
+        classification ``prob_0 .. prob_{K-1}, predicted_class, entropy`` (nats). Under DDP each
+        process saves its own share as ``predictions_rank<r>.pt`` / ``.csv``.
         """
+        self._require_last_checkpoint(kwargs)
         batches = self.trainer.predict(**kwargs)
         log_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
         if not batches:
@@ -112,6 +177,7 @@ class DVILightningCLI(LightningCLI):
         name = "predictions.pt" if world == 1 else f"predictions_rank{self.trainer.global_rank}.pt"
         log_dir.mkdir(parents=True, exist_ok=True)
         torch.save(predictions, log_dir / name)
+        write_predictions_csv(predictions, (log_dir / name).with_suffix(".csv"))
         self._predictions_path = log_dir / name
 
     # ------------------------------------------------------------------ after subcommands
@@ -159,6 +225,7 @@ class DVILightningCLI(LightningCLI):
                 lines.append(f"plot:        {png}")
         if getattr(self, "_predictions_path", None) is not None:
             lines.append(f"predictions: {self._predictions_path}")
+            lines.append(f"predictions: {self._predictions_path.with_suffix('.csv')}")
         for callback in trainer.callbacks if self.subcommand == "fit" else []:  # type: ignore[attr-defined]
             if isinstance(callback, ModelCheckpoint) and callback.last_model_path:
                 lines.append(f"checkpoint:  {callback.last_model_path}")
@@ -175,6 +242,49 @@ class DVILightningCLI(LightningCLI):
             return []
         true_nll = -float(toy_true_log_likelihood(*test.tensors))
         return [f"  {'true noise model test NLL':<28s} {true_nll:.4f}"]
+
+
+_Z95 = 1.959963984540054  # the 97.5 % standard normal quantile
+
+
+def write_predictions_csv(predictions: dict[str, torch.Tensor] | torch.Tensor, path: Path) -> Path:
+    """Write ``predict`` output as CSV, one row per example (see :meth:`DVILightningCLI.predict`).
+
+    Args:
+        predictions: the regressor's dict of ``[N]`` tensors, or the classifier's ``[N, K]``
+            probabilities.
+        path: the CSV file to write.
+    """
+    if isinstance(predictions, dict):
+        mean = predictions["mean"].double()
+        std = predictions["var"].double().clamp_min(0).sqrt()
+        columns = {
+            "mean": mean,
+            "std": std,
+            "lower_95": mean - _Z95 * std,
+            "upper_95": mean + _Z95 * std,
+        }
+        for part in ("aleatoric", "epistemic"):
+            if f"{part}_var" in predictions:
+                columns[f"{part}_std"] = predictions[f"{part}_var"].double().clamp_min(0).sqrt()
+    else:
+        probs = predictions.double()
+        columns = {f"prob_{k}": probs[:, k] for k in range(probs.shape[1])}
+        columns["predicted_class"] = probs.argmax(-1)
+        columns["entropy"] = -(probs * probs.clamp_min(1e-300).log()).sum(-1)
+    names = list(columns)
+    rows = torch.stack([columns[n].double() for n in names], dim=1).tolist()
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(names)
+        for row in rows:
+            writer.writerow(
+                [
+                    int(v) if n == "predicted_class" else repr(v)
+                    for n, v in zip(names, row, strict=True)
+                ]
+            )
+    return path
 
 
 def cli(args: ArgsType = None, **kwargs: Any) -> DVILightningCLI:

@@ -268,18 +268,20 @@ def run_job(job: Job) -> dict[str, Any]:
     }
 
 
-def score(model: Any, x: Any, y_std: Any, mc_eval_samples: int) -> tuple[float, float]:
+def score(model: Any, x: Any, y: Any, mc_eval_samples: int) -> tuple[float, float]:
     r"""Mean log-likelihood per point and RMSE, both in the original units of ``y``.
 
-    ``full``/``diag``: the model's closed-form Gaussian predictive. ``sample``: the Monte Carlo
-    predictive mixture :math:`\\log\\frac1S\\sum_s p(y\\mid x, w_s)` over ``mc_eval_samples``
-    weight draws (the usual MCVI evaluation), RMSE of the mixture mean.
+    ``y`` is in its original units (as the data module yields it). ``full``/``diag``: the
+    model's closed-form Gaussian predictive. ``sample``: the Monte Carlo predictive mixture
+    :math:`\\log\\frac1S\\sum_s p(y\\mid x, w_s)` over ``mc_eval_samples`` weight draws (the
+    usual MCVI evaluation), RMSE of the mixture mean.
     """
     import torch
 
     model.eval()
     scale, loc = float(model.target_scale), float(model.target_loc)
-    y = y_std.double() * scale + loc
+    y = y.double()
+    y_std = ((y - loc) / scale).to(x.dtype)
     with torch.no_grad():
         if model.mode in ("sample", "local"):
             f = model.net(x, mode=model.mode, num_samples=mc_eval_samples).double()

@@ -38,7 +38,10 @@ def _toy(**kwargs):
         ({"num_samples": 4}, "num_samples"),
         ({"mode": "sample", "num_samples": 0}, "num_samples"),
         ({"num_data": 0}, "num_data"),
-        ({"in_features": None}, "in_features"),
+        ({"in_features": 0}, "in_features"),
+        ({"kl_warmup_fraction": 1.5}, "kl_warmup_fraction"),
+        ({"kl_warmup_fraction": 0.5, "kl_warmup_steps": 10}, "either in steps"),
+        ({"standardize_targets": "yes"}, "standardize_targets"),
         ({"target_scale": 0.0}, "target_scale"),
         ({"prior_variance": -1.0}, "prior_variance"),
         ({"kl_warmup_steps": -1}, "warmup_steps"),
@@ -77,7 +80,7 @@ def test_forward_and_predictive_shapes(mode):
     mean, var = model.predictive(torch.randn(5, 2))
     assert mean.shape == var.shape == (5,) and (var > 0).all()
     clf = DVIClassifier(in_features=2, num_classes=3, hidden=[4], mode=mode, num_samples=samples)
-    probs = clf.predict_proba(torch.randn(5, 2))
+    probs = clf.predictive(torch.randn(5, 2))
     assert probs.shape == (5, 3)
     torch.testing.assert_close(probs.sum(-1), torch.ones(5))
 
@@ -135,24 +138,32 @@ def test_fit_logs_elbo_parts_and_metrics_and_takes_n_from_the_datamodule():
     curve = model.calibration_curves["test"]
     assert curve["expected"].shape == curve["observed"].shape == (100,)
     predictions = trainer.predict(model, dm)
-    assert set(predictions[0]) == {"mean", "var"} and predictions[0]["mean"].shape == (16,)
+    assert set(predictions[0]) == {"mean", "var", "aleatoric_var", "epistemic_var"}
+    assert predictions[0]["mean"].shape == (16,)
 
 
 def test_metrics_are_reported_in_original_units():
     torch.manual_seed(0)
     model = DVIRegressor(in_features=1, hidden=[4], target_loc=5.0, target_scale=10.0)
-    x, y = torch.randn(8, 1), torch.randn(8)
-    model._update_metrics(model.test_metrics, x, y)
+    x, y_orig = torch.randn(8, 1), 5.0 + 10.0 * torch.randn(8)  # batches hold raw targets
+    model._update_metrics(model.test_metrics, x, y_orig)
     mean, var = model.predictive(x)
-    y_orig = y * 10.0 + 5.0
     nll = (0.5 * torch.log(2 * math.pi * var) + (y_orig - mean) ** 2 / (2 * var)).mean()
     torch.testing.assert_close(model.test_metrics.compute()["test/nll"], nll, rtol=1e-5, atol=1e-5)
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    """A training stream without a length: N cannot be read from it."""
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(8):
+            yield torch.randn(1, generator=generator), torch.randn((), generator=generator)
+
+
 def test_missing_num_data_without_datamodule_is_a_clear_error():
     model = DVIRegressor(in_features=1, hidden=[4])
-    dm = _toy()
-    loader = dm.train_dataloader()
+    loader = torch.utils.data.DataLoader(_Stream(), batch_size=4)
     with pytest.raises(ValueError, match="num_data"):
         _trainer(max_steps=1).fit(model, train_dataloaders=loader)
 

@@ -3,7 +3,10 @@
 Every DataModule exposes ``in_features`` and ``num_train`` (the ``N`` of ``KL / N``) right after
 construction; regression ones also ``target_loc`` and ``target_scale`` (training statistics of
 ``y``) and ``x_loc``/``x_scale``. Batches are ``(x, y)`` tuples: float32 inputs, float32 targets
-for regression and int64 labels for classification.
+for regression and int64 labels for classification. Regression targets are in their original
+units: :class:`~lightning_dvi.DVIRegressor` standardises them with ``target_loc``/``target_scale``
+(a data module whose batches hold already-standardised targets sets ``targets_standardized =
+True``).
 """
 
 from ._base import EpochSeededSampler

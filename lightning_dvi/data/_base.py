@@ -104,7 +104,14 @@ class InMemoryDataModule(LightningDataModule):
     ``predict`` datasets (``val``/``test`` may be ``None`` when empty). Loading happens on the
     first call to :meth:`setup` or to any property that needs the data, so attributes like
     ``num_train`` can be read right after construction (LightningCLI links read them then).
+
+    Attributes:
+        targets_standardized: whether the batches hold standardised regression targets
+            (``False`` for every built-in module: targets stay in their original units and the
+            regressor standardises them with ``target_loc``/``target_scale``).
     """
+
+    targets_standardized: bool = False
 
     def __init__(self, batch_size: int, seed: int) -> None:
         super().__init__()

@@ -128,11 +128,11 @@ class _Statistics:
 class UCIDataModule(InMemoryDataModule):
     """One split of a UCI regression dataset in the standard layout (see the module docstring).
 
-    Inputs and targets are standardised with the statistics of the training rows actually
-    trained on (after the validation carve-out); the statistics are exposed so predictions and
-    metrics can be mapped back to the original units: ``y = y_std * target_scale + target_loc``.
-    Batches are ``(x [B, D] float32, y [B] float32)``, standardised. ``predict_dataloader``
-    yields the test set.
+    Inputs are standardised with the statistics of the training rows actually trained on (after
+    the validation carve-out). Targets stay in their original units; their training mean and
+    standard deviation are exposed as ``target_loc``/``target_scale``, which
+    :class:`~lightning_dvi.DVIRegressor` standardises with (raw ``y`` in, original units out).
+    Batches are ``(x [B, D] float32, y [B] float32)``. ``predict_dataloader`` yields the test set.
 
     Data are read on first use (``setup`` or any data attribute), so ``in_features``,
     ``num_train``, ``target_loc`` etc. are readable right after construction.
@@ -145,7 +145,8 @@ class UCIDataModule(InMemoryDataModule):
             no validation.
         batch_size: mini-batch size for every loader.
         seed: seeds the validation carve-out and the training-set shuffling.
-        standardize: standardise x and y with training statistics (else loc 0, scale 1).
+        standardize: standardise x with training statistics and expose the training statistics
+            of y (else loc 0, scale 1 for both: no standardisation anywhere).
 
     Raises:
         FileNotFoundError: naming the missing directory or file.
@@ -294,7 +295,7 @@ class UCIDataModule(InMemoryDataModule):
             if rows.size == 0:
                 return None
             x = torch.as_tensor((x_all[rows] - x_loc) / x_scale, dtype=torch.float32)
-            y = torch.as_tensor((y_all[rows] - y_loc) / y_scale, dtype=torch.float32)
+            y = torch.as_tensor(y_all[rows], dtype=torch.float32)
             return TensorDataset(x, y)
 
         test_set = subset(test)

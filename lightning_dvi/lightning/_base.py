@@ -14,10 +14,12 @@ all-reduce averages across processes, so the update is that of the global batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MetricCollection
 
@@ -26,6 +28,13 @@ from ..likelihoods import Likelihood
 from ..nn import BayesLinear, BayesModule, bayes_layers, mlp
 from ..objective import ELBOTerms, KLSchedule, elbo
 from ..priors import EmpiricalBayes, GaussianPrior, Prior
+from ._data import DataView
+from ._network import UnbuiltNetwork, instantiate_net, primitive
+from ._validation import check as _check
+from ._validation import fraction as _fraction
+from ._validation import is_int as _is_int
+from ._validation import positive_float as _positive_float
+from ._validation import positive_int as _positive_int
 
 __all__ = ["DVIModule", "logs_this_step"]
 
@@ -33,23 +42,25 @@ Activation = Literal["relu", "heaviside"]
 PriorName = Literal["empirical_bayes", "gaussian"]
 EBMode = Literal["in_graph", "buffer"]
 
+PredictiveMethod = Literal["closed_form", "mc"]
+
 _MODES, _MC_MODES = MODES, MONTE_CARLO_MODES
+_DEFAULT_MC_SAMPLES = 100
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
+def resolve_method(mode: str, method: str | None) -> str:
+    """The predictive method: ``method``, or the default of a model trained in ``mode``."""
+    if method is None:
+        return "mc" if mode in _MC_MODES else "closed_form"
+    _check(
+        method in ("closed_form", "mc"),
+        f"method must be 'closed_form' or 'mc', got {method!r}",
+    )
+    return method
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_float(name: str, value: object, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value >= 0 if allow_zero else value > 0)  # type: ignore[operator]
-    _check(ok, f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+# The hyper-parameters that only describe the built-in MLP; not recorded for an injected network.
+_MLP_HPARAMS = ("hidden", "activation", "residual", "init_scale")
 
 
 def logs_this_step(trainer: Trainer) -> bool:
@@ -65,17 +76,58 @@ def logs_this_step(trainer: Trainer) -> bool:
 
 
 class DVIModule(LightningModule):
-    """Base class of :class:`~lightning_dvi.DVIRegressor` and :class:`~lightning_dvi.DVIClassifier`.
+    r"""Base class of :class:`~lightning_dvi.DVIRegressor` and :class:`~lightning_dvi.DVIClassifier`.
 
-    Subclasses build the likelihood and the metric collections, call
-    ``save_hyperparameters(ignore=["net"])`` and implement :meth:`_update_metrics`,
-    :meth:`_curve` and ``predict_step``. Argument meanings are documented on the subclasses.
+    It takes the arguments the two share (the subclasses forward them with ``**kwargs``, and
+    LightningCLI lists them under each subclass). Subclasses pass ``in_features``, ``hidden`` and
+    ``out_features`` (the likelihood's width, ``None`` until the data tell), build the likelihood
+    and the metric collections, and implement :meth:`_update_metrics`, :meth:`_curve`,
+    ``predictive`` and ``predict_step``. The hyper-parameters (every constructor argument but
+    ``net``) are saved here.
+
+    Args:
+        in_features: input size; ``None`` reads it from the data in ``setup()`` (the CLI links
+            ``data.in_features``).
+        hidden: hidden-layer widths of the MLP.
+        out_features: network outputs (set by the subclass).
+        activation: ``"relu"`` or ``"heaviside"``.
+        residual: skip connections between equal-width hidden layers.
+        mode: ``"full"`` (DVI), ``"diag"`` (dDVI), ``"sample"`` (MCVI) or ``"local"`` (local
+            reparameterisation).
+        num_samples: network samples per step in ``sample``/``local`` mode (default 1; also used
+            for the validation/test predictive); must be unset otherwise.
+        prior: ``"empirical_bayes"`` (inverse-gamma hyper-prior, per-group optimum) or
+            ``"gaussian"`` (fixed variance).
+        prior_alpha: inverse-gamma shape :math:`\alpha`.
+        prior_beta: inverse-gamma scale :math:`\beta`.
+        prior_variance: the fixed prior variance (``"gaussian"``), or the initial value of the
+            empirical-Bayes buffers until the first refresh (``eb_mode="buffer"``).
+        eb_mode: ``"in_graph"`` (optimum inside the loss, the authors' choice) or ``"buffer"``
+            (set by the :class:`~lightning_dvi.callbacks.EmpiricalBayes` callback).
+        num_data: training-set size :math:`N`; ``None`` takes ``trainer.datamodule.num_train``
+            or the length of the training dataset.
+        kl_warmup_steps: optimisation steps with the KL switched off (an error if the run ends
+            first).
+        kl_anneal_steps: steps of the linear KL ramp that follows.
+        kl_warmup_fraction: the warm-up as a fraction of the run's optimisation steps
+            (``trainer.estimated_stepping_batches``); exclusive with the ``*_steps`` arguments.
+        kl_anneal_fraction: the ramp as a fraction of the run's optimisation steps.
+        lr: Adam learning rate.
+        lr_schedule: ``"constant"`` (default) or ``"cosine"``: cosine decay from ``lr`` to
+            ``min_lr`` over the trainer's optimisation steps, per step.
+        min_lr: the learning rate the cosine schedule ends at (``0 <= min_lr <= lr``).
+        weight_decay: Adam weight decay.
+        init_scale: initial posterior std of the weights (default: the layer's,
+            :math:`0.1/\sqrt{\text{fan\_in}}`).
+        net: a user-built :mod:`lightning_dvi.nn` network to use instead of the MLP (then
+            ``hidden``, ``activation``, ``residual`` and ``init_scale`` are not used and not
+            recorded). A CLI run (``model.init_args.net``) saves the network's class path and
+            arguments, so ``load_from_checkpoint(path)`` rebuilds it; in Python pass ``net=``
+            again to ``load_from_checkpoint`` (a checkpoint loaded without it raises, saying so).
 
     Attributes:
-        net: the Bayesian network (``lightning_dvi.nn``).
         likelihood: the observation model.
         prior: the weight prior (its variances live in the layers' persistent buffers).
-        num_data: :math:`N` of ``KL / N`` (set in :meth:`setup` from the datamodule if ``None``).
         calibration_curves: per stage (``"val"``/``"test"``), the data of the last epoch's
             calibration plot, synced across processes (read by the plot callbacks).
     """
@@ -88,35 +140,33 @@ class DVIModule(LightningModule):
         self,
         *,
         in_features: int | None,
-        out_features: int,
         hidden: list[int],
-        activation: str,
-        residual: bool,
-        mode: str,
-        num_samples: int | None,
-        prior: str,
-        prior_alpha: float,
-        prior_beta: float,
-        prior_variance: float,
-        eb_mode: str,
-        num_data: int | None,
-        kl_warmup_steps: int,
-        kl_anneal_steps: int,
-        lr: float,
-        weight_decay: float,
-        init_scale: float | None,
-        net: nn.Module | None,
-        lr_schedule: str = "constant",
+        out_features: int | None,
+        activation: Activation = "relu",
+        residual: bool = False,
+        mode: Mode = "full",
+        num_samples: int | None = None,
+        prior: PriorName = "empirical_bayes",
+        prior_alpha: float = 1.0,
+        prior_beta: float = 10.0,
+        prior_variance: float = 1.0,
+        eb_mode: EBMode = "in_graph",
+        num_data: int | None = None,
+        kl_warmup_steps: int = 0,
+        kl_anneal_steps: int = 0,
+        kl_warmup_fraction: float = 0.0,
+        kl_anneal_fraction: float = 0.0,
+        lr: float = 1e-3,
+        lr_schedule: Literal["constant", "cosine"] = "constant",
         min_lr: float = 0.0,
+        weight_decay: float = 0.0,
+        init_scale: float | None = None,
+        net: BayesModule | None = None,
     ) -> None:
         super().__init__()
         _check(mode in _MODES, f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
         if mode in _MC_MODES:
-            num_samples = 1 if num_samples is None else num_samples
-            _check(
-                _is_int(num_samples) and num_samples >= 1,  # type: ignore[operator]
-                f"num_samples must be a positive int, got {num_samples!r}",
-            )
+            num_samples = _positive_int("num_samples", 1 if num_samples is None else num_samples)
         else:
             _check(
                 num_samples is None,
@@ -139,21 +189,46 @@ class DVIModule(LightningModule):
         self.min_lr = _positive_float("min_lr", min_lr, allow_zero=True)
         _check(self.min_lr <= self.lr, f"min_lr ({min_lr}) must not exceed lr ({lr})")
         self.kl_schedule = KLSchedule(kl_warmup_steps, kl_anneal_steps)
+        self.kl_warmup_fraction = _fraction("kl_warmup_fraction", kl_warmup_fraction)
+        self.kl_anneal_fraction = _fraction("kl_anneal_fraction", kl_anneal_fraction)
+        _check(
+            self.kl_warmup_fraction + self.kl_anneal_fraction <= 1.0,
+            "kl_warmup_fraction + kl_anneal_fraction must not exceed 1, got "
+            f"{kl_warmup_fraction} + {kl_anneal_fraction}",
+        )
+        _check(
+            not (
+                (kl_warmup_fraction or kl_anneal_fraction) and (kl_warmup_steps or kl_anneal_steps)
+            ),
+            "give the KL schedule either in steps (kl_warmup_steps, kl_anneal_steps) or as "
+            "fractions of the run (kl_warmup_fraction, kl_anneal_fraction), not both",
+        )
         self.prior = self._build_prior(prior, prior_alpha, prior_beta, prior_variance, eb_mode)
+        _check(
+            in_features is None or (_is_int(in_features) and in_features >= 1),
+            f"in_features must be a positive int or None (read from the data), got {in_features!r}",
+        )
+        self.in_features = in_features
+        self.out_features = out_features
+        self._mlp_args: dict[str, Any] = {}
+        self.net_injected = net is not None
+        self._net_config = primitive(net) if isinstance(net, Mapping) else None
+        if isinstance(net, Mapping):  # type: ignore[unreachable]
+            # A checkpoint of a CLI run with model.init_args.net records the network's config.
+            net = instantiate_net(net)
         if net is None:
-            self.net: nn.Module = self._build_net(
-                in_features,
-                out_features,
-                hidden,
-                activation,
-                residual,
-                init_scale,
-                prior,
-                prior_variance,
-            )
+            self._mlp_args = self._check_mlp_args(hidden, activation, residual, init_scale)
+            self._mlp_args["prior_variance"] = prior_variance
+            self.net: nn.Module = UnbuiltNetwork(type(self).__name__)
+            if in_features is not None and out_features is not None:
+                self.net = self._build_net(in_features, out_features, **self._mlp_args)
         else:
             self.net = self._check_net(net, in_features, out_features)
+            self.in_features = next(iter(bayes_layers(self.net))).in_features
         self.calibration_curves: dict[str, dict[str, Tensor]] = {}
+        # Collects this frame's and the subclass's arguments (the subclass's win).
+        self.save_hyperparameters(ignore=["net", "out_features"])
+        self._finish_hparams()
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -166,25 +241,9 @@ class DVIModule(LightningModule):
         raise ValueError(f"prior must be 'empirical_bayes' or 'gaussian', got {prior!r}")
 
     @staticmethod
-    def _build_net(
-        in_features: int | None,
-        out_features: int,
-        hidden: list[int],
-        activation: str,
-        residual: bool,
-        init_scale: float | None,
-        prior: str,
-        prior_variance: float,
-    ) -> nn.Module:
-        _check(
-            in_features is not None,
-            "in_features is required when no `net` is given (LightningCLI links it from "
-            "data.in_features)",
-        )
-        _check(
-            _is_int(in_features) and in_features >= 1,  # type: ignore[operator]
-            f"in_features must be a positive int, got {in_features!r}",
-        )
+    def _check_mlp_args(
+        hidden: list[int] | None, activation: str, residual: bool, init_scale: float | None
+    ) -> dict[str, Any]:
         _check(
             isinstance(hidden, (list, tuple)) and all(_is_int(h) and h >= 1 for h in hidden),
             f"hidden must be a list of positive ints, got {hidden!r}",
@@ -193,13 +252,60 @@ class DVIModule(LightningModule):
             activation in ("relu", "heaviside"),
             f"activation must be 'relu' or 'heaviside', got {activation!r}",
         )
-        kwargs: dict[str, Any] = {"prior_variance": prior_variance}
+        args: dict[str, Any] = {
+            "hidden": list(hidden),  # type: ignore[arg-type]
+            "activation": activation,
+            "residual": bool(residual),
+        }
         if init_scale is not None:
-            kwargs["init_scale"] = _positive_float("init_scale", init_scale)
-        return mlp(in_features, list(hidden), out_features, activation, bool(residual), **kwargs)  # type: ignore[arg-type]
+            args["init_scale"] = _positive_float("init_scale", init_scale)
+        return args
 
     @staticmethod
-    def _check_net(net: nn.Module, in_features: int | None, out_features: int) -> nn.Module:
+    def _build_net(
+        in_features: int,
+        out_features: int,
+        *,
+        hidden: list[int],
+        activation: str,
+        residual: bool,
+        **layer_kwargs: Any,
+    ) -> nn.Module:
+        return mlp(in_features, hidden, out_features, activation, residual, **layer_kwargs)  # type: ignore[arg-type]
+
+    def _finish_hparams(self) -> None:
+        """After ``save_hyperparameters``: an injected network records no MLP arguments."""
+        if not self.net_injected:
+            return
+        for key in _MLP_HPARAMS:
+            self.hparams.pop(key, None)
+        if self._net_config is not None:
+            self.hparams["net"] = self._net_config
+
+    @property
+    def network_built(self) -> bool:
+        """Whether the network exists (it is built in ``setup()`` when ``in_features`` was not given)."""
+        return not isinstance(self.net, UnbuiltNetwork)
+
+    def build_network(self, in_features: int) -> None:
+        """Build the MLP for ``in_features`` inputs (once) and record the width in the hyper-parameters."""
+        if self.network_built:
+            return
+        _positive_int("in_features", in_features)
+        _check(
+            self.out_features is not None,
+            f"{type(self).__name__}: the number of outputs is not known yet",
+        )
+        self.in_features = int(in_features)
+        self.net = self._build_net(self.in_features, self.out_features, **self._mlp_args)  # type: ignore[arg-type]
+        self.hparams["in_features"] = self.in_features
+        self._after_build()
+
+    def _after_build(self) -> None:
+        """Initialise what depends on the built network (subclasses override)."""
+
+    @staticmethod
+    def _check_net(net: nn.Module, in_features: int | None, out_features: int | None) -> nn.Module:
         _check(
             isinstance(net, BayesModule),
             f"net must be a lightning_dvi.nn module (BayesModule), got {type(net).__name__}",
@@ -208,7 +314,7 @@ class DVIModule(LightningModule):
         _check(bool(layers), f"net {type(net).__name__} has no BayesLinear layer")
         first, last = layers[0], layers[-1]
         _check(
-            last.out_features == out_features,
+            out_features is None or last.out_features == out_features,
             f"the injected net ends in {last.out_features} outputs but the likelihood needs "
             f"{out_features}",
         )
@@ -217,6 +323,14 @@ class DVIModule(LightningModule):
             f"the injected net takes {first.in_features} inputs but in_features={in_features}",
         )
         return net
+
+    def _weight_draws(self, x: Tensor, num_samples: int | None) -> Tensor:
+        """Network outputs ``[S, B, D]`` under ``S`` posterior draws of the weights."""
+        if num_samples is None:
+            num_samples = self.num_samples if self.mode in _MC_MODES else _DEFAULT_MC_SAMPLES
+        _positive_int("num_samples", num_samples)
+        draw_mode = "local" if self.mode == "local" else "sample"
+        return self.net(x, mode=draw_mode, num_samples=num_samples)
 
     def _last_layer(self) -> BayesLinear:
         return list(bayes_layers(self.net))[-1]
@@ -230,19 +344,119 @@ class DVIModule(LightningModule):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
-        """Take ``N`` from ``trainer.datamodule.num_train`` when ``num_data`` was not given."""
-        if stage != "fit" or self.num_data is not None:
-            return
-        datamodule = getattr(self.trainer, "datamodule", None)
-        num_train = getattr(datamodule, "num_train", None)
-        if num_train is None:
+        """Resolve what was not given from the data, then build the network if needed.
+
+        ``in_features`` comes from ``trainer.datamodule.in_features`` or the width of the first
+        batch; ``num_data`` (the ``N`` of ``KL / N``, when fitting) from
+        ``trainer.datamodule.num_train`` or the training dataset's length. Subclasses add their
+        own (the classifier's classes, the regressor's target statistics). The resolved values
+        are recorded in the hyper-parameters, so checkpoints rebuild the same module.
+        """
+        self._resolve_from_data(DataView(self.trainer, stage))
+
+    def _resolve_from_data(self, view: DataView) -> None:
+        name = type(self).__name__
+        if not self.network_built:
+            in_features = self.in_features or view.attribute("in_features")
+            if in_features is None:
+                batch = view.first_batch()
+                if batch is None:
+                    raise ValueError(
+                        f"{name}: in_features was not given and cannot be read from the data "
+                        f"(no datamodule with `in_features` and no {view.stage} dataloader); "
+                        "pass in_features="
+                    )
+                x = batch[0]
+                if x.dim() < 2:
+                    raise ValueError(
+                        f"{name}: cannot read in_features from input batches of shape "
+                        f"{tuple(x.shape)}; batches must be (x [B, D], y [B]), or pass in_features="
+                    )
+                in_features = x.shape[-1]
+            self.build_network(int(in_features))
+        if self.num_data is None and (view.stage == "fit" or view.datamodule is not None):
+            num_train = view.attribute("num_train")
+            if num_train is None and view.stage == "fit":
+                num_train = view.num_examples()
+            if num_train is None and view.stage == "fit":
+                raise ValueError(
+                    f"{name}: num_data (the training-set size N in KL / N) is not set, the "
+                    "trainer has no datamodule with `num_train` and the training dataset has no "
+                    "length; pass num_data=N"
+                )
+            if num_train is not None:
+                self.num_data = int(num_train)
+                # Recorded so a checkpoint rebuilds the module with the same N.
+                self.hparams["num_data"] = self.num_data
+
+    def _total_steps(self, what: str) -> int:
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total) or total < 1:
             raise ValueError(
-                f"{type(self).__name__}: num_data (the training-set size N in KL / N) is not set "
-                "and the trainer has no datamodule with `num_train`; pass num_data=N"
+                f"{what} needs a finite number of optimisation steps; set the trainer's "
+                f"max_steps or max_epochs (estimated steps: {total})"
             )
-        self.num_data = int(num_train)
-        # Recorded so a checkpoint rebuilds the module with the same N.
-        self.hparams["num_data"] = self.num_data
+        return int(total)
+
+    def on_train_start(self) -> None:
+        """Turn the KL warm-up/ramp fractions into steps; refuse a warm-up that outlasts the run.
+
+        Run when training starts (after a checkpoint is restored): the number of optimisation
+        steps is ``trainer.estimated_stepping_batches``.
+        """
+        if self.lr_schedule == "cosine":
+            self._total_steps("lr_schedule='cosine'")
+        total: float = self.trainer.estimated_stepping_batches
+        finite = math.isfinite(total) and total >= 1
+        if self.kl_warmup_fraction or self.kl_anneal_fraction:
+            total = self._total_steps("kl_warmup_fraction/kl_anneal_fraction")
+            self.kl_schedule = KLSchedule(
+                round(self.kl_warmup_fraction * total), round(self.kl_anneal_fraction * total)
+            )
+            return
+        if not finite or self.trainer.fast_dev_run:  # a smoke test is not the run
+            return
+        warmup, anneal = self.kl_schedule.warmup_steps, self.kl_schedule.anneal_steps
+        if warmup and warmup >= total:
+            raise ValueError(
+                f"kl_warmup_steps={warmup} does not end before the run does ({int(total)} "
+                "optimisation steps): the KL would never be switched on. Shorten the warm-up or "
+                "give it as a fraction of the run (kl_warmup_fraction, kl_anneal_fraction)"
+            )
+        if warmup + anneal > total:
+            rank_zero_warn(
+                f"{type(self).__name__}: the KL ramp (kl_warmup_steps={warmup} + "
+                f"kl_anneal_steps={anneal}) ends after the run's {int(total)} optimisation steps, "
+                "so the KL never reaches full weight; consider kl_warmup_fraction/"
+                "kl_anneal_fraction"
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record whether the network was injected (``net=``) and its class."""
+        net = type(self.net)
+        checkpoint["lightning_dvi"] = {
+            "injected_net": f"{net.__module__}.{net.__qualname__}" if self.net_injected else None
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Build a deferred network from the saved weights; refuse to drop an injected one."""
+        injected = checkpoint.get("lightning_dvi", {}).get("injected_net")
+        if injected and not self.net_injected:
+            raise ValueError(
+                f"this checkpoint was trained with an injected network ({injected}), which the "
+                f"hyper-parameters cannot rebuild; pass net= with the same architecture, e.g. "
+                f"{type(self).__name__}.load_from_checkpoint(path, net=...)"
+            )
+        if not self.network_built:
+            in_features = checkpoint.get("hyper_parameters", {}).get("in_features")
+            if in_features is None:
+                first = next(
+                    (v for k, v in checkpoint["state_dict"].items() if k.endswith("weight_loc")),
+                    None,
+                )
+                in_features = None if first is None else int(first.shape[-1])
+            if in_features is not None:
+                self.build_network(int(in_features))
 
     def _elbo(self, batch: tuple[Tensor, Tensor], kl_weight: float, stage: str) -> ELBOTerms:
         x, y = batch
@@ -251,6 +465,7 @@ class DVIModule(LightningModule):
                 f"{type(self).__name__}: num_data is not set; pass num_data=N or train with a "
                 "datamodule that has `num_train`"
             )
+        y = self._network_targets(y)
         try:
             return elbo(
                 self.net,
@@ -340,15 +555,17 @@ class DVIModule(LightningModule):
         optimiser = torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         if self.lr_schedule == "constant":
             return optimiser
-        total = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total) or total < 1:
-            raise ValueError(
-                "lr_schedule='cosine' needs a finite number of optimisation steps; set the "
-                f"trainer's max_steps or max_epochs (estimated steps: {total})"
-            )
-        steps, floor = int(total), self.min_lr / self.lr
+        floor = self.min_lr / self.lr
+        horizon: list[int] = []
 
         def factor(step: int) -> float:
+            if step == 0:
+                return 1.0  # cos(0) = 1 for any horizon
+            # Read lazily: estimating the steps loads the training data, which before the
+            # checkpoint is restored would lose a resumed loader's position.
+            if not horizon:
+                horizon.append(self._total_steps("lr_schedule='cosine'"))
+            steps = horizon[0]
             return floor + (1.0 - floor) * 0.5 * (
                 1.0 + math.cos(math.pi * min(step, steps) / steps)
             )
@@ -357,6 +574,10 @@ class DVIModule(LightningModule):
         return {"optimizer": optimiser, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     # ------------------------------------------------------------------ subclass interface
+    def _network_targets(self, y: Tensor) -> Tensor:
+        """The targets as the likelihood sees them (the regressor standardises)."""
+        return y
+
     def _update_metrics(self, metrics: MetricCollection, x: Tensor, y: Tensor) -> None:
         raise NotImplementedError
 

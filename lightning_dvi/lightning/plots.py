@@ -38,7 +38,10 @@ class PredictiveBandPlot(Callback):
 
     At the end of ``fit`` draws the training data, the predictive mean and the band
     :math:`\mu(x) \pm 2\sigma(x)` (epistemic plus aleatoric) on a grid spanning the training
-    inputs, in the original units of ``x`` and ``y``. For the toy data the true mean and
+    inputs, in the original units of ``x`` and ``y``; inside it, darker, the epistemic band
+    :math:`\mu(x) \pm 2\sqrt{\operatorname{Var}[m]}` when the module has
+    ``variance_decomposition`` (:meth:`DVIRegressor.variance_decomposition
+    <lightning_dvi.DVIRegressor.variance_decomposition>`). For the toy data the true mean and
     :math:`\pm 2` true noise std are overlaid (dashed). Skipped, with a warning, when the inputs
     are not 1-D or there is no datamodule with a ``train_dataset``.
 
@@ -83,18 +86,22 @@ class PredictiveBandPlot(Callback):
         was_training = pl_module.training
         pl_module.eval()
         try:
-            mean, var = pl_module.predictive(grid.to(pl_module.device, pl_module.dtype))  # type: ignore[operator]
+            inputs = grid.to(pl_module.device, pl_module.dtype)
+            mean, var = pl_module.predictive(inputs)  # type: ignore[operator]
+            split = getattr(pl_module, "variance_decomposition", None)
+            epistemic = split(inputs)[1].cpu().double() if callable(split) else None
         finally:
             pl_module.train(was_training)
         mean, std = mean.cpu().double(), var.cpu().double().sqrt()
-        target_loc, target_scale = float(pl_module.target_loc), float(pl_module.target_scale)  # type: ignore[arg-type]
+        to_original = getattr(pl_module, "targets_in_original_units", None)
+        y = to_original(y) if callable(to_original) else y
         grid_x = grid[:, 0].double() * x_scale + x_loc
 
         fig = Figure(figsize=(7, 4))
         ax = fig.add_subplot()
         ax.scatter(
             x[:, 0] * x_scale + x_loc,
-            y * target_scale + target_loc,
+            y,
             s=6,
             c="0.4",
             alpha=0.6,
@@ -108,6 +115,16 @@ class PredictiveBandPlot(Callback):
             alpha=0.25,
             label=r"mean $\pm$ 2 std",
         )
+        if epistemic is not None:
+            band = 2 * epistemic.sqrt()
+            ax.fill_between(
+                grid_x,
+                mean - band,
+                mean + band,
+                color="C1",
+                alpha=0.35,
+                label=r"epistemic: mean $\pm$ 2 $\sqrt{\mathrm{Var}[m]}$",
+            )
         ax.plot(grid_x, mean, c="C0", lw=2, label="predictive mean")
         if isinstance(datamodule, ToyHeteroscedasticDataModule):
             true_mean, noise = toy_mean(grid_x), toy_noise_std(grid_x)

@@ -2,29 +2,68 @@ r"""``DVIRegressor``: a Bayesian MLP for regression trained by DVI, dDVI or MCVI
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torchmetrics import MetricCollection
+from torchmetrics import Metric, MetricCollection
 
 from ..gaussian import Gaussian
 from ..likelihoods import HeteroscedasticGaussian, HomoscedasticGaussian
 from ..metrics import RegressionMetrics
-from ..nn import BayesModule
-from ._base import Activation, DVIModule, EBMode, Mode, PriorName
+from ._base import DVIModule, PredictiveMethod, resolve_method
+from ._data import DataView, target_statistics
 
-__all__ = ["DVIRegressor"]
+__all__ = ["DVIRegressor", "VarianceSplit"]
+
+
+class VarianceSplit(Metric):
+    r"""Root mean aleatoric and epistemic predictive variances over an epoch, synced across processes.
+
+    ``update(aleatoric_var, epistemic_var)``; ``compute()`` returns
+    :math:`(\sqrt{\overline{\sigma^2_{\rm alea}}}, \sqrt{\overline{\sigma^2_{\rm epi}}})`.
+    """
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("aleatoric", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("epistemic", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, aleatoric: Tensor, epistemic: Tensor) -> None:
+        """Add a batch of per-example variances."""
+        self.aleatoric += aleatoric.detach().double().sum()
+        self.epistemic += epistemic.detach().double().sum()
+        self.count += aleatoric.numel()
+
+    def compute(self) -> tuple[Tensor, Tensor]:
+        """Root mean aleatoric and epistemic variance."""
+        n = self.count.clamp_min(1)
+        return (self.aleatoric / n).sqrt(), (self.epistemic / n).sqrt()
 
 
 class DVIRegressor(DVIModule):
     r"""Regression with a Bayesian MLP; the predictive is Gaussian, reported in original units.
 
-    The network sees standardised targets :math:`\tilde y = (y - \text{target\_loc}) /
-    \text{target\_scale}`; metrics, ``predict_step`` and :meth:`predictive` map back,
-    :math:`\mu = \tilde\mu s + m`, :math:`\sigma^2 = \tilde\sigma^2 s^2`, so the reported NLL is
-    per point in the original units (the standardised NLL plus :math:`\log s`).
+    Targets. Batches hold ``y`` in its original units and the module standardises them itself:
+    the network is trained on :math:`\tilde y = (y - m) / s` with :math:`m` = ``target_loc``,
+    :math:`s` = ``target_scale``, taken (in this order) from the arguments, from
+    ``trainer.datamodule.target_loc/target_scale``, or computed from the training targets in
+    ``setup()`` (mean and ``ddof=0`` standard deviation). Metrics, ``predict_step`` and
+    :meth:`predictive` map back, :math:`\mu = \tilde\mu s + m`, :math:`\sigma^2 =
+    \tilde\sigma^2 s^2`, so the reported NLL is per point in the original units (the
+    standardised NLL plus :math:`\log s`). For data that are already standardised pass
+    ``standardize_targets=False`` (then ``target_loc``/``target_scale``, default 0 and 1, only map
+    predictions back); a datamodule with ``targets_standardized = True`` says the same. The
+    statistics live in persistent buffers and the hyper-parameters, so checkpoints carry them.
+
+    Shapes from the data. ``in_features`` and ``num_data`` left unset are read in ``setup()``
+    from ``trainer.datamodule`` (``in_features``, ``num_train``) or, with plain dataloaders, from
+    the first batch and the training dataset's length.
 
     Predictive. ``full``/``diag``: the likelihood's closed-form moments,
     :math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2})`
@@ -35,77 +74,46 @@ class DVIRegressor(DVIModule):
     \frac1S\sum_s(m_s-\bar m)^2`.
 
     Args:
-        in_features: input size (linked from ``data.in_features`` by the CLI).
+        in_features: input size; ``None`` reads it from the data in ``setup()`` (the CLI links
+            ``data.in_features``).
         hidden: hidden-layer widths.
-        activation: ``"relu"`` or ``"heaviside"``.
-        residual: skip connections between equal-width hidden layers.
-        mode: ``"full"`` (DVI), ``"diag"`` (dDVI), ``"sample"`` (MCVI) or ``"local"`` (local
-            reparameterisation).
-        num_samples: network samples per step in ``sample``/``local`` mode (default 1; also used
-            for the validation/test predictive); must be unset otherwise.
         likelihood: ``"heteroscedastic"`` (outputs :math:`(m, \ell)`, noise :math:`e^\ell`) or
             ``"homoscedastic"`` (one output, a learned global log-variance).
-        prior: ``"empirical_bayes"`` (inverse-gamma hyper-prior, per-group optimum) or
-            ``"gaussian"`` (fixed variance).
-        prior_alpha: inverse-gamma shape :math:`\alpha`.
-        prior_beta: inverse-gamma scale :math:`\beta`.
-        prior_variance: the fixed prior variance (``"gaussian"``), or the initial value of the
-            empirical-Bayes buffers until the first refresh (``eb_mode="buffer"``).
-        eb_mode: ``"in_graph"`` (optimum inside the loss, the authors' choice) or ``"buffer"``
-            (set by the :class:`~lightning_dvi.callbacks.EmpiricalBayes` callback).
-        num_data: training-set size :math:`N`; ``None`` takes ``trainer.datamodule.num_train``.
-        kl_warmup_steps: optimisation steps with the KL switched off.
-        kl_anneal_steps: steps of the linear KL ramp that follows.
-        lr: Adam learning rate.
-        lr_schedule: ``"constant"`` (default) or ``"cosine"``: cosine decay from ``lr`` to
-            ``min_lr`` over the trainer's optimisation steps, per step.
-        min_lr: the learning rate the cosine schedule ends at (``0 <= min_lr <= lr``).
-        weight_decay: Adam weight decay.
-        init_scale: initial posterior std of the weights (default: the layer's,
-            :math:`0.1/\sqrt{\text{fan\_in}}`).
         init_log_noise: initial log noise variance: the bias of the :math:`\ell` output
             (heteroscedastic) or :math:`\lambda` (homoscedastic). Starting low lets the mean fit
             before the noise explains the data away.
-        target_loc: mean of the training targets (standardisation), kept in a persistent buffer.
-        target_scale: std of the training targets, kept in a persistent buffer.
-        net: a user-built :mod:`lightning_dvi.nn` network to use instead of the MLP (then
-            ``hidden``, ``activation``, ``residual``, ``init_scale`` and ``init_log_noise`` for
-            the heteroscedastic bias are not used). Not saved in the hyper-parameters: pass it
-            again to ``load_from_checkpoint`` unless the run came from the CLI.
+        target_loc: :math:`m`, the mean of the training targets; ``None`` takes it from the
+            datamodule or the training data (see Targets).
+        target_scale: :math:`s`, the standard deviation of the training targets.
+        standardize_targets: ``True`` (default): batches hold raw ``y`` and the module
+            standardises it; ``False``: batches hold already-standardised ``y``.
+        **kwargs: the shared arguments of :class:`~lightning_dvi.lightning._base.DVIModule`:
+            ``activation``, ``residual``, ``mode``, ``num_samples``, ``prior``,
+            ``prior_alpha``, ``prior_beta``, ``prior_variance``, ``eb_mode``, ``num_data``,
+            ``kl_warmup_steps``, ``kl_anneal_steps``, ``kl_warmup_fraction``,
+            ``kl_anneal_fraction``, ``lr``, ``lr_schedule``, ``min_lr``, ``weight_decay``,
+            ``init_scale``, ``net`` (with ``net``, ``init_log_noise`` does not set its bias).
 
     Examples:
         >>> model = DVIRegressor(in_features=1, hidden=[16], num_data=100)
         >>> out = model(torch.zeros(4, 1))
         >>> tuple(out.mean.shape), tuple(out.cov.shape)
         ((4, 2), (4, 2, 2))
+        >>> mean, var = model.predictive(torch.zeros(4, 1))
+        >>> mean.shape, var.requires_grad
+        (torch.Size([4]), False)
     """
 
     def __init__(
         self,
         in_features: int | None = None,
         hidden: list[int] = [128, 128],  # noqa: B006 (jsonargparse and the CLI help show it)
-        activation: Activation = "relu",
-        residual: bool = False,
-        mode: Mode = "full",
-        num_samples: int | None = None,
         likelihood: Literal["heteroscedastic", "homoscedastic"] = "heteroscedastic",
-        prior: PriorName = "empirical_bayes",
-        prior_alpha: float = 1.0,
-        prior_beta: float = 10.0,
-        prior_variance: float = 1.0,
-        eb_mode: EBMode = "in_graph",
-        num_data: int | None = None,
-        kl_warmup_steps: int = 0,
-        kl_anneal_steps: int = 0,
-        lr: float = 1e-3,
-        lr_schedule: Literal["constant", "cosine"] = "constant",
-        min_lr: float = 0.0,
-        weight_decay: float = 0.0,
-        init_scale: float | None = None,
         init_log_noise: float = -3.0,
         target_loc: float | None = None,
         target_scale: float | None = None,
-        net: BayesModule | None = None,
+        standardize_targets: bool = True,
+        **kwargs: Any,
     ) -> None:
         if likelihood == "heteroscedastic":
             lik: HeteroscedasticGaussian | HomoscedasticGaussian = HeteroscedasticGaussian()
@@ -115,94 +123,218 @@ class DVIRegressor(DVIModule):
             raise ValueError(
                 f"likelihood must be 'heteroscedastic' or 'homoscedastic', got {likelihood!r}"
             )
+        if not isinstance(standardize_targets, bool):
+            raise ValueError(f"standardize_targets must be a bool, got {standardize_targets!r}")
         super().__init__(
-            in_features=in_features,
-            out_features=lik.num_outputs,
-            hidden=hidden,
-            activation=activation,
-            residual=residual,
-            mode=mode,
-            num_samples=num_samples,
-            prior=prior,
-            prior_alpha=prior_alpha,
-            prior_beta=prior_beta,
-            prior_variance=prior_variance,
-            eb_mode=eb_mode,
-            num_data=num_data,
-            kl_warmup_steps=kl_warmup_steps,
-            kl_anneal_steps=kl_anneal_steps,
-            lr=lr,
-            lr_schedule=lr_schedule,
-            min_lr=min_lr,
-            weight_decay=weight_decay,
-            init_scale=init_scale,
-            net=net,
+            in_features=in_features, hidden=hidden, out_features=lik.num_outputs, **kwargs
         )
-        self.save_hyperparameters(ignore=["net"])
         self.likelihood = lik
-        if likelihood == "heteroscedastic" and net is None:
-            with torch.no_grad():
-                self._last_layer().bias_loc[1] = float(init_log_noise)  # type: ignore[index]
-        loc = 0.0 if target_loc is None else float(target_loc)
-        scale = 1.0 if target_scale is None else float(target_scale)
-        if not (torch.isfinite(torch.tensor(loc)) and scale > 0 and scale < float("inf")):
-            raise ValueError(
-                f"target_loc must be finite and target_scale finite and > 0, got {target_loc!r}, "
-                f"{target_scale!r}"
-            )
+        self.init_log_noise = float(init_log_noise)
+        if self.network_built and not self.net_injected:
+            self._after_build()
+        self.standardize_targets = standardize_targets
+        loc, scale = self._check_target_statistics(target_loc, target_scale)
         # Persistent buffers: checkpoints carry the standardisation with the weights.
         self.register_buffer("target_loc", torch.tensor(loc))
         self.register_buffer("target_scale", torch.tensor(scale))
         self.val_metrics = RegressionMetrics(prefix="val/")
         self.test_metrics = RegressionMetrics(prefix="test/")
+        self.val_split = VarianceSplit()
+        self.test_split = VarianceSplit()
 
-    def setup(self, stage: str) -> None:
-        """Also take the target statistics from the datamodule, when it has them."""
-        super().setup(stage)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if not (hasattr(datamodule, "target_loc") and hasattr(datamodule, "target_scale")):
-            return
-        loc, scale = float(datamodule.target_loc), float(datamodule.target_scale)  # type: ignore[union-attr]
-        for name, given, new in (
-            ("target_loc", self.hparams.get("target_loc"), loc),
-            ("target_scale", self.hparams.get("target_scale"), scale),
-        ):
-            if given is not None and abs(float(given) - new) > 1e-6 * max(1.0, abs(new)):
-                rank_zero_warn(
-                    f"DVIRegressor: {name}={given} differs from the datamodule's {new}; using "
-                    "the datamodule's, which standardised the data"
+    @staticmethod
+    def _check_target_statistics(loc: float | None, scale: float | None) -> tuple[float, float]:
+        loc_value = 0.0 if loc is None else float(loc)
+        scale_value = 1.0 if scale is None else float(scale)
+        if not (math.isfinite(loc_value) and 0.0 < scale_value < math.inf):
+            raise ValueError(
+                f"target_loc must be finite and target_scale finite and > 0, got {loc!r}, {scale!r}"
+            )
+        return loc_value, scale_value
+
+    def _after_build(self) -> None:
+        if self.hparams.get("likelihood") == "heteroscedastic":
+            with torch.no_grad():
+                self._last_layer().bias_loc[1] = self.init_log_noise  # type: ignore[index]
+
+    def _resolve_from_data(self, view: DataView) -> None:
+        """Also resolve the target standardisation: arguments, datamodule, or training data."""
+        super()._resolve_from_data(view)
+        flag = view.attribute("targets_standardized")
+        if flag is not None and bool(flag) == self.standardize_targets:
+            # The datamodule knows what its batches hold.
+            self.standardize_targets = not bool(flag)
+            self.hparams["standardize_targets"] = self.standardize_targets
+        given = self.hparams.get("target_loc"), self.hparams.get("target_scale")
+        from_data: tuple[float, float] | None = None
+        if view.attribute("target_loc") is not None and view.attribute("target_scale") is not None:
+            from_data = float(view.attribute("target_loc")), float(view.attribute("target_scale"))
+            for name, old, new in zip(
+                ("target_loc", "target_scale"), given, from_data, strict=True
+            ):
+                if old is not None and abs(float(old) - new) > 1e-6 * max(1.0, abs(new)):
+                    rank_zero_warn(
+                        f"DVIRegressor: {name}={old} differs from the datamodule's {new}; using "
+                        "the datamodule's, the statistics of its training split"
+                    )
+        elif None in given and view.stage == "fit" and self.standardize_targets:
+            targets = view.targets()
+            if targets is None:
+                raise ValueError(
+                    "DVIRegressor: cannot compute the target standardisation: the training "
+                    "batches hold no targets y; pass target_loc= and target_scale=, or "
+                    "standardize_targets=False for pre-standardised data"
                 )
-            self.hparams[name] = new
+            if targets.dim() > 1 and targets[0].numel() != 1:
+                raise ValueError(
+                    "DVIRegressor: regression targets must be one number per example, got "
+                    f"targets of shape {tuple(targets.shape)}"
+                )
+            from_data = target_statistics(targets)
+        if from_data is None:
+            return
+        loc, scale = self._check_target_statistics(*from_data)
+        self.hparams["target_loc"], self.hparams["target_scale"] = loc, scale
         self.target_loc.fill_(loc)
         self.target_scale.fill_(scale)
 
-    # ------------------------------------------------------------------ predictive
-    def predictive_standardized(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Predictive ``(mean, var)`` of the standardised target, each ``[B]``."""
-        out = self(x)
-        if isinstance(out, Gaussian):
-            dist = self.likelihood.predictive(out)
-            return dist.mean, dist.variance
-        # p(y | f_s) per network sample, then the mixture's moments.
-        per_sample = self.likelihood.conditional(out)
-        means, variances = per_sample.mean, per_sample.variance
-        return means.mean(0), variances.mean(0) + means.var(0, correction=0)
+    def _network_targets(self, y: Tensor) -> Tensor:
+        if not self.standardize_targets:
+            return y
+        return (y - self.target_loc.to(y.dtype)) / self.target_scale.to(y.dtype)
 
-    def predictive(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Predictive ``(mean, var)`` of ``y`` in its original units, each ``[B]``."""
-        mean, var = self.predictive_standardized(x)
+    def targets_in_original_units(self, y: Tensor) -> Tensor:
+        """Batch targets ``y`` in the original units (undoes pre-standardisation if any)."""
+        if self.standardize_targets:
+            return y
+        return y * self.target_scale.to(y.dtype) + self.target_loc.to(y.dtype)
+
+    # ------------------------------------------------------------------ predictive
+    def _network_predictive(
+        self, x: Tensor, method: PredictiveMethod | None, num_samples: int | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Standardised ``(mean, var, epistemic var)`` of the predictive, each ``[B]``."""
+        method = resolve_method(self.mode, method)
+        if method == "closed_form":
+            out = self.net(x, mode=self.mode if self.mode in ("full", "diag") else "full")
+            dist = self.likelihood.predictive(out)
+            return dist.mean, dist.variance, out.var[..., 0]
+        f = self._weight_draws(x, num_samples)
+        # One Gaussian per weight draw (zero output variance), then the mixture's moments.
+        per_sample = self.likelihood.conditional(f)
+        means, variances = per_sample.mean, per_sample.variance
+        epistemic = means.var(0, correction=0)
+        return means.mean(0), variances.mean(0) + epistemic, epistemic
+
+    def predictive_standardized(
+        self, x: Tensor, method: PredictiveMethod | None = None, num_samples: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Predictive ``(mean, var)`` of the standardised target, each ``[B]`` (differentiable)."""
+        mean, var, _ = self._network_predictive(x, method, num_samples)
+        return mean, var
+
+    @torch.no_grad()
+    def predictive(
+        self, x: Tensor, method: PredictiveMethod | None = None, num_samples: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        r"""Predictive ``(mean, var)`` of ``y`` in its original units, each ``[B]``, detached.
+
+        Args:
+            x: inputs ``[B, D]``.
+            method: ``"closed_form"``: the network's output moments through the likelihood's
+                closed-form predictive,
+                :math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + \mathbb E[e^{\ell}])` (in
+                ``full`` covariance mode for a model trained in ``sample``/``local`` mode).
+                ``"mc"``: the mixture over ``num_samples`` draws of the weights,
+                :math:`\frac1S\sum_s\mathcal N(m_s, e^{\ell_s})`, returned as its exact mean
+                and variance :math:`\overline{e^{\ell}} + \frac1S\sum_s(m_s-\bar m)^2`
+                (pre-activation draws in ``local`` mode). Default: ``"closed_form"`` for
+                ``full``/``diag`` models, ``"mc"`` with the model's ``num_samples`` for
+                ``sample``/``local`` ones.
+            num_samples: weight draws for ``"mc"`` (default: the model's ``num_samples`` in
+                ``sample``/``local`` mode, else 100).
+        """
+        mean, var = self.predictive_standardized(x, method, num_samples)
         return mean * self.target_scale + self.target_loc, var * self.target_scale.square()
 
+    @torch.no_grad()
+    def predictive_log_prob(
+        self,
+        x: Tensor,
+        y: Tensor,
+        method: PredictiveMethod | None = None,
+        num_samples: int | None = None,
+    ) -> Tensor:
+        r"""Log predictive density of targets ``y`` (original units, as in the batches), ``[B]``.
+
+        ``"closed_form"``: :math:`\log\mathcal N(y; \mu, \sigma^2)` with :meth:`predictive`'s
+        moments. ``"mc"``: the density of the mixture itself over ``num_samples`` weight draws,
+        :math:`\log\frac1S\sum_s\mathcal N(y; \mu_s, \sigma_s^2)` (not its moment-matched
+        Gaussian; the usual MCVI test log-likelihood). Per point, in the original units of ``y``.
+        """
+        y = self.targets_in_original_units(y.reshape(x.shape[0]))
+        if resolve_method(self.mode, method) == "closed_form":
+            mean, var = self.predictive(x, "closed_form")
+            return torch.distributions.Normal(mean, var.sqrt()).log_prob(y)
+        f = self._weight_draws(x, num_samples)
+        y_std = ((y - self.target_loc) / self.target_scale).to(f.dtype)
+        # the library's one MCVI score, in standardised units, then the change of variables
+        return self.likelihood.mixture_log_prob(f, y_std) - torch.log(self.target_scale)
+
+    @torch.no_grad()
+    def variance_decomposition(
+        self, x: Tensor, method: PredictiveMethod | None = None, num_samples: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        r"""Aleatoric and epistemic parts of the predictive variance, original units, ``[B]`` each.
+
+        The law of total variance over the weights: :math:`\operatorname{Var}[y] =
+        \mathbb E_w[\sigma^2(x, w)] + \operatorname{Var}_w[m(x, w)]`. Heteroscedastic:
+        aleatoric :math:`\mathbb E[e^{\ell}] = e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2}`,
+        epistemic :math:`\operatorname{Var}[m] = \Sigma_{mm}` (closed form; over weight draws
+        with ``method="mc"``). Homoscedastic: aleatoric :math:`e^\lambda`. The two add up to
+        the variance of :meth:`predictive`.
+        """
+        _, var, epistemic = self._original_units(*self._network_predictive(x, method, num_samples))
+        return (var - epistemic).clamp_min(0), epistemic
+
     def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:
-        """``{"mean": [B], "var": [B]}``: the predictive of ``y`` in its original units."""
+        """``{"mean", "var", "aleatoric_var", "epistemic_var"}``, each ``[B]``, original units of y."""
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        mean, var = self.predictive(x)
-        return {"mean": mean, "var": var}
+        # One pass, so that in the MC modes the split and the variance share their draws.
+        with torch.no_grad():
+            mean, var, epistemic = self._original_units(*self._network_predictive(x, None, None))
+        return {
+            "mean": mean,
+            "var": var,
+            "aleatoric_var": (var - epistemic).clamp_min(0),
+            "epistemic_var": epistemic,
+        }
+
+    def _original_units(
+        self, mean: Tensor, var: Tensor, epistemic: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        scale2 = self.target_scale.square()
+        return mean * self.target_scale + self.target_loc, var * scale2, epistemic * scale2
 
     def _update_metrics(self, metrics: MetricCollection, x: Tensor, y: Tensor) -> None:
-        mean, var = self.predictive(x)
-        target = y.reshape(mean.shape) * self.target_scale + self.target_loc
+        with torch.no_grad():
+            mean, var, epistemic = self._original_units(*self._network_predictive(x, None, None))
+        target = self.targets_in_original_units(y.reshape(mean.shape))
         metrics.update(mean, var, target)
+        split = getattr(self, f"{metrics.prefix.rstrip('/')}_split", None)
+        if split is not None:
+            split.update((var - epistemic).clamp_min(0), epistemic)
+
+    def _epoch_end(self, stage: str) -> None:
+        split: VarianceSplit | None = getattr(self, f"{stage}_split", None)
+        if split is not None and split.update_called:
+            aleatoric, epistemic = split.compute()
+            self.log_dict(
+                {f"{stage}/aleatoric_std": aleatoric, f"{stage}/epistemic_std": epistemic},
+                sync_dist=True,
+            )
+            split.reset()
+        super()._epoch_end(stage)
 
     def _curve(self, metrics: MetricCollection) -> dict[str, Tensor]:
         expected, observed = metrics["calibration"].curve()
