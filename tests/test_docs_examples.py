@@ -46,13 +46,7 @@ TIMEOUT_S = 300
 # a substring of the expected error output). The block still runs: it is reported as xfail only
 # when it fails with that error; a different failure fails the test, and so does a pass (then
 # the entry must go).
-XFAIL = {
-    'dm = UCIDataModule(data_dir="path/to/uci"': (
-        "issue 14 item 2: DVIRegressor cannot yet take in_features from the datamodule; remove "
-        "this entry when the model-shapes-from-the-data work is merged",
-        "in_features is required when no `net` is given",
-    ),
-}
+XFAIL: dict[str, tuple[str, str]] = {}
 
 
 @dataclass(frozen=True)

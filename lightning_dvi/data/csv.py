@@ -290,9 +290,11 @@ class CSVDataModule(InMemoryDataModule):
     the fraction is positive).
 
     Inputs are standardised, ``x' = (x - x_loc) / x_scale``, with the mean and standard
-    deviation (``ddof=0``) of the training rows; regression targets likewise,
-    ``y' = (y - target_loc) / target_scale``, so the model's predictions and test metrics come
-    back in the original units. Constant training columns get scale 1. Batches are
+    deviation (``ddof=0``) of the training rows. Regression targets stay in their original units;
+    their training mean and standard deviation are exposed as ``target_loc``/``target_scale``,
+    with which :class:`~lightning_dvi.DVIRegressor` standardises them
+    (``y' = (y - target_loc) / target_scale``), so predictions and test metrics come back in the
+    original units. Constant training columns get scale 1. Batches are
     ``(x [B, D] float32, y [B])``: float32 targets for regression, int64 labels for
     classification. ``predict_dataloader`` yields the rows of ``predict_path`` (its target column
     may be absent) or else the test split.
@@ -566,9 +568,8 @@ class CSVDataModule(InMemoryDataModule):
                 return TensorDataset(inputs)
             if self.task == "classification":
                 return TensorDataset(inputs, torch.as_tensor(y, dtype=torch.long))
-            return TensorDataset(
-                inputs, torch.as_tensor((y - y_loc) / y_scale, dtype=torch.float32)
-            )
+            # raw targets: the regressor standardises them with target_loc/target_scale
+            return TensorDataset(inputs, torch.as_tensor(y, dtype=torch.float32))
 
         splits = {name: dataset(x, y) for name, (x, y) in parts.items()}
         splits.setdefault("predict", splits["test"])
