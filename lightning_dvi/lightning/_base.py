@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MetricCollection
 
-from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode  # noqa: F401 (Mode: re-exported)
+from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode
 from ..likelihoods import Likelihood
 from ..nn import BayesLinear, BayesModule, bayes_layers, mlp
 from ..objective import ELBOTerms, KLSchedule, elbo

@@ -10,7 +10,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 
-from ..gaussian import Gaussian
 from ..likelihoods import HeteroscedasticGaussian, HomoscedasticGaussian
 from ..metrics import RegressionMetrics
 from ._base import DVIModule, PredictiveMethod, resolve_method
