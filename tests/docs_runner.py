@@ -72,7 +72,7 @@ SETUPS: dict[str, str] = {
     # Imports a later snippet of docs/pyro.md relies on.
     "pyro_imports": "import pyro\nfrom lightning_dvi.pyro import DeterministicGuide\n",
     # The callback whose signature docs/lightning.md shows.
-    "empirical_bayes": "from lightning_dvi.callbacks import EmpiricalBayes\n",
+    "empirical_bayes": "from lightning_dvi.callbacks import EmpiricalBayesRefresh\n",
     # A last.ckpt where the toy recipe leaves it (a short run), for the checkpoint snippet.
     "toy_checkpoint": (
         "from lightning_dvi import DVIRegressor\n"
@@ -119,8 +119,8 @@ def _run_block(spec_path: str) -> None:
             compile(SETUPS[spec["setup"]], f"<docs-test setup {spec['setup']}>", "exec"), namespace
         )
     # Padding with blank lines makes tracebacks point at the page's own line numbers.
-    source = "\n" * spec["first_line"] + spec["code"]
-    exec(compile(source, spec["page"], "exec"), namespace)
+    for first_line, code in [*spec.get("earlier", []), [spec["first_line"], spec["code"]]]:
+        exec(compile("\n" * first_line + code, spec["page"], "exec"), namespace)
 
 
 def main(argv: list[str]) -> None:

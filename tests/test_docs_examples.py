@@ -12,6 +12,8 @@
   ``LIGHTNING_DVI_DOCS_FAST=1``: every Lightning ``Trainer`` stops after 2 epochs or 20 steps.
 * ``../shared/data/uci`` (and the ``path/to/uci`` placeholder) name the shared UCI data next to
   the checkout; without it such a block is skipped, except under ``CI``, where that is an error.
+* ``<!-- docs-test: continue -->`` before a python block runs the page's earlier python blocks
+  first, in the same namespace (a tutorial page that builds on itself).
 * ``<!-- docs-test: skip REASON -->`` before a block (a GPU, a long benchmark, recursion)
   replaces running by parsing: ``compile`` for Python, ``bash -n`` for shell.
 
@@ -74,6 +76,10 @@ class Block:
             if directive.startswith("setup="):
                 return directive.removeprefix("setup=")
         return None
+
+    @property
+    def continues(self) -> bool:
+        return "continue" in self.directives
 
     @property
     def needs_uci(self) -> bool:
@@ -184,11 +190,16 @@ def test_documented_example_runs(block: Block, tmp_path: Path) -> None:
     (tmp_path / "recipes").symlink_to(REPO / "recipes", target_is_directory=True)
     code = _with_data(block.code) if block.needs_uci else block.code
     if block.lang == "python":
+        earlier = [
+            [b.line, b.code]
+            for b in BLOCKS
+            if block.continues and b.page == block.page and b.lang == "python" and b.line < block.line
+        ]
         spec = tmp_path / "block.json"
         spec.write_text(
             json.dumps(
                 {"page": str(REPO / block.page), "first_line": block.line, "code": code,
-                 "setup": block.setup}
+                 "setup": block.setup, "earlier": earlier}
             )
         )  # fmt: skip
         command = [sys.executable, str(RUNNER), "block", str(spec)]
@@ -232,6 +243,8 @@ def test_directives_are_known_attached_and_give_reasons():
             if directive.startswith("skip"):
                 assert block.skip_reason, f"{block.id}: a skip needs a reason"
                 assert block.lang in ("python", "bash"), f"{block.id}: skip on {block.lang}"
+            elif directive == "continue":
+                assert block.lang == "python", f"{block.id}: continue is for python blocks"
             elif directive.startswith("setup="):
                 assert block.setup in SETUPS, f"{block.id}: unknown setup {block.setup!r}"
                 assert block.lang == "python", f"{block.id}: setups are for python blocks"
