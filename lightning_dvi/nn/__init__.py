@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from .activations import Heaviside, ReLU
+from .activations import GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh
 from .base import BayesModule, Moments
 from .builders import mlp
 from .container import Residual, Sequential
@@ -14,15 +14,20 @@ from .linear import BayesLinear, ParameterGroup
 from .registry import ActivationSpec, activation_specs, register_activation
 
 __all__ = [
+    "GELU",
     "ActivationSpec",
     "BayesLinear",
     "BayesModule",
     "Heaviside",
+    "LeakyReLU",
     "Moments",
     "ParameterGroup",
     "ReLU",
     "Residual",
     "Sequential",
+    "SiLU",
+    "Sigmoid",
+    "Tanh",
     "activation_specs",
     "bayes_layers",
     "mlp",
