@@ -182,6 +182,10 @@ def quadrature_moments(
     coeffs = [s.squeeze(-1) * slope]
     coeffs += [(fx * he * w).sum(-1) for he in _hermite_polys(z, order)[1:]]
     stacked = torch.stack(coeffs, -1)
+    # a deterministic input (v = 0) has exactly zero output spread, not the floor's ~1e-30
+    random = var.double() > 0
+    out_var = torch.where(random, out_var, torch.zeros_like(out_var))
+    stacked = torch.where(random.unsqueeze(-1), stacked, torch.zeros_like(stacked))
     return (
         out_mean.squeeze(-1).to(dtype),
         out_var.to(dtype),

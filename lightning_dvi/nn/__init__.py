@@ -10,6 +10,7 @@ from .activations import GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh
 from .base import BayesModule, Moments
 from .builders import mlp
 from .container import Residual, Sequential
+from .convert import from_torch, register_converter, set_posterior
 from .linear import BayesLinear, ParameterGroup
 from .registry import ActivationSpec, activation_specs, register_activation
 
@@ -30,9 +31,12 @@ __all__ = [
     "Tanh",
     "activation_specs",
     "bayes_layers",
+    "from_torch",
     "mlp",
     "parameter_groups",
     "register_activation",
+    "register_converter",
+    "set_posterior",
 ]
 
 
