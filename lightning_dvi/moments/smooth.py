@@ -15,7 +15,7 @@ For :math:`a \sim \mathcal N(m, \Sigma)` and :math:`h = f(a)` elementwise, write
   :math:`\rho_0 = v/(1+v)`, evaluated by 32-node Gauss–Legendre (see :func:`gelu_diag`).
 * Sigmoid, SiLU and Tanh (:math:`\tanh x = 2\sigma(2x) - 1`): no closed form exists. For
   :math:`s \le 1`, ``num_nodes``-point Gauss–Hermite quadrature,
-  :math:`E[g(a)] \approx \sum_i w_i\, g(m + s z_i)`, in float64, with the variance as
+  :math:`E[g(a)] \approx \sum_i w_i\, g(m + s z_i)`, in the input dtype, with the variance as
   :math:`\sum_i w_i (f_i - \bar f)^2` (non-negative, exact at :math:`v = 0`, no cancellation
   at tiny :math:`v`). For :math:`s > 1`, where Gauss–Hermite would need ever more nodes, the
   logistic representation :math:`\sigma(x) = P(L < x)` moves the integral onto the logistic
@@ -70,6 +70,7 @@ __all__ = [
     "leaky_relu_full",
     "leaky_relu_slope",
     "quadrature_moments",
+    "quadrature_rule",
     "sigmoid_diag",
     "sigmoid_full",
     "sigmoid_slope",
@@ -125,11 +126,25 @@ def _gauss_legendre_unit(n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return tuple(((nodes + 1) / 2).tolist()), tuple(weights.tolist())
 
 
+# Built eagerly, outside any tracing: torch.export / torch.compile must find them cached (an
+# eigh traced into a graph would not export, and a cached traced value would leak symbols).
+_gauss_hermite(DEFAULT_NODES)
+_gauss_legendre_unit(_GL_NODES)
+
+
+def quadrature_rule(num_nodes: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Gauss–Hermite nodes and weights (probabilists', weights summing to one), cached.
+
+    Modules call it at construction so that tracing (``torch.export``) finds the rule cached.
+    """
+    return _gauss_hermite(int(num_nodes))
+
+
 def _rule(table: tuple[tuple[float, ...], tuple[float, ...]], like: Tensor) -> _Pair:
     nodes, weights = table
     return (
-        torch.tensor(nodes, dtype=torch.float64, device=like.device),
-        torch.tensor(weights, dtype=torch.float64, device=like.device),
+        torch.tensor(nodes, dtype=like.dtype, device=like.device),
+        torch.tensor(weights, dtype=like.dtype, device=like.device),
     )
 
 
@@ -153,13 +168,14 @@ def quadrature_moments(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     r"""Mean, variance, slope and Hermite coefficients of :math:`f(a)`, :math:`a\sim\mathcal N(m, v)`.
 
-    Gauss–Hermite quadrature in float64 (cast back to the input dtype):
+    Gauss–Hermite quadrature in the input dtype (not upcast to float64: ONNX Runtime has
+    no float64 ``Erf``, and an exported float32 network must stay float32):
     :math:`E[f] = \sum_i w_i f_i`, :math:`\operatorname{Var} = \sum_i w_i (f_i - E[f])^2`,
     :math:`E[f'] = \sum_i w_i f'_i`, :math:`c_k = \sum_i w_i f_i \mathrm{He}_k(z_i)`
     (:math:`c_1` is replaced by the exact :math:`s\,E[f']`), with :math:`f_i = f(m + s z_i)`.
 
     Args:
-        fn: the activation, elementwise on float64 tensors.
+        fn: the activation, elementwise.
         dfn: its derivative.
         mean: :math:`m`, any shape.
         var: :math:`v \ge 0`, same shape.
@@ -171,8 +187,8 @@ def quadrature_moments(
     """
     dtype = mean.dtype
     z, w = _rule(_gauss_hermite(int(num_nodes)), mean)
-    m = mean.double().unsqueeze(-1)
-    v = var.double().clamp_min(_var_floor(dtype)).unsqueeze(-1)
+    m = mean.unsqueeze(-1)
+    v = var.clamp_min(_var_floor(dtype)).unsqueeze(-1)
     s = v.sqrt()
     x = m + s * z
     fx = fn(x)
@@ -182,8 +198,13 @@ def quadrature_moments(
     coeffs = [s.squeeze(-1) * slope]
     coeffs += [(fx * he * w).sum(-1) for he in _hermite_polys(z, order)[1:]]
     stacked = torch.stack(coeffs, -1)
+    # Below ~sqrt(eps) the two-pass variance is rounding noise (eps |f|)^2; the first Mehler
+    # term (the delta method, error O(v^2)) is exact to working precision there.
+    tiny = (s.squeeze(-1) < (1e-6 if dtype == torch.float64 else 1e-3)).unsqueeze(-1)
+    out_var = torch.where(tiny.squeeze(-1), stacked[..., 0].square(), out_var)
+    stacked = torch.where(tiny, torch.cat([stacked[..., :1], 0 * stacked[..., 1:]], -1), stacked)
     # a deterministic input (v = 0) has exactly zero output spread, not the floor's ~1e-30
-    random = var.double() > 0
+    random = var > 0
     out_var = torch.where(random, out_var, torch.zeros_like(out_var))
     stacked = torch.where(random.unsqueeze(-1), stacked, torch.zeros_like(stacked))
     return (
@@ -286,8 +307,8 @@ def leaky_relu_full(mean: Tensor, cov: Tensor, negative_slope: float = 0.01) -> 
 
 # ------------------------------------------------------------------------------------ GELU
 def _gelu_parts(mean: Tensor, var: Tensor) -> dict[str, Tensor]:
-    """Closed-form pieces shared by the GELU moments (float64 inside)."""
-    m, v = mean.double(), var.double().clamp_min(0)
+    """Closed-form pieces shared by the GELU moments."""
+    m, v = mean, var.clamp_min(0)
     one_v = 1 + v
     root = one_v.sqrt()
     h = m / root
@@ -342,17 +363,17 @@ def gelu_diag(mean: Tensor, var: Tensor) -> _Pair:
         - 2 * m * v * cdf * amp
         - v * v * amp * amp
     )
-    out_var = torch.maximum(out_var, v * _gelu_slope64(p).square())
+    out_var = torch.maximum(out_var, v * _gelu_slope_parts(p).square())
     return out_mean.to(mean.dtype), out_var.to(mean.dtype)
 
 
-def _gelu_slope64(p: dict[str, Tensor]) -> Tensor:
+def _gelu_slope_parts(p: dict[str, Tensor]) -> Tensor:
     return p["cdf"] + p["amp"] * p["m1"]
 
 
 def gelu_slope(mean: Tensor, var: Tensor) -> Tensor:
     r""":math:`E[\Phi(a) + a\phi(a)] = \Phi(h) + A m_1`."""
-    return _gelu_slope64(_gelu_parts(mean, var)).to(mean.dtype)
+    return _gelu_slope_parts(_gelu_parts(mean, var)).to(mean.dtype)
 
 
 def _gelu_coeffs(mean: Tensor, var: Tensor) -> Tensor:
@@ -362,7 +383,7 @@ def _gelu_coeffs(mean: Tensor, var: Tensor) -> Tensor:
     s = v.clamp_min(_var_floor(mean.dtype)).sqrt()
     d2 = amp * (2 - m1 * m1 - v1)
     d3 = amp * (m1**3 + 3 * m1 * v1 - 4 * m1)
-    out = torch.stack([s * _gelu_slope64(p), v * d2, s * v * d3], -1)
+    out = torch.stack([s * _gelu_slope_parts(p), v * d2, s * v * d3], -1)
     return out.to(mean.dtype)
 
 
@@ -439,12 +460,12 @@ def _logistic_grid(kind: str, mean: Tensor, var: Tensor) -> tuple[Tensor, ...]:
     """
     dtype = mean.dtype
     t = torch.arange(-_GRID_HALF, _GRID_HALF + _GRID_STEP / 2, _GRID_STEP, dtype=torch.float64)
-    t = t.to(mean.device)
+    t = t.to(device=mean.device, dtype=mean.dtype)
     sig = torch.sigmoid(t)
     rho1 = sig * (1 - sig)
     rho2 = 2 * sig * rho1
-    m = mean.double().unsqueeze(-1)
-    s = var.double().sqrt().unsqueeze(-1)
+    m = mean.unsqueeze(-1)
+    s = var.sqrt().unsqueeze(-1)
     z = (t - m) / s
     upper, pdf = normal_cdf(-z), normal_pdf(z)
     hes = [torch.ones_like(z), *_hermite_polys(z, 3)]

@@ -11,6 +11,7 @@ from .base import BayesModule, Moments
 from .builders import mlp
 from .container import Residual, Sequential
 from .convert import from_torch, register_converter, set_posterior
+from .export import PredictiveModule, export_predictive
 from .linear import BayesLinear, ParameterGroup
 from .registry import ActivationSpec, activation_specs, register_activation
 
@@ -22,6 +23,7 @@ __all__ = [
     "Heaviside",
     "LeakyReLU",
     "Moments",
+    "PredictiveModule",
     "ParameterGroup",
     "ReLU",
     "Residual",
@@ -31,6 +33,7 @@ __all__ = [
     "Tanh",
     "activation_specs",
     "bayes_layers",
+    "export_predictive",
     "from_torch",
     "mlp",
     "parameter_groups",

@@ -179,6 +179,7 @@ class _QuadratureActivation(_ParamActivation):
     def __init__(self, num_nodes: int = S.DEFAULT_NODES) -> None:
         super().__init__()
         self.num_nodes = _check_nodes(num_nodes)
+        S.quadrature_rule(self.num_nodes)  # build (and cache) the rule now, not while tracing
 
     def _moments_full(self, mean: Tensor, cov: Tensor) -> _Pair:
         return getattr(S, f"{self._kind}_full")(mean, cov, self.num_nodes)
