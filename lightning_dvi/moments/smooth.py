@@ -98,6 +98,16 @@ def _var_floor(dtype: torch.dtype) -> float:
     return 1e-30 if dtype == torch.float64 else 1e-24
 
 
+def _set_diagonal(cov: Tensor, diag: Tensor) -> Tensor:
+    """``cov`` with its diagonal replaced by ``diag``, out of place.
+
+    A mask instead of ``torch.diagonal_scatter``, whose decomposition writes into a diagonal
+    view, which the ONNX exporter cannot functionalise.
+    """
+    eye = torch.eye(cov.shape[-1], dtype=torch.bool, device=cov.device)
+    return torch.where(eye, torch.diag_embed(diag), cov)
+
+
 def _symmetric(cov: Tensor) -> Tensor:
     return 0.5 * (cov + cov.transpose(-1, -2))
 
@@ -236,8 +246,7 @@ def hermite_cov(cov: Tensor, coeffs: Tensor, out_var: Tensor) -> Tensor:
         c = coeffs[..., k]
         out = out + power * (c.unsqueeze(-1) * c.unsqueeze(-2)) / math.factorial(k + 1)
     out = _symmetric(out)
-    lead = torch.broadcast_shapes(out.shape[:-1], out_var.shape)
-    return torch.diagonal_scatter(out.expand(*lead, out.shape[-1]), out_var.expand(lead), 0, -2, -1)
+    return _set_diagonal(out, out_var)
 
 
 def hermite_tail_bound(coeffs: Tensor, out_var: Tensor, cov: Tensor) -> Tensor:
@@ -301,7 +310,7 @@ def leaky_relu_full(mean: Tensor, cov: Tensor, negative_slope: float = 0.01) -> 
     mixed = cov * (cdf.unsqueeze(-1) + cdf.unsqueeze(-2))
     out_cov = a * a * cov + a * (1 - a) * mixed + (1 - a) ** 2 * r_cov
     out_var = leaky_relu_diag(mean, var, a)[1]
-    out_cov = torch.diagonal_scatter(_symmetric(out_cov), out_var, 0, -2, -1)
+    out_cov = _set_diagonal(_symmetric(out_cov), out_var)
     return a * mean + (1 - a) * r_mean, out_cov
 
 
