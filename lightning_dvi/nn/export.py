@@ -66,6 +66,8 @@ class PredictiveModule(nn.Module):
         log_noise_variance: float = 0.0,
         target_loc: float = 0.0,
         target_scale: float = 1.0,
+        input_loc: Tensor | None = None,
+        input_scale: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.net = net
@@ -75,10 +77,14 @@ class PredictiveModule(nn.Module):
         self.register_buffer("log_noise_variance", torch.tensor(log_noise_variance, dtype=dtype))
         self.register_buffer("target_loc", torch.tensor(target_loc, dtype=dtype))
         self.register_buffer("target_scale", torch.tensor(target_scale, dtype=dtype))
+        loc = torch.zeros((), dtype=dtype) if input_loc is None else input_loc
+        scale = torch.ones((), dtype=dtype) if input_scale is None else input_scale
+        self.register_buffer("input_loc", torch.as_tensor(loc).detach().clone().to(dtype))
+        self.register_buffer("input_scale", torch.as_tensor(scale).detach().clone().to(dtype))
 
     def forward(self, x: Tensor) -> Any:
         """Predictive of ``x [B, D_in]``: ``(mean, var)`` or class probabilities ``[B, K]``."""
-        out = self.net.propagate(x, self.mode)
+        out = self.net.propagate((x - self.input_loc) / self.input_scale, self.mode)
         if not isinstance(out, Gaussian):
             raise ValueError("the network output is deterministic: it has no BayesLinear layer")
         if self.head == "moments":
@@ -143,6 +149,8 @@ def export_predictive(
     *,
     target_loc: float | None = None,
     target_scale: float | None = None,
+    input_loc: Tensor | None = None,
+    input_scale: Tensor | None = None,
 ) -> PredictiveModule:
     r"""The one-pass predictive of ``net`` (and ``likelihood``) as a plain torch module.
 
@@ -155,6 +163,9 @@ def export_predictive(
         mode: ``"diag"`` (dDVI, two matmuls a layer) or ``"full"`` (full covariance).
         target_loc: regression targets' mean (original units), default 0.
         target_scale: regression targets' std, default 1.
+        input_loc: subtracted from ``x`` before the network (e.g. the training features'
+            means, so the served model takes raw features); default 0.
+        input_scale: divides ``x - input_loc`` (e.g. the features' stds); default 1.
 
     Returns:
         A :class:`PredictiveModule` in eval mode with frozen parameters.
@@ -211,5 +222,7 @@ def export_predictive(
         log_noise,
         0.0 if target_loc is None else float(target_loc),
         1.0 if target_scale is None else float(target_scale),
+        input_loc,
+        input_scale,
     )
     return module.eval()
