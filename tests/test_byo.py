@@ -15,7 +15,7 @@ def test_docs_code_blocks_run_in_order():
     assert len(blocks) >= 4
     namespace: dict = {}
     for block in blocks:
-        exec(compile(block, "byo_network.md", "exec"), namespace)  # noqa: S102
+        exec(compile(block, "byo_network.md", "exec"), namespace)
     assert namespace["served_mean"].shape == (7,)
 
 
