@@ -33,7 +33,7 @@ from lightning_dvi.nn import export_predictive, from_torch
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--torch-epochs", type=int, default=200, help="plain torch training")
+    parser.add_argument("--torch-epochs", type=int, default=50, help="plain torch training")
     parser.add_argument("--dvi-epochs", type=int, default=30, help="DVI fine-tuning epochs")
     parser.add_argument("--scale-fraction", type=float, default=0.1, help="posterior std / |w|")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/byo"))
