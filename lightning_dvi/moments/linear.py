@@ -36,6 +36,8 @@ def symmetrize(cov: Tensor) -> Tensor:
 def _plus_diagonal(cov: Tensor, diag: Tensor) -> Tensor:
     # In place on a fresh tensor: diag_embed + add would allocate (and page-fault) two more
     # [..., D, D] arrays. Autograd records the diagonal add as a view update.
+    if torch.compiler.is_exporting():  # the ONNX exporter cannot functionalise a view update
+        return cov + torch.diag_embed(diag)
     cov.diagonal(dim1=-2, dim2=-1).add_(diag)
     return cov
 

@@ -6,29 +6,41 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from .activations import Heaviside, ReLU
+from .activations import GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh
 from .base import BayesModule, Moments
 from .builders import mlp
 from .container import Residual, Sequential
+from .convert import from_torch, register_converter, set_posterior
+from .export import PredictiveModule, export_predictive
 from .linear import BayesLinear, ParameterGroup
 from .registry import ActivationSpec, activation_specs, register_activation
 
 __all__ = [
+    "GELU",
     "ActivationSpec",
     "BayesLinear",
     "BayesModule",
     "Heaviside",
+    "LeakyReLU",
     "Moments",
     "ParameterGroup",
+    "PredictiveModule",
     "ReLU",
     "Residual",
     "Sequential",
+    "SiLU",
+    "Sigmoid",
+    "Tanh",
     "activation_specs",
     "bayes_layers",
+    "export_predictive",
+    "from_torch",
     "mlp",
     "named_parameter_groups",
     "parameter_groups",
     "register_activation",
+    "register_converter",
+    "set_posterior",
 ]
 
 

@@ -1,0 +1,228 @@
+r"""Export the one-pass predictive of a declared network as a plain torch module (and a file).
+
+:func:`export_predictive` wraps a trained network and its likelihood in a
+:class:`PredictiveModule`: ``x -> (mean, var)`` (regression, in the original units of ``y``) or
+``x -> probs`` (classification), one deterministic moment pass in ``diag`` or ``full`` mode,
+no sampling. :meth:`PredictiveModule.save` writes it with ``torch.export`` (``.pt2``) or the
+ONNX exporter (``.onnx``, ``torch.onnx.export(..., dynamo=True)``; needs the ``export`` extra:
+``onnx``, ``onnxruntime``, ``onnxscript``). The saved file is a traced graph of torch (or ONNX)
+operators: loading and running it needs torch (``torch.export.load``) or onnxruntime only, not
+lightning_dvi.
+
+Heads (``likelihood``):
+
+* ``None``: the network's output moments ``(mean [B, D], var [B, D])``.
+* :class:`~lightning_dvi.likelihoods.HomoscedasticGaussian`: ``mean = m``,
+  ``var = Σ_mm + e^λ`` (``[B]`` each).
+* :class:`~lightning_dvi.likelihoods.HeteroscedasticGaussian`: ``mean = ⟨m⟩``,
+  ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``.
+* :class:`~lightning_dvi.likelihoods.Categorical` (``method="delta"``): the delta-method class
+  probabilities ``[B, K]``.
+
+Regression moments are mapped to the original units with ``target_loc``/``target_scale``
+(``mean * scale + loc``, ``var * scale²``), read from a ``DVIRegressor`` when one is passed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..gaussian import Gaussian
+from ..likelihoods import (
+    Categorical,
+    HeteroscedasticGaussian,
+    HomoscedasticGaussian,
+    Likelihood,
+)
+from ..likelihoods import functional as LF
+from .base import BayesModule
+
+__all__ = ["PredictiveModule", "export_predictive"]
+
+ExportMode = Literal["diag", "full"]
+
+
+class PredictiveModule(nn.Module):
+    """A frozen network plus likelihood head: ``forward(x)`` is the one-pass predictive.
+
+    Built by :func:`export_predictive`; see there. Parameters are frozen copies (later training
+    of the source network does not change it).
+
+    Attributes:
+        head: ``"moments"``, ``"homoscedastic"``, ``"heteroscedastic"`` or ``"categorical"``.
+        mode: ``"diag"`` or ``"full"``.
+    """
+
+    def __init__(
+        self,
+        net: BayesModule,
+        head: str,
+        mode: ExportMode,
+        log_noise_variance: float = 0.0,
+        target_loc: float = 0.0,
+        target_scale: float = 1.0,
+        input_loc: Tensor | None = None,
+        input_scale: Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.net = net
+        self.head = head
+        self.mode = mode
+        dtype = next(net.parameters()).dtype
+        self.register_buffer("log_noise_variance", torch.tensor(log_noise_variance, dtype=dtype))
+        self.register_buffer("target_loc", torch.tensor(target_loc, dtype=dtype))
+        self.register_buffer("target_scale", torch.tensor(target_scale, dtype=dtype))
+        loc = torch.zeros((), dtype=dtype) if input_loc is None else input_loc
+        scale = torch.ones((), dtype=dtype) if input_scale is None else input_scale
+        self.register_buffer("input_loc", torch.as_tensor(loc).detach().clone().to(dtype))
+        self.register_buffer("input_scale", torch.as_tensor(scale).detach().clone().to(dtype))
+
+    def forward(self, x: Tensor) -> Any:
+        """Predictive of ``x [B, D_in]``: ``(mean, var)`` or class probabilities ``[B, K]``."""
+        out = self.net.propagate((x - self.input_loc) / self.input_scale, self.mode)
+        if not isinstance(out, Gaussian):
+            raise ValueError("the network output is deterministic: it has no BayesLinear layer")
+        if self.head == "moments":
+            return out.mean, out.var
+        if self.head == "categorical":
+            return LF.categorical_delta_predictive(out.mean, out.cov if out.is_full else out.var)
+        var = out.var
+        if self.head == "homoscedastic":
+            mean, var = out.mean[..., 0], var[..., 0] + self.log_noise_variance.exp()
+        else:
+            mean, var = LF.heteroscedastic_predictive_moments(
+                out.mean[..., 0], var[..., 0], out.mean[..., 1], var[..., 1]
+            )
+        return mean * self.target_scale + self.target_loc, var * self.target_scale.square()
+
+    def export(self, example: Tensor) -> torch.export.ExportedProgram:
+        """Trace with ``torch.export`` (batch dimension dynamic where the kernels allow it).
+
+        Full mode with ReLU layers specialises the batch size (the ReLU covariance kernel picks
+        its block sizes from it): the program then accepts that batch size only.
+        """
+        dims = {"x": {0: torch.export.Dim.AUTO}}
+        with torch.no_grad():
+            return torch.export.export(self, (example,), dynamic_shapes=dims)
+
+    def save(self, path: str | os.PathLike[str], example: Tensor) -> None:
+        """Write ``path``: ``.pt2`` (``torch.export.save``) or ``.onnx`` (ONNX, dynamo exporter).
+
+        Raises:
+            ValueError: on another suffix.
+            ImportError: for ``.onnx`` without ``onnx``/``onnxscript`` installed.
+        """
+        path = os.fspath(path)
+        if path.endswith(".pt2"):
+            torch.export.save(self.export(example), path)
+        elif path.endswith(".onnx"):
+            try:
+                import onnx  # noqa: F401
+                import onnxscript  # noqa: F401
+            except ImportError as err:
+                raise ImportError(
+                    "ONNX export needs the optional `export` extra: "
+                    "pip install 'lightning_dvi[export]' (onnx, onnxruntime, onnxscript)"
+                ) from err
+            dims = {"x": {0: torch.export.Dim.AUTO}}
+            with torch.no_grad():
+                torch.onnx.export(
+                    self, (example,), path, dynamo=True, dynamic_shapes=dims, verbose=False
+                )
+        else:
+            raise ValueError(f"unknown export format for {path!r}: use a .pt2 or .onnx suffix")
+
+    def extra_repr(self) -> str:
+        """Head and mode."""
+        return f"head={self.head!r}, mode={self.mode!r}"
+
+
+def export_predictive(
+    net: nn.Module,
+    likelihood: Likelihood | None = None,
+    mode: ExportMode = "diag",
+    *,
+    target_loc: float | None = None,
+    target_scale: float | None = None,
+    input_loc: Tensor | None = None,
+    input_scale: Tensor | None = None,
+) -> PredictiveModule:
+    r"""The one-pass predictive of ``net`` (and ``likelihood``) as a plain torch module.
+
+    Args:
+        net: a declared network (:class:`~lightning_dvi.nn.BayesModule`), or a ``DVIRegressor``
+            / ``DVIClassifier`` (anything with ``.net`` and ``.likelihood``; its
+            ``target_loc``/``target_scale`` buffers are used unless given here).
+        likelihood: the observation model giving the head (see the module docstring); ``None``
+            returns the output moments. Ignored when ``net`` carries its own.
+        mode: ``"diag"`` (dDVI, two matmuls a layer) or ``"full"`` (full covariance).
+        target_loc: regression targets' mean (original units), default 0.
+        target_scale: regression targets' std, default 1.
+        input_loc: subtracted from ``x`` before the network (e.g. the training features'
+            means, so the served model takes raw features); default 0.
+        input_scale: divides ``x - input_loc`` (e.g. the features' stds); default 1.
+
+    Returns:
+        A :class:`PredictiveModule` in eval mode with frozen parameters.
+
+    Raises:
+        ValueError: on a bad mode, a non-declared network, a Monte Carlo categorical likelihood
+            or an unknown likelihood.
+
+    Examples:
+        >>> from lightning_dvi.nn import mlp
+        >>> from lightning_dvi.likelihoods import HeteroscedasticGaussian
+        >>> predictive = export_predictive(mlp(3, [8], 2), HeteroscedasticGaussian(), mode="full")
+        >>> mean, var = predictive(torch.randn(4, 3))
+        >>> tuple(mean.shape), bool((var > 0).all())
+        ((4,), True)
+    """
+    if mode not in ("diag", "full"):
+        raise ValueError(f"mode must be 'diag' or 'full' for a one-pass predictive, got {mode!r}")
+    if hasattr(net, "net") and hasattr(net, "likelihood"):
+        likelihood = net.likelihood  # type: ignore[assignment]
+        if target_loc is None and isinstance(getattr(net, "target_loc", None), Tensor):
+            target_loc = float(net.target_loc)  # type: ignore[arg-type]
+        if target_scale is None and isinstance(getattr(net, "target_scale", None), Tensor):
+            target_scale = float(net.target_scale)  # type: ignore[arg-type]
+        net = net.net  # type: ignore[assignment]
+    if not isinstance(net, BayesModule):
+        raise ValueError(
+            f"export_predictive needs a lightning_dvi.nn network, got {type(net).__name__} "
+            "(convert a torch network with lightning_dvi.nn.from_torch first)"
+        )
+    log_noise = 0.0
+    if likelihood is None:
+        head = "moments"
+    elif isinstance(likelihood, Categorical):
+        if likelihood.method != "delta":
+            raise ValueError(
+                "a Categorical(method='mc') predictive samples logits; export needs "
+                "method='delta' (deterministic)"
+            )
+        head = "categorical"
+    elif isinstance(likelihood, HomoscedasticGaussian):
+        head, log_noise = "homoscedastic", float(likelihood.log_variance.detach())
+    elif isinstance(likelihood, HeteroscedasticGaussian):
+        head = "heteroscedastic"
+    else:
+        raise ValueError(f"no exportable predictive for {type(likelihood).__name__}")
+    frozen = copy.deepcopy(net).eval()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    module = PredictiveModule(
+        frozen,
+        head,
+        mode,
+        log_noise,
+        0.0 if target_loc is None else float(target_loc),
+        1.0 if target_scale is None else float(target_scale),
+        input_loc,
+        input_scale,
+    )
+    return module.eval()
