@@ -6,5 +6,12 @@ the implementations live in :mod:`lightning_dvi.lightning`.
 
 from .lightning.callbacks import EmpiricalBayes
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
+from .lightning.temperature import TemperatureScaling
 
-__all__ = ["CalibrationPlot", "EmpiricalBayes", "PredictiveBandPlot", "ReliabilityDiagram"]
+__all__ = [
+    "CalibrationPlot",
+    "EmpiricalBayes",
+    "PredictiveBandPlot",
+    "ReliabilityDiagram",
+    "TemperatureScaling",
+]

@@ -4,6 +4,7 @@ from .callbacks import EmpiricalBayes
 from .classifier import DVIClassifier
 from .plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
 from .regressor import DVIRegressor
+from .temperature import TemperatureScaling
 
 __all__ = [
     "CalibrationPlot",
@@ -12,4 +13,5 @@ __all__ = [
     "EmpiricalBayes",
     "PredictiveBandPlot",
     "ReliabilityDiagram",
+    "TemperatureScaling",
 ]

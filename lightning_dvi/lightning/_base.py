@@ -4,10 +4,11 @@ Every step calls :func:`lightning_dvi.objective.elbo`, the one implementation of
 objective
 
 .. math::
-    \mathcal L = \frac1B\sum_b\mathbb E_q\log p(y_b\mid x_b, w) - \beta_t\,\frac{\mathrm{KL}(q\,\|\,p)}{N},
+    \mathcal L = \frac1B\sum_b\mathbb E_q\log p(y_b\mid x_b, w) - \lambda\beta_t\,\frac{\mathrm{KL}(q\,\|\,p)}{N},
 
-with :math:`N` the training-set size and :math:`\beta_t` the KL schedule at optimisation step
-:math:`t`. Under DDP each process averages over its share of the global batch and the gradient
+with :math:`N` the training-set size, :math:`\beta_t` the KL schedule at optimisation step
+:math:`t` and :math:`\lambda` the constant ``kl_weight`` (1, the ELBO, unless a tempered
+posterior is asked for; validation and test always report the untempered ELBO). Under DDP each process averages over its share of the global batch and the gradient
 all-reduce averages across processes, so the update is that of the global batch.
 """
 
@@ -110,6 +111,7 @@ class DVIModule(LightningModule):
         net: nn.Module | None,
         lr_schedule: str = "constant",
         min_lr: float = 0.0,
+        kl_weight: float = 1.0,
     ) -> None:
         super().__init__()
         _check(mode in _MODES, f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
@@ -141,6 +143,7 @@ class DVIModule(LightningModule):
         self.min_lr = _positive_float("min_lr", min_lr, allow_zero=True)
         _check(self.min_lr <= self.lr, f"min_lr ({min_lr}) must not exceed lr ({lr})")
         self.kl_schedule = KLSchedule(kl_warmup_steps, kl_anneal_steps)
+        self.kl_weight = _positive_float("kl_weight", kl_weight)
         self.prior = self._build_prior(prior, prior_alpha, prior_beta, prior_variance, eb_mode)
         if net is None:
             self.net: nn.Module = self._build_net(
@@ -285,8 +288,8 @@ class DVIModule(LightningModule):
         )
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """One ELBO step; the KL weight follows the schedule at ``global_step``."""
-        kl_weight = self.kl_schedule(self.global_step)
+        """One ELBO step; the KL weight is ``kl_weight`` times the schedule at ``global_step``."""
+        kl_weight = self.kl_weight * self.kl_schedule(self.global_step)
         terms = self._elbo(batch, kl_weight, "train")
         if logs_this_step(self.trainer):
             self._log_terms(terms, "train", batch[0].shape[0])

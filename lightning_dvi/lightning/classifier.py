@@ -2,7 +2,7 @@ r"""``DVIClassifier``: a Bayesian MLP for softmax classification trained by DVI 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -14,6 +14,7 @@ from ..likelihoods import Categorical
 from ..metrics import ClassificationMetrics
 from ..nn import BayesModule
 from ._base import Activation, DVIModule, EBMode, Mode, PriorName
+from .temperature import temper_probs
 
 __all__ = ["DVIClassifier"]
 
@@ -23,7 +24,8 @@ class DVIClassifier(DVIModule):
 
     Predictive. ``full``/``diag``: :meth:`Categorical.predictive_probs
     <lightning_dvi.likelihoods.Categorical.predictive_probs>` on the logit Gaussian (the
-    delta method, or Monte Carlo over logits with ``likelihood_method="mc"``).
+    pairwise mean-field probit closed form, or Monte Carlo over logits with
+    ``likelihood_method="mc"``).
     ``sample``/``local``: the average of :math:`\operatorname{softmax}(a_s)` over
     ``num_samples`` network samples.
 
@@ -38,8 +40,14 @@ class DVIClassifier(DVIModule):
         residual: skip connections between equal-width hidden layers.
         mode: ``"full"``, ``"diag"``, ``"sample"`` or ``"local"``.
         num_samples: network samples in ``sample``/``local`` mode (default 1); unset otherwise.
-        likelihood_method: ``"delta"`` (closed form, appendix B.4) or ``"mc"`` (DVI-MC:
-            Monte Carlo over the logit Gaussian only).
+        likelihood_method: how the expected log-likelihood integrates over the logit
+            Gaussian: ``"clark"`` (default; closed form valid for any logit variance,
+            :func:`~lightning_dvi.likelihoods.functional.categorical_clark_expected_log_prob`),
+            ``"delta"`` (the paper's second-order delta method, appendix B.4) or ``"mc"``
+            (DVI-MC: Monte Carlo over the logits only). The delta method's penalty on the
+            logit variance vanishes on confidently classified points, so with long training
+            the KL inflates the logit variances without check and the predictive becomes
+            under-confident (docs/calibration.md); hence the default.
         likelihood_mc_samples: logit draws for ``likelihood_method="mc"``.
         prior: ``"empirical_bayes"`` or ``"gaussian"``.
         prior_alpha: inverse-gamma shape.
@@ -49,6 +57,10 @@ class DVIClassifier(DVIModule):
         num_data: training-set size :math:`N`; ``None`` takes ``trainer.datamodule.num_train``.
         kl_warmup_steps: steps with the KL switched off.
         kl_anneal_steps: steps of the linear KL ramp.
+        kl_weight: constant factor :math:`\lambda` on the KL in the training loss (default 1:
+            the ELBO). :math:`\lambda < 1` trains a tempered posterior, which is no longer
+            the ELBO's optimum but can be better calibrated on small data sets (measured in
+            docs/calibration.md); validation and test still report the untempered ELBO.
         lr: Adam learning rate.
         lr_schedule: ``"constant"`` (default) or ``"cosine"``: cosine decay from ``lr`` to
             ``min_lr`` over the trainer's optimisation steps, per step.
@@ -73,7 +85,7 @@ class DVIClassifier(DVIModule):
         residual: bool = False,
         mode: Mode = "full",
         num_samples: int | None = None,
-        likelihood_method: Literal["delta", "mc"] = "delta",
+        likelihood_method: Literal["clark", "delta", "mc"] = "clark",
         likelihood_mc_samples: int = 32,
         prior: PriorName = "empirical_bayes",
         prior_alpha: float = 1.0,
@@ -83,6 +95,7 @@ class DVIClassifier(DVIModule):
         num_data: int | None = None,
         kl_warmup_steps: int = 0,
         kl_anneal_steps: int = 0,
+        kl_weight: float = 1.0,
         lr: float = 1e-3,
         lr_schedule: Literal["constant", "cosine"] = "constant",
         min_lr: float = 0.0,
@@ -110,6 +123,7 @@ class DVIClassifier(DVIModule):
             num_data=num_data,
             kl_warmup_steps=kl_warmup_steps,
             kl_anneal_steps=kl_anneal_steps,
+            kl_weight=kl_weight,
             lr=lr,
             lr_schedule=lr_schedule,
             min_lr=min_lr,
@@ -123,13 +137,26 @@ class DVIClassifier(DVIModule):
         self.ece_bins = ece_bins
         self.val_metrics = ClassificationMetrics(num_classes, prefix="val/", n_bins=ece_bins)
         self.test_metrics = ClassificationMetrics(num_classes, prefix="test/", n_bins=ece_bins)
+        # Post-hoc temperature of the predictive (1: the Bayesian predictive itself); set by
+        # lightning_dvi.callbacks.TemperatureScaling, kept in checkpoints.
+        self.register_buffer("predictive_temperature", torch.ones(()))
 
     def predict_proba(self, x: Tensor) -> Tensor:
-        """Predictive class probabilities ``[B, K]``."""
+        """Predictive class probabilities ``[B, K]`` (tempered if ``predictive_temperature != 1``)."""
         out = self(x)
         if isinstance(out, Gaussian):
-            return self.likelihood.predictive_probs(out)
-        return torch.softmax(out, dim=-1).mean(0)
+            probs = self.likelihood.predictive_probs(out)
+        else:
+            probs = torch.softmax(out, dim=-1).mean(0)
+        if bool(self.predictive_temperature != 1):
+            probs = temper_probs(probs, self.predictive_temperature)
+        return probs
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Checkpoints written before the temperature buffer existed load with temperature 1."""
+        state = checkpoint.get("state_dict")
+        if isinstance(state, dict):
+            state.setdefault("predictive_temperature", torch.ones(()))
 
     def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> Tensor:
         """Predictive class probabilities ``[B, K]``."""

@@ -283,25 +283,37 @@ def categorical_mean_field_predictive(mean: Tensor, cov: Tensor) -> Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
-def _clark_expected_max(mean: Tensor, cov: Tensor) -> Tensor:
-    r""":math:`\mathbb E\max_k a_k`, :math:`a\sim\mathcal N(\mu, C)` full, by Clark (1961).
+def _clark_expected_max(mean: Tensor, var: Tensor, cov: Tensor | None = None) -> Tensor:
+    r""":math:`\mathbb E\max_k a_k`, :math:`a\sim\mathcal N(\mu, C)`, by Clark (1961).
 
     The running maximum is replaced by the Gaussian with its exact first two moments and
     combined with the next component; its covariances with the remaining components follow
     Clark's rule :math:`\operatorname{Cov}(\max(x, y), z) = \operatorname{Cov}(x, z)\Phi(\alpha)
     + \operatorname{Cov}(y, z)\Phi(-\alpha)`. Components are taken in the given order.
+
+    Args:
+        mean: ``[..., K]``.
+        var: the variances :math:`C_{kk}`, ``[..., K]``.
+        cov: the full ``C`` ``[..., K, K]``, or ``None`` for a diagonal one (then the running
+            maximum is uncorrelated with the components not yet taken).
     """
-    m, v, c = mean[..., 0], cov[..., 0, 0], cov[..., 0, :]
+    floor = torch.finfo(mean.dtype).eps
+    m, v = mean[..., 0], var[..., 0]
+    c = None if cov is None else cov[..., 0, :]
     for k in range(1, mean.shape[-1]):
-        mk, vk = mean[..., k], cov[..., k, k]
-        theta = (v + vk - 2 * c[..., k]).clamp_min(torch.finfo(mean.dtype).eps).sqrt()
-        alpha = (m - mk) / theta
-        big = torch.special.ndtr(alpha)
-        small = torch.special.ndtr(-alpha)
-        dens = torch.exp(-0.5 * alpha.square()) * _INV_SQRT_2PI
-        m1 = m * big + mk * small + theta * dens
-        m2 = (v + m.square()) * big + (vk + mk.square()) * small + (m + mk) * theta * dens
-        c = c * big.unsqueeze(-1) + cov[..., k, :] * small.unsqueeze(-1)
+        mk, vk = mean[..., k], var[..., k]
+        theta2 = v + vk if c is None else v + vk - 2 * c[..., k]
+        theta = theta2.clamp_min(floor).sqrt()
+        diff = m - mk
+        alpha = diff / theta
+        big = torch.special.ndtr(alpha)  # P(running max > a_k)
+        spread = theta * torch.exp(-0.5 * alpha.square()) * _INV_SQRT_2PI
+        second_k = vk + mk.square()
+        m1 = mk + diff * big + spread
+        m2 = second_k + (v + m.square() - second_k) * big + (m + mk) * spread
+        if c is not None and cov is not None:
+            row = cov[..., k, :]
+            c = row + (c - row) * big.unsqueeze(-1)
         m, v = m1, (m2 - m1.square()).clamp_min(0)
     return m
 
@@ -350,12 +362,20 @@ def categorical_clark_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) ->
         >>> bool(categorical_clark_expected_log_prob(mean, torch.zeros(3), y) == plug_in)
         True
     """
-    full = _as_full_cov(mean, cov)
+    full = _as_full_cov(mean, cov)  # validates the shape
     order = mean.argsort(dim=-1)
     m = mean.gather(-1, order)
-    rows = full.gather(-2, order.unsqueeze(-1).expand_as(full))
-    c = rows.gather(-1, order.unsqueeze(-2).expand_as(full))
-    smooth = CLARK_SMOOTHING_VAR * torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
-    spread = _clark_expected_max(m, c + smooth) - _clark_expected_max(m, smooth.expand_as(c))
+    m2 = torch.stack([m, m])  # [C + tau^2 I, tau^2 I] in one pass of K - 1 steps
+    tau2 = CLARK_SMOOTHING_VAR
+    if cov.shape == mean.shape:
+        var = cov.gather(-1, order)
+        both = _clark_expected_max(m2, torch.stack([var + tau2, torch.full_like(var, tau2)]))
+    else:
+        rows = full.gather(-2, order.unsqueeze(-1).expand_as(full))
+        c = rows.gather(-1, order.unsqueeze(-2).expand_as(full))
+        var = c.diagonal(dim1=-2, dim2=-1)
+        covs = torch.stack([c, torch.zeros_like(c)])
+        both = _clark_expected_max(m2, torch.stack([var + tau2, torch.full_like(var, tau2)]), covs)
+    spread = both[0] - both[1]
     log_p = torch.log_softmax(mean, dim=-1).gather(-1, y.long().unsqueeze(-1)).squeeze(-1)
     return log_p - spread
