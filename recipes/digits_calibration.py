@@ -47,6 +47,25 @@ SETTINGS: dict[str, tuple[dict[str, Any], int]] = {
     "mc_kl0.1_150ep": ({"likelihood_method": "mc", "kl_weight": 0.1}, 150),
     "clark_kl1_50ep": ({"likelihood_method": "clark"}, 50),
     "clark_kl1_150ep": ({"likelihood_method": "clark"}, 150),
+    "clark_kl1_cosine_150ep": (
+        {"likelihood_method": "clark", "lr_schedule": "cosine", "min_lr": 3e-5},
+        150,
+    ),
+    "clark_kl1_warmup_150ep": ({"likelihood_method": "clark", "kl_warmup_steps": 1050}, 150),
+    "clark_kl1_init0.1_150ep": ({"likelihood_method": "clark", "init_scale": 0.1}, 150),
+    "clark_kl1_beta1000_150ep": ({"likelihood_method": "clark", "prior_beta": 1000.0}, 150),
+    "clark_kl1_beta1000_init0.1_150ep": (
+        {"likelihood_method": "clark", "prior_beta": 1000.0, "init_scale": 0.1},
+        150,
+    ),
+    "clark_kl0.1_beta1000_150ep": (
+        {"likelihood_method": "clark", "prior_beta": 1000.0, "kl_weight": 0.1},
+        150,
+    ),
+    "clark_kl0.03_beta1000_150ep": (
+        {"likelihood_method": "clark", "prior_beta": 1000.0, "kl_weight": 0.03},
+        150,
+    ),
     "clark_gauss1_150ep": (
         {"likelihood_method": "clark", "prior": "gaussian", "prior_variance": 1.0},
         150,
