@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import cpu_trainer
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -14,7 +15,6 @@ from lightning_dvi import DVIClassifier
 from lightning_dvi.callbacks import TemperatureScaling
 from lightning_dvi.lightning.temperature import fit_temperature, temper_probs
 from lightning_dvi.objective import elbo
-from tests.helpers import cpu_trainer
 
 
 def _data(n: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+from helpers import cpu_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dvi import DVIClassifier, Gaussian
 from lightning_dvi.likelihoods import Categorical
 from lightning_dvi.likelihoods import functional as F
-from tests.helpers import cpu_trainer
 
 F64 = torch.float64
 SCALES = (1e-2, 1e-1, 1.0, 10.0, 100.0)
