@@ -8,6 +8,7 @@ the implementations live in :mod:`lightning_dvi.lightning`.
 
 from .lightning.callbacks import EmpiricalBayes, EmpiricalBayesRefresh
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
+from .lightning.temperature import TemperatureScaling
 
 __all__ = [
     "CalibrationPlot",
@@ -15,4 +16,5 @@ __all__ = [
     "EmpiricalBayesRefresh",
     "PredictiveBandPlot",
     "ReliabilityDiagram",
+    "TemperatureScaling",
 ]

@@ -4,6 +4,7 @@ from .callbacks import EmpiricalBayes, EmpiricalBayesRefresh
 from .classifier import DVIClassifier
 from .plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
 from .regressor import DVIRegressor
+from .temperature import TemperatureScaling
 
 __all__ = [
     "CalibrationPlot",
@@ -13,4 +14,5 @@ __all__ = [
     "EmpiricalBayesRefresh",
     "PredictiveBandPlot",
     "ReliabilityDiagram",
+    "TemperatureScaling",
 ]

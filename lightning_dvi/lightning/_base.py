@@ -4,10 +4,11 @@ Every step calls :func:`lightning_dvi.objective.elbo`, the one implementation of
 objective
 
 .. math::
-    \mathcal L = \frac1B\sum_b\mathbb E_q\log p(y_b\mid x_b, w) - \beta_t\,\frac{\mathrm{KL}(q\,\|\,p)}{N},
+    \mathcal L = \frac1B\sum_b\mathbb E_q\log p(y_b\mid x_b, w) - \lambda\beta_t\,\frac{\mathrm{KL}(q\,\|\,p)}{N},
 
-with :math:`N` the training-set size and :math:`\beta_t` the KL schedule at optimisation step
-:math:`t`. Under DDP each process averages over its share of the global batch and the gradient
+with :math:`N` the training-set size, :math:`\beta_t` the KL schedule at optimisation step
+:math:`t` and :math:`\lambda` the constant ``kl_weight`` (1, the ELBO, unless a tempered
+posterior is asked for; validation and test always report the untempered ELBO). Under DDP each process averages over its share of the global batch and the gradient
 all-reduce averages across processes, so the update is that of the global batch.
 """
 
@@ -103,7 +104,7 @@ class DVIModule(LightningModule):
         prior_variance: the fixed prior variance (``"gaussian"``), or the initial value of the
             empirical-Bayes buffers until the first refresh (``eb_mode="buffer"``).
         eb_mode: ``"in_graph"`` (optimum inside the loss, the authors' choice) or ``"buffer"``
-            (set by the :class:`~lightning_dvi.callbacks.EmpiricalBayes` callback).
+            (set by the :class:`~lightning_dvi.callbacks.EmpiricalBayesRefresh` callback).
         num_data: training-set size :math:`N`; ``None`` takes ``trainer.datamodule.num_train``
             or the length of the training dataset.
         kl_warmup_steps: optimisation steps with the KL switched off (an error if the run ends
@@ -124,6 +125,10 @@ class DVIModule(LightningModule):
             recorded). A CLI run (``model.init_args.net``) saves the network's class path and
             arguments, so ``load_from_checkpoint(path)`` rebuilds it; in Python pass ``net=``
             again to ``load_from_checkpoint`` (a checkpoint loaded without it raises, saying so).
+        kl_weight: constant factor :math:`\lambda` on the KL in the training loss (default 1:
+            the ELBO). :math:`\lambda < 1` trains a tempered posterior, which is no longer the
+            ELBO's optimum but can be better calibrated on small data sets (measured in
+            docs/calibration.md); validation and test still report the untempered ELBO.
 
     Attributes:
         likelihood: the observation model.
@@ -162,6 +167,7 @@ class DVIModule(LightningModule):
         weight_decay: float = 0.0,
         init_scale: float | None = None,
         net: BayesModule | None = None,
+        kl_weight: float = 1.0,
     ) -> None:
         super().__init__()
         _check(mode in _MODES, f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
@@ -189,6 +195,7 @@ class DVIModule(LightningModule):
         self.min_lr = _positive_float("min_lr", min_lr, allow_zero=True)
         _check(self.min_lr <= self.lr, f"min_lr ({min_lr}) must not exceed lr ({lr})")
         self.kl_schedule = KLSchedule(kl_warmup_steps, kl_anneal_steps)
+        self.kl_weight = _positive_float("kl_weight", kl_weight)
         self.kl_warmup_fraction = _fraction("kl_warmup_fraction", kl_warmup_fraction)
         self.kl_anneal_fraction = _fraction("kl_anneal_fraction", kl_anneal_fraction)
         _check(
@@ -498,8 +505,8 @@ class DVIModule(LightningModule):
         )
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """One ELBO step; the KL weight follows the schedule at ``global_step``."""
-        kl_weight = self.kl_schedule(self.global_step)
+        """One ELBO step; the KL weight is ``kl_weight`` times the schedule at ``global_step``."""
+        kl_weight = self.kl_weight * self.kl_schedule(self.global_step)
         terms = self._elbo(batch, kl_weight, "train")
         if logs_this_step(self.trainer):
             self._log_terms(terms, "train", batch[0].shape[0])

@@ -14,6 +14,7 @@ from ..metrics import ClassificationMetrics
 from ._base import DVIModule, PredictiveMethod, resolve_method
 from ._data import DataView
 from ._validation import positive_int
+from .temperature import temper_probs
 
 __all__ = ["DVIClassifier"]
 
@@ -23,7 +24,8 @@ class DVIClassifier(DVIModule):
 
     Predictive. ``full``/``diag``: :meth:`Categorical.predictive_probs
     <lightning_dvi.likelihoods.Categorical.predictive_probs>` on the logit Gaussian (the
-    delta method, or Monte Carlo over logits with ``likelihood_method="mc"``).
+    pairwise mean-field probit closed form, or Monte Carlo over logits with
+    ``likelihood_method="mc"``).
     ``sample``/``local``: the average of :math:`\operatorname{softmax}(a_s)` over
     ``num_samples`` network samples.
 
@@ -41,8 +43,14 @@ class DVIClassifier(DVIModule):
         num_classes: number of classes :math:`K`; ``None`` reads it from the data (the CLI
             links ``data.num_classes``).
         hidden: hidden-layer widths.
-        likelihood_method: ``"delta"`` (closed form, appendix B.4) or ``"mc"`` (DVI-MC:
-            Monte Carlo over the logit Gaussian only).
+        likelihood_method: how the expected log-likelihood integrates over the logit
+            Gaussian: ``"clark"`` (default; closed form valid for any logit variance,
+            :func:`~lightning_dvi.likelihoods.functional.categorical_clark_expected_log_prob`),
+            ``"delta"`` (the paper's second-order delta method, appendix B.4) or ``"mc"``
+            (DVI-MC: Monte Carlo over the logits only). The delta method's penalty on the
+            logit variance vanishes on confidently classified points, so with long training
+            the KL inflates the logit variances without check and the predictive becomes
+            under-confident (docs/calibration.md); hence the default.
         likelihood_mc_samples: logit draws for ``likelihood_method="mc"``.
         ece_bins: confidence bins of the expected calibration error and reliability diagram.
         **kwargs: the shared arguments of :class:`~lightning_dvi.lightning._base.DVIModule`
@@ -51,8 +59,9 @@ class DVIClassifier(DVIModule):
 
     Examples:
         >>> model = DVIClassifier(in_features=4, num_classes=3, hidden=[8], num_data=10)
-        >>> model.predictive(torch.zeros(2, 4)).sum(-1)
-        tensor([1., 1.])
+        >>> probs = model.predictive(torch.zeros(2, 4))
+        >>> torch.allclose(probs.sum(-1), torch.ones(2))
+        True
     """
 
     def __init__(
@@ -60,7 +69,7 @@ class DVIClassifier(DVIModule):
         in_features: int | None = None,
         num_classes: int | None = None,
         hidden: list[int] = [64],  # noqa: B006 (jsonargparse and the CLI help show it)
-        likelihood_method: Literal["delta", "mc"] = "delta",
+        likelihood_method: Literal["clark", "delta", "mc"] = "clark",
         likelihood_mc_samples: int = 32,
         ece_bins: int = 15,
         **kwargs: Any,
@@ -78,6 +87,16 @@ class DVIClassifier(DVIModule):
             self.hparams["num_classes"] = num_classes
         if num_classes is not None:
             self._set_num_classes(num_classes)
+        # Post-hoc temperature of the predictive (1: the Bayesian predictive itself); set by
+        # lightning_dvi.callbacks.TemperatureScaling, kept in checkpoints.
+        self.register_buffer("predictive_temperature", torch.ones(()))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Checkpoints written before the temperature buffer existed load with temperature 1."""
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint.get("state_dict")
+        if isinstance(state, dict):
+            state.setdefault("predictive_temperature", torch.ones(()))
 
     def _set_num_classes(self, num_classes: int) -> None:
         """Create the likelihood and metrics for ``num_classes`` classes."""
@@ -136,8 +155,12 @@ class DVIClassifier(DVIModule):
     def _probs(self, x: Tensor, method: PredictiveMethod | None, num_samples: int | None) -> Tensor:
         if resolve_method(self.mode, method) == "closed_form":
             out = self.net(x, mode=self.mode if self.mode in ("full", "diag") else "full")
-            return self.likelihood.predictive_probs(out)
-        return torch.softmax(self._weight_draws(x, num_samples), dim=-1).mean(0)
+            probs = self.likelihood.predictive_probs(out)
+        else:
+            probs = torch.softmax(self._weight_draws(x, num_samples), dim=-1).mean(0)
+        if bool(self.predictive_temperature != 1):
+            probs = temper_probs(probs, self.predictive_temperature)
+        return probs
 
     def predict_proba(self, x: Tensor) -> Tensor:
         """Deprecated alias of :meth:`predictive` (kept for one release)."""

@@ -91,7 +91,8 @@ class DVIRegressor(DVIModule):
             ``prior_alpha``, ``prior_beta``, ``prior_variance``, ``eb_mode``, ``num_data``,
             ``kl_warmup_steps``, ``kl_anneal_steps``, ``kl_warmup_fraction``,
             ``kl_anneal_fraction``, ``lr``, ``lr_schedule``, ``min_lr``, ``weight_decay``,
-            ``init_scale``, ``net`` (with ``net``, ``init_log_noise`` does not set its bias).
+            ``init_scale``, ``net``, ``kl_weight`` (with ``net``, ``init_log_noise`` does not
+            set its bias).
 
     Examples:
         >>> model = DVIRegressor(in_features=1, hidden=[16], num_data=100)

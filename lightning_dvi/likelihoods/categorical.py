@@ -1,4 +1,4 @@
-"""Softmax classification on Gaussian logits: delta-method closed forms or lightweight Monte Carlo."""
+"""Softmax classification on Gaussian logits: closed forms (delta, Clark) or lightweight Monte Carlo."""
 
 from __future__ import annotations
 
@@ -11,17 +11,26 @@ from .base import Likelihood, _all_finite
 
 __all__ = ["Categorical"]
 
-_METHODS = ("delta", "mc")
+_METHODS = ("delta", "clark", "mc")
 
 
 class Categorical(Likelihood):
     r"""Classification with logits :math:`a`: :math:`p(y\mid a) = \operatorname{softmax}(a)_y`.
 
-    Two ways to integrate over the logit Gaussian :math:`\mathcal N(\langle a\rangle, C)`:
+    Three ways to integrate over the logit Gaussian :math:`\mathcal N(\langle a\rangle, C)`:
 
-    * ``"delta"`` (default): the second-order delta method of appendix B.4/B.5, closed form and
-      deterministic; the predictive is clamped and renormalised so it is always a distribution
-      (:func:`~lightning_dvi.likelihoods.functional.categorical_delta_predictive`).
+    * ``"delta"`` (default): closed form and deterministic. Expected log-likelihood by the
+      second-order delta method of appendix B.4
+      (:func:`~lightning_dvi.likelihoods.functional.categorical_delta_expected_log_prob`);
+      predictive by the pairwise mean-field probit approximation
+      (:func:`~lightning_dvi.likelihoods.functional.categorical_mean_field_predictive`), not
+      the paper's B.5 delta predictive, which inverts the class ranking and gives exact zeros
+      once logit variances reach about 1 (issue 17; measured errors in
+      docs/likelihoods_and_priors.md).
+    * ``"clark"``: closed form; the expected log-likelihood by the smoothed-max form
+      (:func:`~lightning_dvi.likelihoods.functional.categorical_clark_expected_log_prob`),
+      which stays accurate for large logit variances where the delta method's correction
+      grows like :math:`v/2`; the same mean-field predictive.
     * ``"mc"``: the paper's "DVI-MC", ``mc_samples`` reparameterised draws of the logits only
       (the network itself is still propagated deterministically).
 
@@ -29,7 +38,7 @@ class Categorical(Likelihood):
 
     Args:
         num_classes: :math:`K`, the number of logits and of classes.
-        method: ``"delta"`` or ``"mc"``.
+        method: ``"delta"``, ``"clark"`` or ``"mc"``.
         mc_samples: logit draws for ``"mc"`` (and for the base-class Monte Carlo estimate).
 
     Examples:
@@ -85,18 +94,20 @@ class Categorical(Likelihood):
     def expected_log_prob(self, out: Gaussian, y: Tensor, mc_samples: int | None = None) -> Tensor:
         r""":math:`\mathbb E\log\operatorname{softmax}(a)_y` per datum ``[B]``, by ``method``.
 
-        ``mc_samples`` overrides the sample count of ``"mc"``; ``"delta"`` ignores it.
+        ``mc_samples`` overrides the sample count of ``"mc"``; the closed forms ignore it.
         """
         if self.method == "mc":
             return super().expected_log_prob(out, y, mc_samples)
         y = self.validate_target(y, self.validate_output(out))
+        if self.method == "clark":
+            return F.categorical_clark_expected_log_prob(out.mean, self._cov(out), y)
         return F.categorical_delta_expected_log_prob(out.mean, self._cov(out), y)
 
     def predictive_probs(self, out: Gaussian, mc_samples: int | None = None) -> Tensor:
         r""":math:`\mathbb E\operatorname{softmax}(a)`, ``[B, K]``, by ``method``."""
         self.validate_output(out)
-        if self.method == "delta":
-            return F.categorical_delta_predictive(out.mean, self._cov(out))
+        if self.method != "mc":
+            return F.categorical_mean_field_predictive(out.mean, self._cov(out))
         s = self.mc_samples if mc_samples is None else mc_samples
         return torch.softmax(out.sample((s,)), dim=-1).mean(0)
 
