@@ -1,6 +1,8 @@
 """Pure moment-propagation functions on tensors (no state; imports only torch)."""
 
+from . import policy
 from .activations import (
+    heaviside_cov,
     heaviside_diag,
     heaviside_full,
     heaviside_slope,
@@ -15,6 +17,14 @@ from .linear import (
     linear_full,
     linear_full_from_diag,
     symmetrize,
+)
+from .policy import (
+    get_kernel_backend,
+    get_memory_budget,
+    kernel_backend,
+    memory_budget,
+    set_kernel_backend,
+    set_memory_budget,
 )
 from .residual import cross_through_activation, cross_through_linear, residual_diag, residual_full
 from .special import (
@@ -32,21 +42,29 @@ __all__ = [
     "clip_correlation",
     "cross_through_activation",
     "cross_through_linear",
+    "get_kernel_backend",
+    "get_memory_budget",
+    "heaviside_cov",
     "heaviside_diag",
     "heaviside_full",
     "heaviside_slope",
+    "kernel_backend",
     "linear_deterministic",
     "linear_diag",
     "linear_full",
     "linear_full_from_diag",
+    "memory_budget",
     "min_variance",
     "normal_cdf",
     "normal_pdf",
+    "policy",
     "relu_diag",
     "relu_full",
     "relu_slope",
     "residual_diag",
     "residual_full",
+    "set_kernel_backend",
+    "set_memory_budget",
     "soft_relu",
     "symmetrize",
 ]
