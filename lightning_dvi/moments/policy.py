@@ -260,7 +260,7 @@ def compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     fast = _compiled[name]
 
     def call(*args: Any) -> Any:
-        if fast is None or name in _failed:
+        if fast is None or _failed:
             return fn(*args)
         try:
             return fast(*args)
@@ -272,7 +272,7 @@ def compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _fail(name: str, err: BaseException) -> None:
-    if name not in _failed:
+    if not _failed:  # one warning per process, whichever kernel failed first
         warnings.warn(
             f"lightning_dvi.moments: torch.compile of {name} failed ({type(err).__name__}: "
             f"{err}); using the eager whole-tensor kernels instead",
