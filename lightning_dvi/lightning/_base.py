@@ -21,6 +21,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torchmetrics import MetricCollection
 
+from ..compile import CompiledELBO, compile_options
 from ..gaussian import Gaussian
 from ..likelihoods import Likelihood
 from ..nn import BayesLinear, BayesModule, bayes_layers, mlp
@@ -110,8 +111,10 @@ class DVIModule(LightningModule):
         net: nn.Module | None,
         lr_schedule: str = "constant",
         min_lr: float = 0.0,
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
+        self._compile = compile_options(compile)  # validated here; applied in _elbo
         _check(mode in _MODES, f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
         if mode in _MC_MODES:
             num_samples = 1 if num_samples is None else num_samples
@@ -254,6 +257,8 @@ class DVIModule(LightningModule):
                 "datamodule that has `num_train`"
             )
         try:
+            if self._compile is not None:  # value checks run eagerly around the compiled part
+                return self._compiled_elbo()(x, y, self.num_data, kl_weight, check_finite=True)
             return elbo(
                 self.net,
                 self.likelihood,
@@ -271,6 +276,15 @@ class DVIModule(LightningModule):
                 f"{stage} loss is not finite at global step {self.global_step} (epoch "
                 f"{self.current_epoch}); training stopped: {err}"
             ) from err
+
+    def _compiled_elbo(self) -> CompiledELBO:
+        compiled = self.__dict__.get("_compiled_elbo_fn")
+        if compiled is None:  # built on first use, outside nn.Module's attribute registry
+            compiled = CompiledELBO(
+                self.net, self.likelihood, self.prior, self.mode, self.num_samples, **self._compile
+            )
+            self.__dict__["_compiled_elbo_fn"] = compiled
+        return compiled  # type: ignore[no-any-return]
 
     def _log_terms(self, terms: ELBOTerms, stage: str, batch_size: int) -> None:
         on_step = stage == "train"

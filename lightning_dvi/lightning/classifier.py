@@ -53,6 +53,9 @@ class DVIClassifier(DVIModule):
         lr_schedule: ``"constant"`` (default) or ``"cosine"``: cosine decay from ``lr`` to
             ``min_lr`` over the trainer's optimisation steps, per step.
         min_lr: the learning rate the cosine schedule ends at (``0 <= min_lr <= lr``).
+        compile: run the ELBO's hot path (network, likelihood, KL) through ``torch.compile``:
+            ``True``, or a ``torch.compile`` mode such as ``"reduce-overhead"`` (CUDA graphs);
+            value checks stay on, outside the compiled region (:mod:`lightning_dvi.compile`).
         weight_decay: Adam weight decay.
         init_scale: initial posterior std of the weights (default: the layer's).
         ece_bins: confidence bins of the expected calibration error and reliability diagram.
@@ -90,6 +93,7 @@ class DVIClassifier(DVIModule):
         init_scale: float | None = None,
         ece_bins: int = 15,
         net: BayesModule | None = None,
+        compile: bool | str = False,
     ) -> None:
         likelihood = Categorical(num_classes, likelihood_method, likelihood_mc_samples)
         if isinstance(ece_bins, bool) or not isinstance(ece_bins, int) or ece_bins < 1:
@@ -113,6 +117,7 @@ class DVIClassifier(DVIModule):
             lr=lr,
             lr_schedule=lr_schedule,
             min_lr=min_lr,
+            compile=compile,
             weight_decay=weight_decay,
             init_scale=init_scale,
             net=net,

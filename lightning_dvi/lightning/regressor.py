@@ -60,6 +60,9 @@ class DVIRegressor(DVIModule):
         lr_schedule: ``"constant"`` (default) or ``"cosine"``: cosine decay from ``lr`` to
             ``min_lr`` over the trainer's optimisation steps, per step.
         min_lr: the learning rate the cosine schedule ends at (``0 <= min_lr <= lr``).
+        compile: run the ELBO's hot path (network, likelihood, KL) through ``torch.compile``:
+            ``True``, or a ``torch.compile`` mode such as ``"reduce-overhead"`` (CUDA graphs);
+            value checks stay on, outside the compiled region (:mod:`lightning_dvi.compile`).
         weight_decay: Adam weight decay.
         init_scale: initial posterior std of the weights (default: the layer's,
             :math:`0.1/\sqrt{\text{fan\_in}}`).
@@ -106,6 +109,7 @@ class DVIRegressor(DVIModule):
         target_loc: float | None = None,
         target_scale: float | None = None,
         net: BayesModule | None = None,
+        compile: bool | str = False,
     ) -> None:
         if likelihood == "heteroscedastic":
             lik: HeteroscedasticGaussian | HomoscedasticGaussian = HeteroscedasticGaussian()
@@ -134,6 +138,7 @@ class DVIRegressor(DVIModule):
             lr=lr,
             lr_schedule=lr_schedule,
             min_lr=min_lr,
+            compile=compile,
             weight_decay=weight_decay,
             init_scale=init_scale,
             net=net,
