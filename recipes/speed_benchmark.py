@@ -652,12 +652,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="lightning_dvi.moments.policy kernel backend (A/B runs)",
     )
     p.add_argument("--memory-budget", type=int, default=None, help="moments scratch bytes")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (default off)")
     p.add_argument("--max-cell-s", type=float, default=60.0, help="skip slower methods after")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
     global DEVICE
     DEVICE = torch.device(args.device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
     from lightning_dvi.moments import policy
 
     threads = torch.get_num_threads()
@@ -672,6 +675,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(threads)
         policy.set_kernel_backend(backend)  # type: ignore[arg-type]
         policy.set_memory_budget(budget)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
         DEVICE = torch.device("cpu")
 
 

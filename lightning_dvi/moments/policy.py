@@ -210,7 +210,7 @@ def select_backend(
         return "whole"
     if backend != "auto":
         return backend
-    kind = torch.device(device).type
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     if kind == "cpu":
         return "blocked"
     if kind == "cuda":
