@@ -1,4 +1,8 @@
-"""Pure moment-propagation functions on tensors (no state; imports only torch)."""
+"""Pure moment-propagation functions on tensors (imports only torch).
+
+The functions are stateless; :mod:`lightning_dvi.moments.policy` holds the only settings (how
+the full-covariance kernels execute: blocked, whole-tensor or compiled, and their memory budget).
+"""
 
 from . import policy
 from .activations import (

@@ -185,7 +185,10 @@ def heaviside_full(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
         out = fn(*flat)
     else:
         # recompute each chunk in the backward instead of keeping every chunk's intermediates
-        keep = not (torch.is_grad_enabled() and any(t.requires_grad for t in flat))
+        # (not while traced: the outer compiler decides what to keep or recompute)
+        keep = torch.compiler.is_compiling() or not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in flat)
+        )
         parts = [
             fn(*(t[a:b] for t in flat))
             if keep

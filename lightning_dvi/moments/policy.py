@@ -234,7 +234,7 @@ def chunk_size(n: int, d: int, dtype: torch.dtype, path: str) -> int:
     ``n``.
     """
     per_matrix = SCRATCH_ARRAYS.get(path, SCRATCH_ARRAYS["whole"]) * d * d
-    per_matrix *= torch.empty((), dtype=dtype).element_size()
+    per_matrix *= dtype.itemsize
     return max(1, min(n, get_memory_budget() // max(per_matrix, 1)))
 
 
