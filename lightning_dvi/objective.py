@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch  # noqa: F401  (the doctest examples use it)
+import torch
 from torch import Tensor, nn
 
 from .gaussian import Gaussian, validate_mode
@@ -23,7 +23,7 @@ from .likelihoods import Likelihood
 from .nn.linear import shared_scales
 from .priors import Prior
 
-__all__ = ["ELBOTerms", "KLSchedule", "elbo"]
+__all__ = ["ELBOTerms", "KLSchedule", "elbo", "expected_log_likelihood_and_kl"]
 
 
 @dataclass
@@ -87,6 +87,26 @@ class KLSchedule:
         return f"KLSchedule(warmup_steps={self.warmup_steps}, anneal_steps={self.anneal_steps})"
 
 
+def check_arguments(mode: str, num_data: int, kl_weight: float, x: Tensor, y: Tensor) -> None:
+    """The argument checks of :func:`elbo` that need no tensor values (types and shapes).
+
+    Raises:
+        ValueError: as documented on :func:`elbo`.
+    """
+    validate_mode(mode)
+    if isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < 1:
+        raise ValueError(f"num_data must be an int >= 1 (the training-set size), got {num_data!r}")
+    if not (isinstance(kl_weight, (int, float)) and math.isfinite(kl_weight) and kl_weight >= 0):
+        raise ValueError(f"kl_weight must be a finite number >= 0, got {kl_weight!r}")
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        raise ValueError("x must be a tensor [B, D_in]")
+    if x.shape[0] == 0:
+        raise ValueError("empty batch: x has no rows, so the ELBO's batch mean is undefined")
+    if not isinstance(y, Tensor) or y.dim() < 1 or y.shape[0] != x.shape[0]:
+        shape = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+        raise ValueError(f"targets {shape} do not match the batch of inputs {tuple(x.shape)}")
+
+
 def elbo(
     net: nn.Module,
     likelihood: Likelihood,
@@ -132,23 +152,39 @@ def elbo(
         >>> terms = elbo(net, HeteroscedasticGaussian(), EmpiricalBayes(), x, y, num_data=100)
         >>> terms.loss.backward()
     """
-    validate_mode(mode)
-    if isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < 1:
-        raise ValueError(f"num_data must be an int >= 1 (the training-set size), got {num_data!r}")
-    if not (isinstance(kl_weight, (int, float)) and math.isfinite(kl_weight) and kl_weight >= 0):
-        raise ValueError(f"kl_weight must be a finite number >= 0, got {kl_weight!r}")
-    if not isinstance(x, Tensor) or x.dim() < 1:
-        raise ValueError("x must be a tensor [B, D_in]")
-    if x.shape[0] == 0:
-        raise ValueError("empty batch: x has no rows, so the ELBO's batch mean is undefined")
-    if not isinstance(y, Tensor) or y.dim() < 1 or y.shape[0] != x.shape[0]:
-        shape = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
-        raise ValueError(f"targets {shape} do not match the batch of inputs {tuple(x.shape)}")
-
+    check_arguments(mode, num_data, kl_weight, x, y)
     with shared_scales():  # the network and the KL compute softplus(raw scale) once
         return _elbo(
             net, likelihood, prior, x, y, num_data, mode, num_samples, kl_weight, check_finite
         )
+
+
+def expected_log_likelihood_and_kl(
+    net: nn.Module,
+    likelihood: Likelihood,
+    prior: Prior,
+    x: Tensor,
+    y: Tensor,
+    mode: str,
+    num_samples: int | None,
+) -> tuple[Tensor, Tensor]:
+    r"""The two differentiable parts of the ELBO: :math:`\bar\ell` (batch mean) and the KL.
+
+    The hot path of a training step with nothing but tensor work on the way (argument checks are
+    :func:`elbo`'s job): what :class:`lightning_dvi.compile.CompiledELBO` compiles.
+    """
+    if mode in ("full", "diag"):
+        if num_samples is not None:
+            raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")
+        out = net(x, mode=mode)
+        if not isinstance(out, Gaussian):
+            raise ValueError(f"net(x, mode={mode!r}) returned {type(out).__name__}, not a Gaussian")
+        per_datum = likelihood.expected_log_prob(out, y)
+    else:
+        f = net(x, mode=mode, num_samples=num_samples)
+        per_datum = likelihood.log_prob(f, y).mean(0)
+    ell = per_datum.mean()
+    return ell, prior.kl(net).to(ell.dtype)
 
 
 def _elbo(
@@ -163,24 +199,13 @@ def _elbo(
     kl_weight: float,
     check_finite: bool,
 ) -> ELBOTerms:
-    if mode in ("full", "diag"):
-        if num_samples is not None:
-            raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")
-        out = net(x, mode=mode)
-        if not isinstance(out, Gaussian):
-            raise ValueError(f"net(x, mode={mode!r}) returned {type(out).__name__}, not a Gaussian")
-        per_datum = likelihood.expected_log_prob(out, y)
-    else:
-        f = net(x, mode=mode, num_samples=num_samples)
-        per_datum = likelihood.log_prob(f, y).mean(0)
-
-    ell = per_datum.mean()
-    kl = prior.kl(net).to(ell.dtype)
+    ell, kl = expected_log_likelihood_and_kl(net, likelihood, prior, x, y, mode, num_samples)
     # -(ell - w KL / N) written as (w KL / N) - ell, the same float, with no op for w = 1
     kl_term = kl / num_data if kl_weight == 1 else kl_weight * kl / num_data
     loss = kl_term - ell
-    # one host read instead of torch.isfinite's four ops and a bool() sync
-    if check_finite and not math.isfinite(loss.item()):
+    # one host read instead of torch.isfinite's four ops and a bool() sync; while torch.compile
+    # traces, the caller checks (lightning_dvi.compile.CompiledELBO reads the loss outside)
+    if check_finite and not torch.compiler.is_compiling() and not math.isfinite(loss.item()):
         raise FloatingPointError(
             f"ELBO loss is not finite (expected log-likelihood {ell.item():.4g}, KL "
             f"{kl.item():.4g}, mode {mode!r}); typical causes: a learning rate too high or a "

@@ -7,10 +7,16 @@ One process, ``torch.set_num_threads(1)``; every number is the median CPU time o
 ``steps`` (UCI architecture ``8 -> width -> 2``, widths 50/128, batches 32/512), ``layer``
 (a batch of 10 through ``BayesLinear(d, d) + ReLU``, forward only, d = 16..1024, with DVI's
 peak memory and where DVI and MCVI cost the same), ``frontends`` (``DVIRegressor`` epoch on UCI
-power vs a bare loop; ``DeterministicGuide`` step vs the bare dDVI step), ``compile``.
-Results and the machine are in docs/benchmarks.md.
+power vs a bare loop, needs ``--data-dir``; ``DeterministicGuide`` step vs the bare dDVI
+step), ``compile``, and ``net`` (the GPU table of docs/benchmarks.md: a 3-layer net
+``BayesLinear(d, d)-ReLU-BayesLinear(d, d)-ReLU-BayesLinear(d, 2)``, batch 128, forward +
+backward of ``sum(mean) + sum(cov)``, d = 128..2048, every method eager and compiled, with
+peak memory). ``--device cuda`` runs ``steps``, ``layer`` and ``net`` on the GPU: times are
+then wall-clock medians between ``torch.cuda.synchronize()`` calls and peak memory is
+``torch.cuda.max_memory_allocated``. Results and the machine are in docs/benchmarks.md.
 
-Run:  .venv/bin/python recipes/speed_benchmark.py [--quick] [--json out.json] [--sections ...]
+Run:  python recipes/speed_benchmark.py [--quick] [--device cuda] [--json out.json]
+          [--sections steps,layer,frontends,compile,net] [--widths 128,512] [--data-dir DIR]
 """
 
 from __future__ import annotations
@@ -51,24 +57,38 @@ STEP_METHODS: tuple[tuple[str, str | None, int | None], ...] = (
 
 
 # ------------------------------------------------------------------------------ timing
-def time_call(fn: Callable[[], Any], repeats: int = 15, warmup: int = 3) -> float:
-    """Median CPU seconds per call of ``fn`` over ``repeats`` samples, after ``warmup`` calls.
+DEVICE = torch.device("cpu")
+"""Where the benchmarks run (``--device``)."""
 
-    CPU time of this process (``time.process_time``), not wall time: with one thread it is the
-    same on an idle machine, and it does not count the time other processes hold the core on a
-    shared one. Each sample runs the call enough times to last about 5 ms.
+
+def _clock() -> float:
+    """Process CPU time on a CPU; wall time after a device synchronisation on CUDA."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+        return time.perf_counter()
+    return time.process_time()
+
+
+def time_call(fn: Callable[[], Any], repeats: int = 15, warmup: int = 3) -> float:
+    """Median seconds per call of ``fn`` over ``repeats`` samples, after ``warmup`` calls.
+
+    On a CPU the CPU time of this process (``time.process_time``), not wall time: with one
+    thread it is the same on an idle machine, and it does not count the time other processes
+    hold the core on a shared one. On CUDA wall time between ``torch.cuda.synchronize()``
+    calls (kernels run asynchronously). Each sample runs the call enough times to last about
+    5 ms.
     """
     for _ in range(warmup):
         fn()
-    start = time.process_time()
+    start = _clock()
     fn()
-    inner = max(1, min(200, int(5e-3 / max(time.process_time() - start, 1e-6))))
+    inner = max(1, min(200, int(5e-3 / max(_clock() - start, 1e-6))))
     samples = []
     for _ in range(repeats):
-        start = time.process_time()
+        start = _clock()
         for _ in range(inner):
             fn()
-        samples.append((time.process_time() - start) / inner)
+        samples.append((_clock() - start) / inner)
     return statistics.median(samples)
 
 
@@ -99,8 +119,16 @@ def peak_memory_mib(fn: Callable[[], Any]) -> float:
     Replays, in time order, the bytes each profiled op allocated net of what it freed
     (``self_cpu_memory_usage``, recorded with ``profile_memory=True``; frees outside ops are
     ``[memory]`` events). tracemalloc does not see torch's allocator. Tensors that exist before
-    the call are not counted; the result is what the call adds at its peak.
+    the call are not counted; the result is what the call adds at its peak. On CUDA:
+    ``torch.cuda.max_memory_allocated`` during the call minus what was allocated before.
     """
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+        before = torch.cuda.memory_allocated(DEVICE)
+        fn()
+        torch.cuda.synchronize(DEVICE)
+        return (torch.cuda.max_memory_allocated(DEVICE) - before) / 2**20
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -122,6 +150,7 @@ def heteroscedastic_nll(out: Tensor, y: Tensor) -> Tensor:
 def plain_step(width: int, x: Tensor, y: Tensor) -> Callable[[], None]:
     """A ``torch.nn`` MLP of the same shape, heteroscedastic Gaussian NLL."""
     net = nn.Sequential(nn.Linear(IN_FEATURES, width), nn.ReLU(), nn.Linear(width, 2))
+    net.to(x.device)
 
     def step() -> None:
         net.zero_grad(set_to_none=True)
@@ -135,6 +164,7 @@ def dvi_step(
 ) -> Callable[[], None]:
     """One ELBO step of the library's own code path (``lightning_dvi.objective.elbo``)."""
     net, lik, prior = mlp(IN_FEATURES, [width], 2), HeteroscedasticGaussian(), EmpiricalBayes()
+    net.to(x.device)
 
     def step() -> None:
         net.zero_grad(set_to_none=True)
@@ -200,6 +230,7 @@ def make_step(method: str, width: int, batch: int, seed: int = 0) -> Callable[[]
     _, mode, samples = next(m for m in STEP_METHODS if m[0] == method)
     gen = torch.Generator().manual_seed(seed)
     x, y = torch.randn(batch, IN_FEATURES, generator=gen), torch.randn(batch, generator=gen)
+    x, y = x.to(DEVICE), y.to(DEVICE)
     if mode is None:
         return plain_step(width, x, y)
     if mode == "pyro":
@@ -218,7 +249,9 @@ def bench_steps(
     for width in widths:
         for batch in batches:
             row: dict[str, Any] = {"width": width, "batch": batch, "ops": {}}
-            for name, _, _ in STEP_METHODS:
+            for name, mode, _ in STEP_METHODS:
+                if mode == "pyro" and DEVICE.type != "cpu":
+                    continue  # the tutorial Pyro model is built on the CPU
                 if methods is None or name in methods:
                     step = make_step(name, width, batch)
                     row[name] = 1e3 * time_call(step, repeats)
@@ -231,14 +264,14 @@ def bench_steps(
 def layer_input(kind: str, d: int, batch: int = 10, samples: int = 1) -> Any:
     """Input of the Fig. 4 layer: a full/diag Gaussian or MCVI samples ``[S, batch, d]``."""
     gen = torch.Generator().manual_seed(d)
-    mean = torch.randn(batch, d, generator=gen)
+    mean = torch.randn(batch, d, generator=gen).to(DEVICE)
     if kind == "diag":
-        return Gaussian(mean, var=torch.rand(batch, d, generator=gen) + 0.1)
+        return Gaussian(mean, var=(torch.rand(batch, d, generator=gen) + 0.1).to(DEVICE))
     if kind == "full":
         a = torch.randn(d, d, generator=gen) / math.sqrt(d)
         cov = (a @ a.T + 0.1 * torch.eye(d)).expand(batch, d, d).contiguous()
-        return Gaussian(mean, cov=cov)
-    return torch.randn(samples, batch, d, generator=gen)
+        return Gaussian(mean, cov=cov.to(DEVICE))
+    return torch.randn(samples, batch, d, generator=gen).to(DEVICE)
 
 
 def layer_kinds(quick: bool) -> list[tuple[str, str, int]]:
@@ -252,7 +285,7 @@ def bench_layer(dims: Sequence[int], repeats: int, quick: bool = False) -> list[
     rows = []
     for d in dims:
         torch.manual_seed(0)
-        layer = Sequential(BayesLinear(d, d), ReLU())
+        layer = Sequential(BayesLinear(d, d), ReLU()).to(DEVICE)
         row: dict[str, Any] = {"d": d}
         for label, mode, s in layer_kinds(quick):
             x = layer_input(mode, d, samples=s)
@@ -461,6 +494,113 @@ def bench_compiled_step(repeats: int, width: int = 50, batch: int = 32) -> dict[
     return row
 
 
+# ----------------------------------------------------------------------- GPU-size network
+NET_METHODS: tuple[tuple[str, str | None, int | None], ...] = (
+    ("plain MLP", None, None),
+    ("DVI", "full", None),
+    ("dDVI", "diag", None),
+    ("MCVI S=1", "sample", 1),
+    ("MCVI S=10", "sample", 10),
+    ("MCVI S=100", "sample", 100),
+    ("MCVI S=300", "sample", 300),
+    ("local reparam", "local", 1),
+)
+
+
+def net_step(
+    method: str, d: int, batch: int = 128, compile_opts: dict[str, Any] | None = None
+) -> Callable[[], None]:
+    """Forward + backward of ``sum(mean) + sum(cov)`` (or of the samples) through the 3-layer net.
+
+    ``BayesLinear(d, d)-ReLU-BayesLinear(d, d)-ReLU-BayesLinear(d, 2)`` (or its ``torch.nn``
+    twin for the plain MLP), deterministic input ``[batch, d]``; ``compile_opts`` compiles the
+    network (``lightning_dvi.compile.compile_network``; ``torch.compile`` for the plain MLP).
+    """
+    from lightning_dvi.compile import compile_network
+
+    _, mode, samples = next(m for m in NET_METHODS if m[0] == method)
+    torch.manual_seed(0)
+    x = torch.randn(batch, d, device=DEVICE)
+    if mode is None:
+        plain = nn.Sequential(
+            nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU(), nn.Linear(d, 2)
+        ).to(DEVICE)
+        fwd = plain if compile_opts is None else torch.compile(plain, **compile_opts)
+
+        def plain_step() -> None:
+            plain.zero_grad(set_to_none=True)
+            fwd(x).sum().backward()
+
+        return plain_step
+    net = Sequential(BayesLinear(d, d), ReLU(), BayesLinear(d, d), ReLU(), BayesLinear(d, 2))
+    net.to(DEVICE)
+    kwargs: dict[str, Any] = {"mode": mode}
+    if samples is not None:
+        kwargs["num_samples"] = samples
+    forward = net if compile_opts is None else compile_network(net, **compile_opts)
+
+    def step() -> None:
+        net.zero_grad(set_to_none=True)
+        out = forward(x, **kwargs)
+        if isinstance(out, Gaussian):
+            spread = out.cov if out.is_full else out.var
+            loss = out.mean.sum() + spread.sum()  # type: ignore[union-attr]
+        else:
+            loss = out.sum()
+        loss.backward()
+
+    return step
+
+
+def bench_net(
+    widths: Sequence[int],
+    repeats: int,
+    compile_opts: dict[str, Any] | None = None,
+    batch: int = 128,
+    max_cell_s: float = 60.0,
+    methods: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Time per step (ms), peak MiB and compile s of every :data:`NET_METHODS` row per width.
+
+    A method whose first call at some width takes longer than ``max_cell_s`` is skipped at the
+    larger widths ("skipped"); a failing cell (e.g. out of memory) records the error's name.
+    """
+    rows: list[dict[str, Any]] = []
+    slow: set[str] = set()
+    variants = [("", None)] + ([(" compiled", compile_opts)] if compile_opts is not None else [])
+    for d in widths:
+        row: dict[str, Any] = {"d": d, "batch": batch}
+        for name, _, _ in NET_METHODS:
+            if methods is not None and name not in methods:
+                continue
+            for suffix, opts in variants:
+                label = name + suffix
+                if label in slow:
+                    row[label] = "skipped"
+                    continue
+                try:
+                    if DEVICE.type == "cuda":
+                        torch.cuda.empty_cache()
+                    step = net_step(name, d, batch, opts)
+                    start = time.perf_counter()
+                    step()  # first call: compilation, lazy initialisation
+                    first = time.perf_counter() - start
+                    if opts is not None:
+                        row[label + " compile s"] = first
+                    row[label + " peak MiB"] = peak_memory_mib(step)
+                    reps = repeats if first < 1.0 else max(2, repeats // 5)
+                    row[label] = 1e3 * time_call(step, reps, warmup=1)
+                    if first > max_cell_s:
+                        slow.add(label)
+                except Exception as err:  # out of memory, no compiler, ...
+                    row[label] = f"failed: {type(err).__name__}"
+                    slow.add(label)
+                finally:
+                    step = None  # type: ignore[assignment]
+        rows.append(row)
+    return rows
+
+
 # ------------------------------------------------------------------------------ reporting
 def table(rows: list[dict[str, Any]], cols: Sequence[str], fmt: str = "{:.3f}") -> str:
     """A Markdown table of ``rows`` restricted to ``cols``."""
@@ -492,15 +632,51 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     p.add_argument("--repeats", type=int, default=None, help="timed samples per number")
-    p.add_argument("--sections", default="steps,layer,frontends,compile")
-    p.add_argument("--data-dir", default="/work/shared/data/uci")
+    p.add_argument("--sections", default="steps,layer,frontends,compile,net")
+    p.add_argument("--data-dir", default=None, help="UCI data folder (frontends section)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--widths", default=None, help="net section widths, e.g. 128,512,1024,2048")
+    p.add_argument("--batch", type=int, default=128, help="net section batch size")
+    p.add_argument(
+        "--compiled",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="compiled columns of the net section (auto: on for cuda, off for cpu)",
+    )
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead")
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "blocked", "whole", "compiled"),
+        help="lightning_dvi.moments.policy kernel backend (A/B runs)",
+    )
+    p.add_argument("--memory-budget", type=int, default=None, help="moments scratch bytes")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (default off)")
+    p.add_argument("--max-cell-s", type=float, default=60.0, help="skip slower methods after")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
+    from lightning_dvi.moments import policy
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    backend, budget = policy.get_kernel_backend(), policy.get_memory_budget()
+    policy.set_kernel_backend(args.kernels)
+    if args.memory_budget is not None:
+        policy.set_memory_budget(args.memory_budget)
     try:
         return _run(args)
     finally:
         torch.set_num_threads(threads)
+        policy.set_kernel_backend(backend)  # type: ignore[arg-type]
+        policy.set_memory_budget(budget)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        DEVICE = torch.device("cpu")
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -510,7 +686,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__, "python": platform.python_version(),
         "machine": platform.machine(), "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:],
+        "device": str(DEVICE), "kernels": args.kernels,
     }  # fmt: skip
+    if DEVICE.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(DEVICE)
+        result["tf32"] = torch.backends.cuda.matmul.allow_tf32
     result["load_before"] = os.getloadavg()
     make_step("DVI", 16, 8)()  # first-call costs (lazy init, allocator) out of the first row
     if "steps" in sections:
@@ -541,14 +721,40 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         result["pyro_guide"] = bench_pyro_guide(50, 32, repeats)
         print("\n## Pyro DeterministicGuide step vs bare dDVI step (ms)\n")
         print(table([result["pyro_guide"]], list(result["pyro_guide"])))
-        lit = bench_lightning(args.data_dir, 50, 64, 1 if args.quick else 10)
-        result["lightning"] = lit
-        print("\n## Lightning epoch vs bare loop, UCI power (s)\n")
-        print(table([lit], list(lit)))
+        if args.data_dir is None:
+            print("\n(Lightning epoch vs bare loop skipped: pass --data-dir with UCI power)")
+        else:
+            lit = bench_lightning(args.data_dir, 50, 64, 1 if args.quick else 10)
+            result["lightning"] = lit
+            print("\n## Lightning epoch vs bare loop, UCI power (s)\n")
+            print(table([lit], list(lit)))
     if "compile" in sections and not args.quick:
         result["compile"] = bench_compile(repeats)
         print("\n## torch.compile (inductor), forward + backward\n")
         print(table(result["compile"], ["kernel", "eager ms", "compile s", "compiled ms"]))
+    if "net" in sections:
+        if args.widths:
+            widths = [int(w) for w in args.widths.split(",")]
+        elif args.quick:
+            widths = [16, 32]
+        else:
+            widths = [128, 256, 512, 1024, 2048] if DEVICE.type == "cuda" else [32, 64, 128]
+        compiled = args.compiled == "on" or (args.compiled == "auto" and DEVICE.type == "cuda")
+        opts: dict[str, Any] | None = None
+        if compiled:
+            opts = {"backend": args.compile_backend}
+            if args.compile_mode:
+                opts["mode"] = args.compile_mode
+        rows = bench_net(widths, repeats, opts, args.batch, args.max_cell_s)
+        result["net"] = rows
+        names = [m[0] for m in NET_METHODS]
+        print(f"\n## 3-layer d x d net, batch {args.batch}, forward + backward (ms, median)\n")
+        print(table(rows, ["d", *names]))
+        print("\n## Peak memory (MiB)\n")
+        print(table(rows, ["d", *(n + " peak MiB" for n in names)], "{:.1f}"))
+        if compiled:
+            print("\n## Compiled (ms, median; compile s of the first call in the JSON)\n")
+            print(table(rows, ["d", *(n + " compiled" for n in names)]))
     result["load_after"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as fh:

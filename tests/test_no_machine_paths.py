@@ -22,9 +22,6 @@ MACHINE_PATH = re.compile(r"(?<![\w.~-])(?:/work/|/root/|/home/|/Users/|[A-Za-z]
 ALLOWED = {
     # This file spells the patterns out.
     "tests/test_no_machine_paths.py": "the patterns themselves",
-    # `--data-dir` defaults to one machine's folder: fixed by the speed-benchmark work (remove
-    # this entry when that branch is merged).
-    "recipes/speed_benchmark.py": "fixed by the speed-benchmark work",
 }
 SKIPPED_DIRS = {".git", ".venv", "venv", "site", "runs", "__pycache__", "build", "dist"}
 

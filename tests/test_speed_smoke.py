@@ -71,3 +71,20 @@ def test_cli_quick_json(bench, tmp_path):
     assert saved["threads"] == 1 and saved["layer"] == result["layer"]
     assert set(saved["crossover"]) == {"MCVI S=1", "MCVI S=10"}
     assert torch.get_num_threads() == threads_before
+
+
+def test_net_section_quick_json_and_no_default_data_dir(bench, tmp_path):
+    out = tmp_path / "net.json"
+    argv = ["--quick", "--sections", "net,frontends", "--widths", "6", "--batch", "4"]
+    result = bench.main([*argv, "--repeats", "1", "--compiled", "off", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["net"]
+    assert row == result["net"][0] and row["d"] == 6 and result["device"] == "cpu"
+    for name, _, _ in bench.NET_METHODS:
+        assert math.isfinite(row[name]) and row[name] > 0, name
+        assert row[name + " peak MiB"] >= 0
+    assert "lightning" not in result  # no machine-specific default for --data-dir
+
+
+def test_net_compiled_cells(bench):
+    (row,) = bench.bench_net([5], 1, {"backend": "eager", "fullgraph": True}, 3, methods=["DVI"])
+    assert row["DVI compiled"] > 0 and row["DVI compiled compile s"] > 0

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MetricCollection
 
+from ..compile import CompiledELBO, compile_options
 from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode
 from ..likelihoods import Likelihood
 from ..nn import BayesLinear, BayesModule, bayes_layers, mlp
@@ -125,6 +126,9 @@ class DVIModule(LightningModule):
             recorded). A CLI run (``model.init_args.net``) saves the network's class path and
             arguments, so ``load_from_checkpoint(path)`` rebuilds it; in Python pass ``net=``
             again to ``load_from_checkpoint`` (a checkpoint loaded without it raises, saying so).
+        compile: run the ELBO's hot path (network, likelihood, KL) through ``torch.compile``:
+            ``True``, or a ``torch.compile`` mode such as ``"reduce-overhead"`` (CUDA graphs);
+            value checks stay on, outside the compiled region (:mod:`lightning_dvi.compile`).
         kl_weight: constant factor :math:`\lambda` on the KL in the training loss (default 1:
             the ELBO). :math:`\lambda < 1` trains a tempered posterior, which is no longer the
             ELBO's optimum but can be better calibrated on small data sets (measured in
@@ -168,8 +172,10 @@ class DVIModule(LightningModule):
         init_scale: float | None = None,
         net: BayesModule | None = None,
         kl_weight: float = 1.0,
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
+        self._compile = compile_options(compile)  # validated here; applied in _elbo
         _check(mode in _MODES, f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
         if mode in _MC_MODES:
             num_samples = _positive_int("num_samples", 1 if num_samples is None else num_samples)
@@ -474,6 +480,8 @@ class DVIModule(LightningModule):
             )
         y = self._network_targets(y)
         try:
+            if self._compile is not None:  # value checks run eagerly around the compiled part
+                return self._compiled_elbo()(x, y, self.num_data, kl_weight, check_finite=True)
             return elbo(
                 self.net,
                 self.likelihood,
@@ -491,6 +499,15 @@ class DVIModule(LightningModule):
                 f"{stage} loss is not finite at global step {self.global_step} (epoch "
                 f"{self.current_epoch}); training stopped: {err}"
             ) from err
+
+    def _compiled_elbo(self) -> CompiledELBO:
+        compiled = self.__dict__.get("_compiled_elbo_fn")
+        if compiled is None:  # built on first use, outside nn.Module's attribute registry
+            compiled = CompiledELBO(
+                self.net, self.likelihood, self.prior, self.mode, self.num_samples, **self._compile
+            )
+            self.__dict__["_compiled_elbo_fn"] = compiled
+        return compiled  # type: ignore[no-any-return]
 
     def _log_terms(self, terms: ELBOTerms, stage: str, batch_size: int) -> None:
         on_step = stage == "train"

@@ -189,4 +189,6 @@ def _all_finite(x: Tensor) -> bool:
     A finite sum implies finite entries (a NaN or an infinity makes the sum NaN or infinite);
     only a non-finite sum, which may also be an overflow of finite entries, gets the exact check.
     """
+    if torch.compiler.is_compiling():  # host reads split a compiled graph: the caller checks
+        return True  # (lightning_dvi.compile validates targets outside the compiled region)
     return math.isfinite(x.sum().item()) or bool(torch.isfinite(x).all())

@@ -2,10 +2,14 @@
 
 The closed forms (:mod:`.linear`, :mod:`.activations`, :mod:`.residual`) take and return
 tensors; :mod:`.layers` wraps them as weight moments plus input moments in, a
-:class:`~lightning_dvi.Gaussian` out, which every front-end calls.
+:class:`~lightning_dvi.Gaussian` out, which every front-end calls. :mod:`.policy` holds the
+only settings (how the full-covariance kernels execute: blocked, whole-tensor or compiled, and
+their memory budget).
 """
 
+from . import policy
 from .activations import (
+    heaviside_cov,
     heaviside_diag,
     heaviside_full,
     heaviside_slope,
@@ -21,6 +25,14 @@ from .linear import (
     linear_full,
     linear_full_from_diag,
     symmetrize,
+)
+from .policy import (
+    get_kernel_backend,
+    get_memory_budget,
+    kernel_backend,
+    memory_budget,
+    set_kernel_backend,
+    set_memory_budget,
 )
 from .residual import cross_through_activation, cross_through_linear, residual_diag, residual_full
 from .special import (
@@ -39,23 +51,31 @@ __all__ = [
     "clip_correlation",
     "cross_through_activation",
     "cross_through_linear",
+    "get_kernel_backend",
+    "get_memory_budget",
+    "heaviside_cov",
     "heaviside_diag",
     "heaviside_full",
     "heaviside_slope",
+    "kernel_backend",
     "linear_deterministic",
     "linear_diag",
     "linear_full",
     "linear_full_from_diag",
     "linear_moments",
+    "memory_budget",
     "min_variance",
     "normal_cdf",
     "normal_pdf",
+    "policy",
     "relu_diag",
     "relu_full",
     "relu_slope",
     "residual_diag",
     "residual_full",
     "residual_moments",
+    "set_kernel_backend",
+    "set_memory_budget",
     "skip_covariance",
     "soft_relu",
     "symmetrize",

@@ -27,7 +27,8 @@ in the tests); they differ from the paper's Table 1 as printed:
   prints :math:`\log(g_h\rho/2\pi)`), so :math:`\operatorname{Cov}(h_j, h_l) = e^{-Q}`.
 
 The ReLU moments are evaluated by custom autograd functions with closed-form backward passes,
-the full covariance block by block on its upper triangle (:mod:`._relu`, :mod:`._relu_cov`);
+the full covariance block by block on its upper triangle on a CPU or as whole-tensor (possibly
+compiled) kernels on a GPU (:mod:`._relu`, :mod:`._relu_cov`, :mod:`.policy`);
 the Heaviside coefficients through :func:`~lightning_dvi.moments.special.asin_over_x`, which is
 smooth at :math:`\rho = 0` (the common case: a first layer fed a deterministic input has
 diagonal output covariance), so values and gradients stay finite there.
@@ -40,7 +41,9 @@ import warnings
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
+from . import policy
 from ._relu import floors, relu_diag_fn
 from ._relu_cov import relu_cov
 from .special import (
@@ -51,6 +54,7 @@ from .special import (
 )
 
 __all__ = [
+    "heaviside_cov",
     "heaviside_diag",
     "heaviside_full",
     "heaviside_slope",
@@ -174,6 +178,49 @@ def heaviside_full(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
     """
     var = cov.diagonal(dim1=-2, dim2=-1)
     out_mean, out_var = heaviside_diag(mean, var)
+    path = policy.resolve(cov.device)
+    if path == "blocked":  # on a CPU the whole-tensor formula, unchunked, is the fast path
+        return out_mean, heaviside_cov(mean, cov, out_var)
+    lead = torch.broadcast_shapes(mean.shape[:-1], cov.shape[:-2])
+    d = cov.shape[-1]
+    flat = (
+        mean.expand(*lead, d).reshape(-1, d),
+        cov.expand(*lead, d, d).reshape(-1, d, d),
+        out_var.expand(*lead, d).reshape(-1, d),
+    )
+    fn = policy.compiled("heaviside_cov", heaviside_cov) if path == "compiled" else heaviside_cov
+    n = flat[1].shape[0]
+    size = policy.chunk_size(n, d, cov.dtype, path)
+    if size >= n:
+        out = fn(*flat)
+    else:
+        # recompute each chunk in the backward instead of keeping every chunk's intermediates
+        # (not while traced: the outer compiler decides what to keep or recompute)
+        keep = torch.compiler.is_compiling() or not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in flat)
+        )
+        parts = [
+            fn(*(t[a:b] for t in flat))
+            if keep
+            else checkpoint(fn, *(t[a:b] for t in flat), use_reentrant=False)
+            for a, b in policy.chunks(n, size)
+        ]
+        out = torch.cat(parts)
+    return out_mean, out.reshape(*lead, d, d)
+
+
+def heaviside_cov(mean: Tensor, cov: Tensor, out_var: Tensor) -> Tensor:
+    r"""The Heaviside output covariance of :func:`heaviside_full` as one whole-tensor formula.
+
+    Args:
+        mean: input means ``[..., D]``.
+        cov: input covariance ``[..., D, D]``.
+        out_var: the exact output variances ``[..., D]`` (the diagonal and the clamp bound).
+
+    Returns:
+        ``[..., D, D]``, symmetric, with ``out_var`` on the diagonal.
+    """
+    var = cov.diagonal(dim1=-2, dim2=-1)
     sd, mu = _standardise(mean, var)
     rho = clip_correlation(cov / (sd.unsqueeze(-1) * sd.unsqueeze(-2)))
     rho_bar = torch.sqrt(1 - rho * rho)
@@ -184,7 +231,7 @@ def heaviside_full(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
     mu_j, mu_l = mu.unsqueeze(-1), mu.unsqueeze(-2)
     quad = beta * (mu_j * mu_j + mu_l * mu_l) - gamma * mu_j * mu_l
     out_cov = rho * aor / _TWO_PI * torch.exp(-quad)
-    return out_mean, _with_diagonal(out_cov, out_var)
+    return _with_diagonal(out_cov, out_var)
 
 
 def _with_diagonal(cov: Tensor, diag: Tensor) -> Tensor:

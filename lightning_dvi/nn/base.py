@@ -54,7 +54,9 @@ class BayesModule(nn.Module):
             raise ValueError(
                 f"input must be a floating tensor [..., D], got {x.dtype} {tuple(x.shape)}"
             )
-        if not torch.isfinite(x).all():
+        # A host read: skipped while torch.compile traces (it would split the graph);
+        # lightning_dvi.compile runs it once per call outside the compiled region.
+        if not torch.compiler.is_compiling() and not torch.isfinite(x).all():
             raise ValueError("input contains NaN or Inf")
         if mode in ("sample", "local"):
             s = 1 if num_samples is None else num_samples

@@ -1,0 +1,300 @@
+r"""Execution policy of the full-covariance moment kernels: which implementation runs where.
+
+The formulas of :mod:`lightning_dvi.moments` are written once, as whole-tensor functions on
+``[..., D, D]`` (:mod:`lightning_dvi.moments._relu_cov`, :func:`~lightning_dvi.moments.heaviside_full`).
+This module only decides *how* they are executed:
+
+* ``"blocked"``: the ReLU covariance in cache-sized blocks of its upper triangle with reused
+  scratch buffers (a Python loop over blocks). Fastest on a CPU, where a block stays in cache;
+  on a GPU it means tens of thousands of tiny kernel launches.
+* ``"whole"``: each formula as a handful of whole-tensor kernels on ``[n, D, D]`` with no host
+  synchronisation and no Python loop over batch elements; the batch is cut into chunks only
+  when the ``[n, D, D]`` temporaries would exceed the memory budget (:func:`set_memory_budget`).
+* ``"compiled"``: the same whole-tensor formulas through :func:`torch.compile` (inductor emits
+  fused Triton kernels on CUDA and C++ on a CPU), chunked the same way. If compilation fails
+  (no Triton, no C++ compiler, an unsupported op) the call falls back to ``"whole"`` with a
+  one-time warning, and stays there.
+
+``"auto"`` (the default) picks ``"blocked"`` on a CPU, ``"compiled"`` on CUDA when Triton is
+importable (``"whole"`` otherwise) and ``"whole"`` on any other device. While an outer
+:func:`torch.compile` traces the model (a compiled training step) the choice is always
+``"whole"``: the outer compiler fuses the formula into its own graph, and a Python loop over
+blocks would be unrolled into it.
+
+Knobs (each also read once from an environment variable at import):
+
+* :func:`set_kernel_backend` / :func:`kernel_backend` (context manager), env
+  ``LIGHTNING_DVI_KERNELS`` = ``auto|blocked|whole|compiled``;
+* :func:`set_compile_options`: the :func:`torch.compile` arguments of the ``"compiled"`` path;
+* :func:`set_memory_budget` / :func:`memory_budget` (context manager), env
+  ``LIGHTNING_DVI_MEMORY_BUDGET`` = bytes (default 2 GiB): the scratch memory the whole-tensor
+  paths may use at once, estimated as ``k * n * D * D * itemsize`` with ``k`` =
+  :data:`SCRATCH_ARRAYS` per path. It bounds temporaries, not the output nor the inputs.
+
+Examples:
+    >>> import torch
+    >>> from lightning_dvi.moments import policy, relu_full
+    >>> policy.select_backend("cpu"), policy.select_backend("cuda:0", has_triton=False)
+    ('blocked', 'whole')
+    >>> mean, cov = torch.zeros(4, 3), torch.eye(3).expand(4, 3, 3)
+    >>> with policy.kernel_backend("whole"), policy.memory_budget(1024):
+    ...     out = relu_full(mean, cov)[1]  # whole-tensor kernels, one matrix per chunk
+    >>> policy.chunk_size(4, 3, torch.float32, "whole")
+    4
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "SCRATCH_ARRAYS",
+    "Backend",
+    "chunk_size",
+    "chunks",
+    "compiled",
+    "get_kernel_backend",
+    "get_memory_budget",
+    "kernel_backend",
+    "memory_budget",
+    "reset_compiled",
+    "resolve",
+    "select_backend",
+    "set_compile_options",
+    "set_kernel_backend",
+    "set_memory_budget",
+]
+
+Backend = Literal["auto", "blocked", "whole", "compiled"]
+_BACKENDS = ("auto", "blocked", "whole", "compiled")
+
+SCRATCH_ARRAYS: dict[str, int] = {"whole": 16, "compiled": 4}
+"""Estimated live ``[n, D, D]`` temporaries of one forward or backward call, per path.
+
+Eager whole-tensor kernels materialise every intermediate of the formula (the backward's ~16
+are the peak); inductor fuses the elementwise chains, leaving a few arrays (the output and
+what a reduction reads twice).
+"""
+
+_DEFAULT_BUDGET = 2 << 30
+
+
+def _env_backend() -> str:
+    value = os.environ.get("LIGHTNING_DVI_KERNELS", "auto").strip().lower()
+    if value not in _BACKENDS:
+        raise ValueError(
+            f"LIGHTNING_DVI_KERNELS must be one of {', '.join(_BACKENDS)}, got {value!r}"
+        )
+    return value
+
+
+def _env_budget() -> int:
+    value = os.environ.get("LIGHTNING_DVI_MEMORY_BUDGET")
+    if value is None or not value.strip():
+        return _DEFAULT_BUDGET
+    try:
+        budget = int(float(value))
+    except ValueError:
+        msg = f"LIGHTNING_DVI_MEMORY_BUDGET must be a number of bytes, got {value!r}"
+        raise ValueError(msg) from None
+    return _check_budget(budget)
+
+
+def _check_budget(budget: object) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"memory budget must be a positive int (bytes), got {budget!r}")
+    return budget
+
+
+_state: dict[str, Any] = {
+    "backend": _env_backend(),
+    "budget": _env_budget(),
+    "compile_options": {"dynamic": None},
+}
+_compiled: dict[str, Callable[..., Any] | None] = {}
+_failed: set[str] = set()
+
+
+# ---------------------------------------------------------------------------- knobs
+def set_kernel_backend(backend: Backend) -> None:
+    """Choose the execution of the full-covariance kernels for this process.
+
+    Args:
+        backend: ``"auto"``, ``"blocked"``, ``"whole"`` or ``"compiled"`` (module docstring).
+
+    Raises:
+        ValueError: on another value.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"kernel backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
+    _state["backend"] = backend
+
+
+def get_kernel_backend() -> str:
+    """The configured backend (``"auto"`` unless set)."""
+    return str(_state["backend"])
+
+
+@contextlib.contextmanager
+def kernel_backend(backend: Backend) -> Iterator[None]:
+    """Within the block, use ``backend`` (see :func:`set_kernel_backend`)."""
+    previous = _state["backend"]
+    set_kernel_backend(backend)
+    try:
+        yield
+    finally:
+        _state["backend"] = previous
+
+
+def set_memory_budget(budget: int) -> None:
+    """Bytes of ``[n, D, D]`` scratch the whole-tensor and compiled paths may hold at once.
+
+    The batch of matrices is processed in chunks of :func:`chunk_size` matrices. Chunking
+    changes nothing in the results (each matrix is computed independently), only the peak
+    memory and the number of kernel launches.
+
+    Raises:
+        ValueError: unless ``budget`` is a positive int.
+    """
+    _state["budget"] = _check_budget(budget)
+
+
+def get_memory_budget() -> int:
+    """The current scratch-memory budget in bytes (default 2 GiB)."""
+    return int(_state["budget"])
+
+
+@contextlib.contextmanager
+def memory_budget(budget: int) -> Iterator[None]:
+    """Within the block, use ``budget`` bytes (see :func:`set_memory_budget`)."""
+    previous = _state["budget"]
+    set_memory_budget(budget)
+    try:
+        yield
+    finally:
+        _state["budget"] = previous
+
+
+# ---------------------------------------------------------------------------- selection
+def _has_triton() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:  # pragma: no cover - very old torch
+        return False
+    return bool(has_triton())
+
+
+def select_backend(
+    device: torch.device | str,
+    *,
+    backend: str | None = None,
+    tracing: bool = False,
+    has_triton: bool | None = None,
+) -> str:
+    """The path a kernel takes for tensors on ``device``: ``"blocked"``, ``"whole"`` or ``"compiled"``.
+
+    Args:
+        device: where the tensors live (a string such as ``"cuda:0"`` is enough).
+        backend: the configured choice (default: :func:`get_kernel_backend`).
+        tracing: whether an outer ``torch.compile`` is tracing the call (then ``"whole"``).
+        has_triton: whether Triton can be imported (default: checked).
+    """
+    backend = get_kernel_backend() if backend is None else backend
+    if tracing:
+        return "whole"
+    if backend != "auto":
+        return backend
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cpu":
+        return "blocked"
+    if kind == "cuda":
+        return "compiled" if (_has_triton() if has_triton is None else has_triton) else "whole"
+    return "whole"
+
+
+def resolve(device: torch.device) -> str:
+    """:func:`select_backend` for a live call, with failed compilations falling back."""
+    tracing = torch.compiler.is_compiling()
+    path = select_backend(device, tracing=tracing)
+    if path == "compiled" and _failed:
+        return "whole"
+    return path
+
+
+def chunk_size(n: int, d: int, dtype: torch.dtype, path: str) -> int:
+    """Matrices per chunk so that ``SCRATCH_ARRAYS[path]`` ``[chunk, d, d]`` arrays fit the budget.
+
+    At least one matrix per chunk (a single matrix larger than the budget still runs), at most
+    ``n``.
+    """
+    per_matrix = SCRATCH_ARRAYS.get(path, SCRATCH_ARRAYS["whole"]) * d * d
+    per_matrix *= dtype.itemsize
+    return max(1, min(n, get_memory_budget() // max(per_matrix, 1)))
+
+
+def chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` covering ``range(n)`` in pieces of ``size``."""
+    return [(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+# ---------------------------------------------------------------------------- compile
+def compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` through :func:`torch.compile`, created once per ``name``, with eager fallback.
+
+    The returned callable runs the compiled function; if compiling or running it raises, it
+    warns once, marks compilation as failed for the rest of the process (so :func:`resolve`
+    answers ``"whole"``) and returns ``fn``'s eager result instead.
+    """
+    if name not in _compiled:
+        try:
+            _compiled[name] = torch.compile(fn, **_state["compile_options"])
+        except Exception as err:  # pragma: no cover - torch.compile itself unavailable
+            _fail(name, err)
+            _compiled[name] = None
+    fast = _compiled[name]
+
+    def call(*args: Any) -> Any:
+        if fast is None or _failed:
+            return fn(*args)
+        try:
+            return fast(*args)
+        except Exception as err:
+            _fail(name, err)
+            return fn(*args)
+
+    return call
+
+
+def _fail(name: str, err: BaseException) -> None:
+    if not _failed:  # one warning per process, whichever kernel failed first
+        warnings.warn(
+            f"lightning_dvi.moments: torch.compile of {name} failed ({type(err).__name__}: "
+            f"{err}); using the eager whole-tensor kernels instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    _failed.add(name)
+
+
+def set_compile_options(**options: Any) -> None:
+    """Keyword arguments of :func:`torch.compile` for the ``"compiled"`` path.
+
+    Default ``dynamic=None`` (inductor, static shapes until a second shape is seen). Tests use
+    ``backend="aot_eager"`` (traced and functionalised, no code generation: seconds instead of
+    the ~45 s inductor takes to build the ReLU kernels on a small CPU). Forgets kernels
+    compiled with the previous options.
+    """
+    _state["compile_options"] = {"dynamic": None, **options}
+    reset_compiled()
+
+
+def reset_compiled() -> None:
+    """Forget compiled kernels and failures (e.g. after changing torch.compile settings)."""
+    _compiled.clear()
+    _failed.clear()
