@@ -79,7 +79,12 @@ def test_lightning_modules_export_in_original_units():
     torch.testing.assert_close(var, ref_var, rtol=0, atol=1e-6)
     clf = DVIClassifier(num_classes=3, in_features=3, hidden=[8], num_data=10, mode="diag")
     probs = export_predictive(clf, mode="diag")(x)
-    torch.testing.assert_close(probs, clf.predict_proba(x), rtol=0, atol=1e-6)
+    torch.testing.assert_close(probs, clf.predictive(x), rtol=0, atol=1e-6)
+    # a post-hoc temperature (TemperatureScaling) travels with the exported predictive
+    clf.predictive_temperature.fill_(0.5)
+    tempered = export_predictive(clf, mode="diag")(x)
+    torch.testing.assert_close(tempered, clf.predictive(x), rtol=0, atol=1e-6)
+    assert not torch.allclose(tempered, probs)
 
 
 def test_exported_module_is_frozen_and_detached_from_the_source():

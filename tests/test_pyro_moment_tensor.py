@@ -76,11 +76,29 @@ def test_arithmetic_with_constants_and_independent_moments():
     torch.testing.assert_close(s.dvi_var, w.dvi_var[:, 0] + b.dvi_var)
 
 
+@pytest.mark.parametrize(
+    ("op", "module"),
+    [(torch.tanh, "Tanh"), (torch.sigmoid, "Sigmoid"), (F.gelu, "GELU"), (F.silu, "SiLU")],
+)
+def test_registered_activations_propagate_in_the_moment_pass(op, module):
+    """Ops the activation registry knows use the declared module's moments (one interpreter)."""
+    from lightning_dvi import Gaussian
+    from lightning_dvi import nn as dnn
+
+    x = torch.randn(5, 2)
+    w, b = _weights()
+    h = op(F.linear(x, w, b))
+    mean, var = M.linear_deterministic(x, w.dvi_mean, w.dvi_var, b.dvi_mean, b.dvi_var)
+    ref = getattr(dnn, module)()(Gaussian(mean, var=var), mode="diag")
+    torch.testing.assert_close(h.dvi_mean, ref.mean)
+    torch.testing.assert_close(h.dvi_var, ref.var)
+
+
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize(
     ("op", "name"),
     [
-        (torch.tanh, "tanh"),
+        (torch.sin, "sin"),  # (tanh was refused before it was registered as an activation)
         (torch.exp, "exp"),
         (lambda t: t.sum(-1), "sum"),
         (lambda t: F.softplus(t), "softplus"),
@@ -138,7 +156,7 @@ def _dvi_loss(model, mode="diag"):
 @pytest.mark.parametrize(
     ("forward_fn", "obs_fn", "match"),
     [
-        (lambda m, x: m.l2(torch.tanh(m.l1(x))), None, "tanh"),
+        (lambda m, x: m.l2(torch.sin(m.l1(x))), None, "sin"),
         (lambda m, x: m.l2(torch.relu(m.l2(torch.relu(m.l1(x))))), None, "l2.weight"),
         (lambda m, x: (h := torch.relu(m.l1(x))) + m.l2(h), None, "skip connection"),
         (

@@ -16,8 +16,10 @@ Heads (``likelihood``):
   ``var = Σ_mm + e^λ`` (``[B]`` each).
 * :class:`~lightning_dvi.likelihoods.HeteroscedasticGaussian`: ``mean = ⟨m⟩``,
   ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``.
-* :class:`~lightning_dvi.likelihoods.Categorical` (``method="delta"``): the delta-method class
-  probabilities ``[B, K]``.
+* :class:`~lightning_dvi.likelihoods.Categorical` (``method="delta"`` or ``"clark"``): the
+  closed-form class probabilities ``[B, K]`` of
+  :func:`~lightning_dvi.likelihoods.functional.categorical_mean_field_predictive` (the library's
+  predictive), tempered by a classifier's ``predictive_temperature`` when it is not 1.
 
 Regression moments are mapped to the original units with ``target_loc``/``target_scale``
 (``mean * scale + loc``, ``var * scale²``), read from a ``DVIRegressor`` when one is passed.
@@ -68,6 +70,7 @@ class PredictiveModule(nn.Module):
         target_scale: float = 1.0,
         input_loc: Tensor | None = None,
         input_scale: Tensor | None = None,
+        temperature: float = 1.0,
     ) -> None:
         super().__init__()
         self.net = net
@@ -81,6 +84,9 @@ class PredictiveModule(nn.Module):
         scale = torch.ones((), dtype=dtype) if input_scale is None else input_scale
         self.register_buffer("input_loc", torch.as_tensor(loc).detach().clone().to(dtype))
         self.register_buffer("input_scale", torch.as_tensor(scale).detach().clone().to(dtype))
+        # decided once here, so the traced graph has no data-dependent branch
+        self.tempered = temperature != 1.0
+        self.register_buffer("temperature", torch.tensor(temperature, dtype=dtype))
 
     def forward(self, x: Tensor) -> Any:
         """Predictive of ``x [B, D_in]``: ``(mean, var)`` or class probabilities ``[B, K]``."""
@@ -90,7 +96,12 @@ class PredictiveModule(nn.Module):
         if self.head == "moments":
             return out.mean, out.var
         if self.head == "categorical":
-            return LF.categorical_delta_predictive(out.mean, out.cov if out.is_full else out.var)
+            probs = LF.categorical_mean_field_predictive(
+                out.mean, out.cov if out.is_full else out.var
+            )
+            if self.tempered:  # softmax(log p / T), as DVIClassifier's TemperatureScaling
+                probs = torch.softmax(probs.clamp_min(1e-30).log() / self.temperature, dim=-1)
+            return probs
         var = out.var
         if self.head == "homoscedastic":
             mean, var = out.mean[..., 0], var[..., 0] + self.log_noise_variance.exp()
@@ -184,8 +195,11 @@ def export_predictive(
     """
     if mode not in ("diag", "full"):
         raise ValueError(f"mode must be 'diag' or 'full' for a one-pass predictive, got {mode!r}")
+    temperature = 1.0
     if hasattr(net, "net") and hasattr(net, "likelihood"):
         likelihood = net.likelihood  # type: ignore[assignment]
+        if isinstance(getattr(net, "predictive_temperature", None), Tensor):
+            temperature = float(net.predictive_temperature)  # type: ignore[arg-type]
         if target_loc is None and isinstance(getattr(net, "target_loc", None), Tensor):
             target_loc = float(net.target_loc)  # type: ignore[arg-type]
         if target_scale is None and isinstance(getattr(net, "target_scale", None), Tensor):
@@ -200,10 +214,10 @@ def export_predictive(
     if likelihood is None:
         head = "moments"
     elif isinstance(likelihood, Categorical):
-        if likelihood.method != "delta":
+        if likelihood.method == "mc":
             raise ValueError(
                 "a Categorical(method='mc') predictive samples logits; export needs "
-                "method='delta' (deterministic)"
+                "method='delta' or 'clark' (deterministic)"
             )
         head = "categorical"
     elif isinstance(likelihood, HomoscedasticGaussian):
@@ -224,5 +238,6 @@ def export_predictive(
         1.0 if target_scale is None else float(target_scale),
         input_loc,
         input_scale,
+        temperature,
     )
     return module.eval()
