@@ -9,6 +9,7 @@ from .activations import (
     relu_full,
     relu_slope,
 )
+from .conv import conv2d_deterministic, conv2d_diag, conv2d_sample
 from .linear import (
     linear_deterministic,
     linear_diag,
@@ -16,6 +17,7 @@ from .linear import (
     linear_full_from_diag,
     symmetrize,
 )
+from .pooling import avg_pool2d_diag, max_of_gaussians, max_pool2d_diag
 from .residual import cross_through_activation, cross_through_linear, residual_diag, residual_full
 from .special import (
     asin_over_x,
@@ -28,6 +30,10 @@ from .special import (
 
 __all__ = [
     "asin_over_x",
+    "avg_pool2d_diag",
+    "conv2d_deterministic",
+    "conv2d_diag",
+    "conv2d_sample",
     "asin_residual_over_x3",
     "clip_correlation",
     "cross_through_activation",
@@ -39,6 +45,8 @@ __all__ = [
     "linear_diag",
     "linear_full",
     "linear_full_from_diag",
+    "max_of_gaussians",
+    "max_pool2d_diag",
     "min_variance",
     "normal_cdf",
     "normal_pdf",

@@ -8,16 +8,23 @@ from torch import nn
 
 from .activations import Heaviside, ReLU
 from .base import BayesModule, Moments
-from .builders import mlp
+from .builders import CNN, cnn, mlp
 from .container import Residual, Sequential
+from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .linear import BayesLinear, ParameterGroup
 from .registry import ActivationSpec, activation_specs, register_activation
 
 __all__ = [
+    "CNN",
+    "BAYES_LAYER_TYPES",
     "ActivationSpec",
+    "AvgPool2d",
+    "BayesConv2d",
     "BayesLinear",
     "BayesModule",
+    "Flatten",
     "Heaviside",
+    "MaxPool2d",
     "Moments",
     "ParameterGroup",
     "ReLU",
@@ -25,17 +32,22 @@ __all__ = [
     "Sequential",
     "activation_specs",
     "bayes_layers",
+    "cnn",
     "mlp",
     "parameter_groups",
     "register_activation",
 ]
 
 
-def bayes_layers(module: nn.Module) -> Iterator[BayesLinear]:
-    """All :class:`BayesLinear` layers inside ``module``, in registration order."""
+BAYES_LAYER_TYPES: tuple[type[BayesModule], ...] = (BayesLinear, BayesConv2d)
+"""The layer types that own weight posteriors (and so prior groups)."""
+
+
+def bayes_layers(module: nn.Module) -> Iterator[BayesLinear | BayesConv2d]:
+    """All weight layers (:class:`BayesLinear`, :class:`BayesConv2d`) in ``module``, in order."""
     for m in module.modules():
-        if isinstance(m, BayesLinear):
-            yield m
+        if isinstance(m, BAYES_LAYER_TYPES):
+            yield m  # type: ignore[misc]
 
 
 def parameter_groups(module: nn.Module) -> list[ParameterGroup]:

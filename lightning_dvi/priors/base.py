@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..nn import BayesLinear, ParameterGroup, parameter_groups
+from ..nn import BAYES_LAYER_TYPES, ParameterGroup, parameter_groups
 from .functional import gaussian_kl, grouped_gaussian_kl
 
 __all__ = ["GaussianPrior", "Prior", "named_parameter_groups"]
@@ -20,7 +20,7 @@ def named_parameter_groups(net: nn.Module) -> list[tuple[str, ParameterGroup]]:
     """
     named = []
     for prefix, module in net.named_modules():
-        if isinstance(module, BayesLinear):
+        if isinstance(module, BAYES_LAYER_TYPES):
             for group in module.parameter_groups():
                 named.append((f"{prefix}.{group.name}" if prefix else group.name, group))
     return named
