@@ -20,13 +20,16 @@ class DigitsDataModule(InMemoryDataModule):
 
     The 64 pixel features are standardised with training statistics (pixels that are constant
     on the training set, such as the always-blank corners, get scale 1). Batches are
-    ``(x [B, 64] float32, y [B] int64)``; ``predict_dataloader`` yields the test set.
+    ``(x [B, 64] float32, y [B] int64)``, or with ``images=True`` ``x [B, 1, 8, 8]`` (the same
+    standardised pixels in image layout, for :class:`~lightning_dvi.nn.CNN`);
+    ``predict_dataloader`` yields the test set. ``in_features`` stays 64 (pixels per image).
 
     Args:
         batch_size: mini-batch size for every loader.
         val_fraction: fraction of all images held out for validation; 0 disables validation.
         test_fraction: fraction of all images held out for testing, in ``(0, 1)``.
         seed: seeds the split and the training-set shuffling.
+        images: yield inputs as ``[1, 8, 8]`` images instead of 64-vectors.
 
     Examples:
         >>> dm = DigitsDataModule()
@@ -43,6 +46,7 @@ class DigitsDataModule(InMemoryDataModule):
         val_fraction: float = 0.1,
         test_fraction: float = 0.2,
         seed: int = 0,
+        images: bool = False,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed)
         if not (math.isfinite(val_fraction) and 0.0 <= val_fraction < 1.0):
@@ -56,6 +60,7 @@ class DigitsDataModule(InMemoryDataModule):
             )
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
+        self.images = bool(images)
         self._x_loc: torch.Tensor | None = None
         self._x_scale: torch.Tensor | None = None
 
@@ -94,6 +99,8 @@ class DigitsDataModule(InMemoryDataModule):
             if idx.size == 0:
                 return None
             inputs = torch.as_tensor((x[idx] - loc) / scale, dtype=torch.float32)
+            if self.images:
+                inputs = inputs.reshape(-1, 1, 8, 8)
             return TensorDataset(inputs, torch.as_tensor(y[idx], dtype=torch.long))
 
         test_set = subset(np.sort(test))

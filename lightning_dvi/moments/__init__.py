@@ -17,7 +17,12 @@ from .linear import (
     linear_full_from_diag,
     symmetrize,
 )
-from .pooling import avg_pool2d_diag, max_of_gaussians, max_pool2d_diag
+from .pooling import (
+    avg_pool2d_diag,
+    max_of_gaussians,
+    max_of_gaussians_quadrature,
+    max_pool2d_diag,
+)
 from .residual import cross_through_activation, cross_through_linear, residual_diag, residual_full
 from .special import (
     asin_over_x,
@@ -30,12 +35,12 @@ from .special import (
 
 __all__ = [
     "asin_over_x",
+    "asin_residual_over_x3",
     "avg_pool2d_diag",
+    "clip_correlation",
     "conv2d_deterministic",
     "conv2d_diag",
     "conv2d_sample",
-    "asin_residual_over_x3",
-    "clip_correlation",
     "cross_through_activation",
     "cross_through_linear",
     "heaviside_diag",
@@ -46,6 +51,7 @@ __all__ = [
     "linear_full",
     "linear_full_from_diag",
     "max_of_gaussians",
+    "max_of_gaussians_quadrature",
     "max_pool2d_diag",
     "min_variance",
     "normal_cdf",

@@ -68,7 +68,7 @@ def conv2d_diag(
     stride: _Size = 1,
     padding: _Size = 0,
 ) -> tuple[Tensor, Tensor]:
-    r"""dDVI convolution of independent Gaussian inputs ``N(mean, var)``, each ``[B, C_in, H, W]``.
+    r"""Diagonal (dDVI) convolution of independent Gaussian inputs, each ``[B, C_in, H, W]``.
 
     :math:`\operatorname{Var}(a) = \operatorname{conv}(E[h]^2 + \operatorname{Var} h, V)
     + \operatorname{conv}(\operatorname{Var} h, M^{\circ 2}) + u` (see the module docstring).
@@ -98,6 +98,8 @@ def conv2d_sample(
         x: inputs, one batch per weight sample.
         weight: kernels ``[S, C_out, C_in, kH, kW]``.
         bias: biases ``[S, C_out]`` or ``None``.
+        stride: convolution stride.
+        padding: zero padding on each side.
 
     Returns:
         ``[S, B, C_out, H', W']``.

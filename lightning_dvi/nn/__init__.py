@@ -15,8 +15,8 @@ from .linear import BayesLinear, ParameterGroup
 from .registry import ActivationSpec, activation_specs, register_activation
 
 __all__ = [
-    "CNN",
     "BAYES_LAYER_TYPES",
+    "CNN",
     "ActivationSpec",
     "AvgPool2d",
     "BayesConv2d",

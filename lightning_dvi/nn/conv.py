@@ -94,6 +94,7 @@ class BayesConv2d(BayesModule):
         ((2, 4, 8, 8), (2, 4, 8, 8))
     """
 
+    image_output = True
     # the positivity transform and the per-step scale cache are BayesLinear's
     _raw = BayesLinear._raw
     _positive = BayesLinear._positive
@@ -219,6 +220,7 @@ class BayesConv2d(BayesModule):
 
 class _Pool2d(BayesModule):
     _name: str
+    image_output = True
 
     def __init__(
         self, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] | None = None
@@ -285,17 +287,43 @@ class AvgPool2d(_Pool2d):
 class MaxPool2d(_Pool2d):
     r"""Max pooling (no padding); moment-matched on Gaussian pixels.
 
-    Clark's formulas for the maximum of two Gaussians, applied sequentially over each window
-    (:func:`~lightning_dvi.moments.max_pool2d_diag`); exact for windows of two units.
+    The output pixel is the Gaussian with the mean and variance of the maximum of its window's
+    (independent) Gaussian pixels (:func:`~lightning_dvi.moments.max_pool2d_diag`):
+    ``method="quadrature"`` (default) computes them exactly by 1-D quadrature of the CDF of the
+    maximum; ``method="clark"`` applies Clark's formulas for the maximum of two Gaussians
+    sequentially over the window (cheaper; exact only for two-unit windows).
+
+    Args:
+        kernel_size: window ``k`` or ``(kH, kW)``.
+        stride: default ``kernel_size``.
+        method: ``"quadrature"`` or ``"clark"``.
+        points: quadrature nodes.
     """
 
     _name = "MaxPool2d"
+
+    def __init__(
+        self,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] | None = None,
+        method: str = "quadrature",
+        points: int = 64,
+    ) -> None:
+        super().__init__(kernel_size, stride)
+        if method not in ("quadrature", "clark"):
+            raise ValueError(f"method must be 'quadrature' or 'clark', got {method!r}")
+        if isinstance(points, bool) or not isinstance(points, int) or points < 2:
+            raise ValueError(f"points must be an int >= 2, got {points!r}")
+        self.method = method
+        self.points = points
 
     def _tensor(self, x: Tensor) -> Tensor:
         return F.max_pool2d(x, self.kernel_size, self.stride)
 
     def _moments(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
-        return M.max_pool2d_diag(mean, var, self.kernel_size, self.stride)
+        return M.max_pool2d_diag(
+            mean, var, self.kernel_size, self.stride, method=self.method, points=self.points
+        )
 
 
 class Flatten(BayesModule):
