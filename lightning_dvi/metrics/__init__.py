@@ -12,6 +12,16 @@ from .classification import (
     ClassificationNLL,
     classification_metrics,
 )
+from .ood import (
+    AURC,
+    OODAUPR,
+    OODAUROC,
+    accuracy_rejection_curve,
+    aurc,
+    class_probability_samples,
+    mutual_information,
+    predictive_entropy,
+)
 from .regression import (
     RMSE,
     GaussianCRPS,
@@ -24,6 +34,9 @@ from .regression import (
 )
 
 __all__ = [
+    "AURC",
+    "OODAUPR",
+    "OODAUROC",
     "RMSE",
     "BrierScore",
     "ClassificationMetrics",
@@ -34,7 +47,12 @@ __all__ = [
     "RegressionCalibrationError",
     "RegressionMetrics",
     "Sharpness",
+    "accuracy_rejection_curve",
+    "aurc",
+    "class_probability_samples",
     "classification_metrics",
     "functional",
+    "mutual_information",
+    "predictive_entropy",
     "regression_metrics",
 ]
