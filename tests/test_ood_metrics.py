@@ -81,8 +81,11 @@ def test_aurc_and_rejection_curve_by_hand():
     best = aurc(torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5]), correct)
     worst = aurc(torch.tensor([0.5, 0.6, 0.7, 0.8, 0.9]), correct)
     assert best < worst
-    r, a = accuracy_rejection_curve(torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5]), correct)
+    rejection, a = accuracy_rejection_curve(torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5]), correct)
     torch.testing.assert_close(a, torch.tensor([0.6, 0.75, 1.0, 1.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(
+        rejection, torch.tensor([0.0, 0.2, 0.4, 0.6, 0.8], dtype=torch.float64)
+    )
 
 
 def test_entropy_and_mutual_information():
@@ -90,7 +93,9 @@ def test_entropy_and_mutual_information():
     torch.testing.assert_close(predictive_entropy(uniform), torch.full((2,), float(np.log(4.0))))
     # two confident, disagreeing samples: H(mean) = log 2, mean H = 0, so I = log 2
     samples = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]])
-    torch.testing.assert_close(mutual_information(samples), torch.tensor([np.log(2.0)], dtype=torch.float32))
+    torch.testing.assert_close(
+        mutual_information(samples), torch.tensor([np.log(2.0)], dtype=torch.float32)
+    )
     # agreeing samples carry no epistemic uncertainty
     torch.testing.assert_close(mutual_information(uniform.expand(3, 2, 4)), torch.zeros(2))
     # samples from a logit Gaussian: a wider Gaussian has more mutual information
