@@ -5,6 +5,13 @@ the implementations live in :mod:`lightning_dvi.lightning`.
 """
 
 from .lightning.callbacks import EmpiricalBayes
+from .lightning.ood import OODEvaluation
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
 
-__all__ = ["CalibrationPlot", "EmpiricalBayes", "PredictiveBandPlot", "ReliabilityDiagram"]
+__all__ = [
+    "CalibrationPlot",
+    "EmpiricalBayes",
+    "OODEvaluation",
+    "PredictiveBandPlot",
+    "ReliabilityDiagram",
+]

@@ -78,6 +78,39 @@ class DigitsDataModule(InMemoryDataModule):
         assert self._x_scale is not None
         return self._x_scale.clone()
 
+    def ood_inputs(self, kind: str = "permuted", seed: int = 0) -> torch.Tensor:
+        """Out-of-distribution inputs, one per test image, in the layout of the test inputs.
+
+        Both kinds live on the scale of the standardised digits (each training pixel has mean
+        0 and variance 1), so a detector cannot win by input magnitude alone:
+
+        * ``"permuted"``: each standardised test digit with its 64 pixels shuffled by one
+          fixed random permutation (the same values, no digit shape);
+        * ``"noise"``: independent standard normal pixels.
+
+        Args:
+            kind: ``"permuted"`` or ``"noise"``.
+            seed: seeds the permutation or the noise.
+
+        Returns:
+            float32 ``[N_test, 64]`` (or ``[N_test, 1, 8, 8]`` with ``images=True``).
+
+        Examples:
+            >>> DigitsDataModule().ood_inputs("noise").shape
+            torch.Size([359, 64])
+        """
+        test = self.test_dataset
+        assert test is not None
+        x = test.tensors[0].reshape(-1, 64)
+        gen = torch.Generator().manual_seed(seed)
+        if kind == "permuted":
+            out = x[:, torch.randperm(64, generator=gen)]
+        elif kind == "noise":
+            out = torch.randn(x.shape, generator=gen)
+        else:
+            raise ValueError(f"kind must be 'permuted' or 'noise', got {kind!r}")
+        return out.reshape(-1, 1, 8, 8) if self.images else out
+
     def _build(self) -> dict[str, TensorDataset | None]:
         x, y = load_digits(return_X_y=True)
         rows = np.arange(y.size)

@@ -19,6 +19,7 @@ from .ood import (
     accuracy_rejection_curve,
     aurc,
     class_probability_samples,
+    classification_summary,
     mutual_information,
     predictive_entropy,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "aurc",
     "class_probability_samples",
     "classification_metrics",
+    "classification_summary",
     "functional",
     "mutual_information",
     "predictive_entropy",

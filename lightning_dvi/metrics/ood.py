@@ -41,6 +41,7 @@ __all__ = [
     "accuracy_rejection_curve",
     "aurc",
     "class_probability_samples",
+    "classification_summary",
     "mutual_information",
     "predictive_entropy",
 ]
@@ -222,3 +223,50 @@ class AURC(Metric):
     def compute(self) -> Tensor:
         """AURC over every point seen (all processes)."""
         return aurc(dim_zero_cat(self.confidences), dim_zero_cat(self.hits))
+
+
+def classification_summary(
+    probs: Tensor,
+    target: Tensor,
+    ood_probs: Tensor | None = None,
+    sample_probs: Tensor | None = None,
+    ood_sample_probs: Tensor | None = None,
+    n_bins: int = 15,
+) -> dict[str, float]:
+    """Every number of a classification benchmark row, from predictive probabilities.
+
+    Args:
+        probs: predictive class probabilities on the test inputs ``[N, K]``.
+        target: test labels ``[N]``.
+        ood_probs: predictive probabilities on OOD inputs ``[M, K]`` (optional).
+        sample_probs: class-probability samples on the test inputs ``[S, N, K]`` (optional,
+            for the mutual-information detector).
+        ood_sample_probs: the same on the OOD inputs ``[S, M, K]``.
+        n_bins: ECE bins.
+
+    Returns:
+        ``acc``, ``nll``, ``brier``, ``ece`` (:class:`~lightning_dvi.metrics.ClassificationMetrics`)
+        and ``aurc``; with ``ood_probs`` also ``ood_auroc`` and ``ood_aupr`` of the predictive
+        entropy; with both sample tensors also ``ood_auroc_mi`` and ``ood_aupr_mi``.
+    """
+    from .classification import ClassificationMetrics
+
+    k = probs.shape[-1]
+    metrics = ClassificationMetrics(k, n_bins=n_bins)
+    metrics.update(probs, target)
+    out = {name: float(v) for name, v in metrics.compute().items()}
+    selective = AURC()
+    selective.update(probs, target)
+    out["aurc"] = float(selective.compute())
+    scores: dict[str, tuple[Tensor, Tensor]] = {}
+    if ood_probs is not None:
+        scores[""] = (predictive_entropy(probs), predictive_entropy(ood_probs))
+    if sample_probs is not None and ood_sample_probs is not None:
+        scores["_mi"] = (mutual_information(sample_probs), mutual_information(ood_sample_probs))
+    for suffix, (s_in, s_ood) in scores.items():
+        score = torch.cat([s_in, s_ood]).double()
+        label = torch.cat([torch.zeros_like(s_in), torch.ones_like(s_ood)]).long()
+        for name, metric in (("ood_auroc", OODAUROC()), ("ood_aupr", OODAUPR())):
+            metric.update(score, label)
+            out[name + suffix] = float(metric.compute())
+    return out
