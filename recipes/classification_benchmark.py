@@ -115,10 +115,11 @@ def fit_bayes(dm: DigitsDataModule, cfg: dict, seed: int, mc_eval: int):
     seed_everything(seed, verbose=False)
     mode = cfg["mode"]
     extra = {"num_samples": cfg.get("num_samples", 1)} if mode == "sample" else {}
+    extra.update(cfg.get("model", {}))  # further DVIClassifier arguments
     if cfg["arch"] == "mlp":
         model = DVIClassifier(in_features=64, hidden=[64], mode=mode, lr=cfg["lr"], **extra)
     else:
-        net = CNN(1, 10, image_size=8, channels=[16, 32], hidden=[64], pool="avg")
+        net = CNN(1, 10, image_size=8, channels=[16, 32], hidden=[64], **cfg.get("net", {}))
         model = DVIClassifier(net=net, mode=mode, lr=cfg["lr"], **extra)
     keep = BestValidation()
     trainer = Trainer(
@@ -171,7 +172,17 @@ def main() -> None:
     parser.add_argument("--ood", choices=("permuted", "noise"), default="permuted")
     parser.add_argument("--mc-eval", type=int, default=64, help="samples for MCVI and MI")
     parser.add_argument("--json", default=None, help="write per-seed results here")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="ROW.KEY=JSON",
+        help="override a row setting, e.g. ddvi_cnn.lr=0.003 or ddvi_cnn.model={...}",
+    )  # fmt: skip
     args = parser.parse_args()
+    for item in args.set:
+        key, _, value = item.partition("=")
+        row, _, field = key.partition(".")
+        if row not in ROWS or not field:
+            parser.error(f"--set expects ROW.KEY=JSON with a known row, got {item!r}")
+        ROWS[row][1][field] = json.loads(value)
     rows = args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]
     if unknown or args.seeds < 1:
