@@ -292,3 +292,16 @@ def test_dvi_classifier_trains_a_cnn_on_digit_images():
         assert math.isfinite(result["test/nll"])
         probs = model.predict_proba(x[:5])
         torch.testing.assert_close(probs.sum(-1), torch.ones(5))
+
+
+def test_image_outputs_stay_diag_in_full_mode():
+    x = torch.randn(2, 1, 4, 4)
+    for net in (
+        BayesConv2d(1, 2, 3, padding=1),
+        Sequential(BayesConv2d(1, 2, 3, padding=1), ReLU()),
+        Sequential(BayesConv2d(1, 2, 3, padding=1), ReLU(), MaxPool2d(2)),
+    ):
+        out = net(x, mode="full")
+        assert out.cov is None and out.mean.dim() == 4
+    flat = Sequential(BayesConv2d(1, 2, 3, padding=1), ReLU(), Flatten())(x, mode="full")
+    assert flat.cov.shape == (2, 32, 32)  # a flat output is returned full, as for dense nets
