@@ -44,13 +44,13 @@ from lightning_dvi.metrics import class_probability_samples, classification_summ
 from lightning_dvi.nn import CNN
 
 # row -> (kind, settings). Chosen on the validation rows (docs/benchmarks.md): the KL ramped in
-# linearly over the first 500 steps (50 epochs) for the Bayesian CNNs.
+# linearly over the first 500 steps (50 epochs) and lr 1e-2 for every Bayesian row.
 ANNEAL = {"model": {"kl_anneal_steps": 500}}
 ROWS: dict[str, tuple[str, dict]] = {
     "plain_mlp": ("plain", {"arch": "mlp", "lr": 3e-3, "epochs": 150}),
-    "dvi_mlp": ("bayes", {"arch": "mlp", "mode": "full", "lr": 3e-3, "epochs": 100}),
-    "ddvi_mlp": ("bayes", {"arch": "mlp", "mode": "diag", "lr": 3e-3, "epochs": 100}),
-    "mcvi_mlp": ("bayes", {"arch": "mlp", "mode": "sample", "lr": 3e-3, "epochs": 100}),
+    "dvi_mlp": ("bayes", {"arch": "mlp", "mode": "full", "lr": 1e-2, "epochs": 100, **ANNEAL}),
+    "ddvi_mlp": ("bayes", {"arch": "mlp", "mode": "diag", "lr": 1e-2, "epochs": 100, **ANNEAL}),
+    "mcvi_mlp": ("bayes", {"arch": "mlp", "mode": "sample", "lr": 1e-2, "epochs": 100, **ANNEAL}),
     "plain_cnn": ("plain", {"arch": "cnn", "lr": 1e-2, "epochs": 100}),
     "ddvi_cnn": ("bayes", {"arch": "cnn", "mode": "diag", "lr": 1e-2, "epochs": 100, **ANNEAL}),
     "mcvi_cnn": ("bayes", {"arch": "cnn", "mode": "sample", "lr": 1e-2, "epochs": 100, **ANNEAL}),
