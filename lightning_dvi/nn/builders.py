@@ -89,6 +89,7 @@ class CNN(Sequential):
         prior_variance: initial prior-variance buffers of every layer.
 
     Examples:
+        >>> import torch
         >>> net = CNN(1, 10, image_size=8, channels=[4], hidden=[16])
         >>> [type(m).__name__ for m in net]
         ['BayesConv2d', 'ReLU', 'AvgPool2d', 'Flatten', 'BayesLinear', 'ReLU', 'BayesLinear']
@@ -153,6 +154,7 @@ def cnn(
     """Build a :class:`CNN` (the functional spelling, like :func:`mlp`).
 
     Examples:
+        >>> import torch
         >>> net = cnn(1, 10, channels=[8, 16], hidden=[32])
         >>> tuple(net(torch.zeros(3, 1, 8, 8), mode="diag").mean.shape)
         (3, 10)
