@@ -30,6 +30,10 @@ class DigitsDataModule(InMemoryDataModule):
         test_fraction: fraction of all images held out for testing, in ``(0, 1)``.
         seed: seeds the split and the training-set shuffling.
         images: yield inputs as ``[1, 8, 8]`` images instead of 64-vectors.
+        standardize: ``"pixel"`` (each pixel by its own training mean and std) or
+            ``"global"`` (one mean and std over all training pixels, the usual choice for
+            convolutional networks: per-pixel scaling turns a stroke on a nearly always blank
+            pixel into a value of up to 85 standard deviations).
 
     Examples:
         >>> dm = DigitsDataModule()
@@ -47,6 +51,7 @@ class DigitsDataModule(InMemoryDataModule):
         test_fraction: float = 0.2,
         seed: int = 0,
         images: bool = False,
+        standardize: str = "pixel",
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed)
         if not (math.isfinite(val_fraction) and 0.0 <= val_fraction < 1.0):
@@ -61,6 +66,9 @@ class DigitsDataModule(InMemoryDataModule):
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
         self.images = bool(images)
+        if standardize not in ("pixel", "global"):
+            raise ValueError(f"standardize must be 'pixel' or 'global', got {standardize!r}")
+        self.standardize = standardize
         self._x_loc: torch.Tensor | None = None
         self._x_scale: torch.Tensor | None = None
 
@@ -124,7 +132,12 @@ class DigitsDataModule(InMemoryDataModule):
             )
         else:
             train, val = rest, rest[:0]
-        loc, scale = fit_standardizer(x[train])
+        if self.standardize == "global":
+            values = x[train]
+            loc = np.full(x.shape[1], values.mean())
+            scale = np.full(x.shape[1], values.std())
+        else:
+            loc, scale = fit_standardizer(x[train])
         self._x_loc = torch.as_tensor(loc, dtype=torch.float32)
         self._x_scale = torch.as_tensor(scale, dtype=torch.float32)
 
