@@ -52,6 +52,19 @@ def test_digit_images_and_ood_inputs():
         flat.ood_inputs("svhn")
 
 
+def test_global_standardisation_keeps_strokes_on_one_scale():
+    pixel = DigitsDataModule(images=True)
+    glob = DigitsDataModule(images=True, standardize="global")
+    x_train = glob.train_dataset.tensors[0]
+    assert abs(x_train.mean().item()) < 1e-5 and abs(x_train.std().item() - 1) < 1e-4
+    assert glob.x_scale.unique().numel() == 1
+    # per-pixel scaling blows up strokes on rarely-inked pixels; the global one cannot
+    assert pixel.val_dataset.tensors[0].abs().max() > 50
+    assert glob.val_dataset.tensors[0].abs().max() < 2
+    with pytest.raises(ValueError, match="standardize must be"):
+        DigitsDataModule(standardize="minmax")
+
+
 def test_classification_summary_against_independent_references():
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(2 * torch.randn(80, 4, generator=gen), -1)
