@@ -33,7 +33,7 @@ class DigitsDataModule(InMemoryDataModule):
         standardize: ``"pixel"`` (each pixel by its own training mean and std) or
             ``"global"`` (one mean and std over all training pixels, the usual choice for
             convolutional networks: per-pixel scaling turns a stroke on a nearly always blank
-            pixel into a value of up to 85 standard deviations).
+            pixel into a value of up to 86 standard deviations).
 
     Examples:
         >>> dm = DigitsDataModule()
