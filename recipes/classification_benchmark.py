@@ -48,13 +48,16 @@ from lightning_dvi.nn import CNN
 # row -> (kind, settings). Chosen on the validation rows (docs/benchmarks.md): the KL ramped in
 # linearly over the first 500 steps (50 epochs) and lr 1e-2 for every Bayesian row.
 ANNEAL = {"model": {"kl_anneal_steps": 500}}
+# dDVI CNN, re-selected on the validation rows with globally standardised images: a 1000-step
+# ramp and 150 epochs (validation NLL 0.204 -> 0.156).
+ANNEAL2 = {"model": {"kl_anneal_steps": 1000}}
 ROWS: dict[str, tuple[str, dict]] = {
     "plain_mlp": ("plain", {"arch": "mlp", "lr": 3e-3, "epochs": 150}),
     "dvi_mlp": ("bayes", {"arch": "mlp", "mode": "full", "lr": 1e-2, "epochs": 100, **ANNEAL}),
     "ddvi_mlp": ("bayes", {"arch": "mlp", "mode": "diag", "lr": 1e-2, "epochs": 100, **ANNEAL}),
     "mcvi_mlp": ("bayes", {"arch": "mlp", "mode": "sample", "lr": 1e-2, "epochs": 100, **ANNEAL}),
     "plain_cnn": ("plain", {"arch": "cnn", "lr": 1e-2, "epochs": 100}),
-    "ddvi_cnn": ("bayes", {"arch": "cnn", "mode": "diag", "lr": 1e-2, "epochs": 100, **ANNEAL}),
+    "ddvi_cnn": ("bayes", {"arch": "cnn", "mode": "diag", "lr": 1e-2, "epochs": 150, **ANNEAL2}),
     "mcvi_cnn": ("bayes", {"arch": "cnn", "mode": "sample", "lr": 1e-2, "epochs": 100, **ANNEAL}),
 }
 METRICS = ("acc", "nll", "ece", "brier", "ood_auroc", "ood_auroc_mi", "train_s")
