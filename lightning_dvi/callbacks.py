@@ -7,6 +7,7 @@ the implementations live in :mod:`lightning_dvi.lightning`.
 """
 
 from .lightning.callbacks import EmpiricalBayes, EmpiricalBayesRefresh
+from .lightning.ood import OODEvaluation
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
 from .lightning.temperature import TemperatureScaling
 
@@ -14,6 +15,7 @@ __all__ = [
     "CalibrationPlot",
     "EmpiricalBayes",
     "EmpiricalBayesRefresh",
+    "OODEvaluation",
     "PredictiveBandPlot",
     "ReliabilityDiagram",
     "TemperatureScaling",

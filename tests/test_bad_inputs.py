@@ -10,7 +10,7 @@ import torch
 from lightning_dvi import Gaussian
 from lightning_dvi.data import CSVDataModule, UCIDataModule
 from lightning_dvi.likelihoods import Categorical, HeteroscedasticGaussian
-from lightning_dvi.nn import mlp
+from lightning_dvi.nn import BayesConv2d, mlp
 from lightning_dvi.objective import elbo
 from lightning_dvi.priors import EmpiricalBayes
 
@@ -133,6 +133,18 @@ CATALOGUE = [
         lambda t: Gaussian(torch.zeros(2, 3), var=torch.ones(2, 4)),
         ValueError,
         "does not match mean shape",
+    ),
+    (
+        "conv_channels",
+        lambda t: BayesConv2d(3, 4, 3)(torch.zeros(2, 1, 8, 8)),
+        ValueError,
+        "BayesConv2d expected 3 input channels, got 1",
+    ),
+    (
+        "conv_not_4d",
+        lambda t: BayesConv2d(1, 4, 3)(torch.zeros(2, 64), mode="diag"),
+        ValueError,
+        "expects an image batch [B, C, H, W] (4-D), got shape (2, 64)",
     ),
     (
         "uci_missing_folder",

@@ -332,8 +332,12 @@ class DVIModule(LightningModule):
             f"{out_features}",
         )
         _check(
-            in_features is None or first.in_features == in_features,
-            f"the injected net takes {first.in_features} inputs but in_features={in_features}",
+            # a conv first layer checks its channels itself, on the first batch
+            in_features is None
+            or not isinstance(first, BayesLinear)
+            or first.in_features == in_features,
+            f"the injected net takes {getattr(first, 'in_features', None)} inputs but "
+            f"in_features={in_features}",
         )
         return net
 

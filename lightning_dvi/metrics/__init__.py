@@ -13,6 +13,17 @@ from .classification import (
     ExpectedCalibrationError,
     classification_metrics,
 )
+from .ood import (
+    AURC,
+    OODAUPR,
+    OODAUROC,
+    accuracy_rejection_curve,
+    aurc,
+    class_probability_samples,
+    classification_summary,
+    mutual_information,
+    predictive_entropy,
+)
 from .regression import (
     RMSE,
     GaussianCRPS,
@@ -25,6 +36,9 @@ from .regression import (
 )
 
 __all__ = [
+    "AURC",
+    "OODAUPR",
+    "OODAUROC",
     "RMSE",
     "BrierScore",
     "ClassificationMetrics",
@@ -36,7 +50,13 @@ __all__ = [
     "RegressionCalibrationError",
     "RegressionMetrics",
     "Sharpness",
+    "accuracy_rejection_curve",
+    "aurc",
+    "class_probability_samples",
     "classification_metrics",
+    "classification_summary",
     "functional",
+    "mutual_information",
+    "predictive_entropy",
     "regression_metrics",
 ]

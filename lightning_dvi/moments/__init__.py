@@ -18,6 +18,7 @@ from .activations import (
     relu_full,
     relu_slope,
 )
+from .conv import conv2d_deterministic, conv2d_diag, conv2d_sample
 from .layers import activation_moments, linear_moments, residual_moments, skip_covariance
 from .linear import (
     linear_deterministic,
@@ -34,6 +35,12 @@ from .policy import (
     set_kernel_backend,
     set_memory_budget,
 )
+from .pooling import (
+    avg_pool2d_diag,
+    max_of_gaussians,
+    max_of_gaussians_quadrature,
+    max_pool2d_diag,
+)
 from .residual import cross_through_activation, cross_through_linear, residual_diag, residual_full
 from .special import (
     asin_over_x,
@@ -48,7 +55,11 @@ __all__ = [
     "activation_moments",
     "asin_over_x",
     "asin_residual_over_x3",
+    "avg_pool2d_diag",
     "clip_correlation",
+    "conv2d_deterministic",
+    "conv2d_diag",
+    "conv2d_sample",
     "cross_through_activation",
     "cross_through_linear",
     "get_kernel_backend",
@@ -63,6 +74,9 @@ __all__ = [
     "linear_full",
     "linear_full_from_diag",
     "linear_moments",
+    "max_of_gaussians",
+    "max_of_gaussians_quadrature",
+    "max_pool2d_diag",
     "memory_budget",
     "min_variance",
     "normal_cdf",

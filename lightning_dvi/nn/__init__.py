@@ -8,20 +8,27 @@ from torch import nn
 
 from .activations import GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh
 from .base import BayesModule, Moments
-from .builders import mlp
+from .builders import CNN, cnn, mlp
 from .container import Residual, Sequential
+from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
 from .linear import BayesLinear, ParameterGroup
 from .registry import ActivationSpec, activation_specs, register_activation
 
 __all__ = [
+    "BAYES_LAYER_TYPES",
+    "CNN",
     "GELU",
     "ActivationSpec",
+    "AvgPool2d",
+    "BayesConv2d",
     "BayesLinear",
     "BayesModule",
+    "Flatten",
     "Heaviside",
     "LeakyReLU",
+    "MaxPool2d",
     "Moments",
     "ParameterGroup",
     "PredictiveModule",
@@ -33,6 +40,7 @@ __all__ = [
     "Tanh",
     "activation_specs",
     "bayes_layers",
+    "cnn",
     "export_predictive",
     "from_torch",
     "mlp",
@@ -44,11 +52,15 @@ __all__ = [
 ]
 
 
-def bayes_layers(module: nn.Module) -> Iterator[BayesLinear]:
-    """All :class:`BayesLinear` layers inside ``module``, in registration order."""
+BAYES_LAYER_TYPES: tuple[type[BayesModule], ...] = (BayesLinear, BayesConv2d)
+"""The layer types that own weight posteriors (and so prior groups)."""
+
+
+def bayes_layers(module: nn.Module) -> Iterator[BayesLinear | BayesConv2d]:
+    """All weight layers (:class:`BayesLinear`, :class:`BayesConv2d`) in ``module``, in order."""
     for m in module.modules():
-        if isinstance(m, BayesLinear):
-            yield m
+        if isinstance(m, BAYES_LAYER_TYPES):
+            yield m  # type: ignore[misc]
 
 
 def named_parameter_groups(module: nn.Module) -> list[tuple[str, ParameterGroup]]:
@@ -60,7 +72,7 @@ def named_parameter_groups(module: nn.Module) -> list[tuple[str, ParameterGroup]
     return [
         (f"{prefix}.{group.name}" if prefix else group.name, group)
         for prefix, layer in module.named_modules()
-        if isinstance(layer, BayesLinear)
+        if isinstance(layer, BAYES_LAYER_TYPES)
         for group in layer.parameter_groups()
     ]
 

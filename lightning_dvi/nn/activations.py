@@ -20,6 +20,7 @@ _Pair = tuple[Tensor, Tensor]
 
 
 class _Activation(BayesModule):
+    image_output = None  # elementwise: images stay images
     _full: Callable[[Tensor, Tensor], _Pair]
     _diag: Callable[[Tensor, Tensor], _Pair]
     _slope: Callable[[Tensor, Tensor], Tensor]

@@ -27,8 +27,14 @@ class BayesModule(nn.Module):
 
     In ``full`` mode a Gaussian whose covariance is exactly diagonal travels between modules in
     diag storage (a first layer fed a deterministic input, and the activation after it), which
-    skips the :math:`O(D^3)` work on zeros; the outermost call returns full storage.
+    skips the :math:`O(D^3)` work on zeros; the outermost call returns full storage, except
+    from modules whose output is per-pixel (``image_output``: convolutions and pooling, whose
+    full covariance is never formed; see :mod:`lightning_dvi.nn.conv`).
     """
+
+    image_output: bool | None = False
+    """Whether the output is an image Gaussian ``[B, C, H, W]``, kept diag in full mode
+    (``None``: elementwise, the output is whatever the input was)."""
 
     def forward(self, x: Moments, mode: str = "full", num_samples: int | None = None) -> Moments:
         """Propagate ``x`` through the module.
@@ -47,7 +53,7 @@ class BayesModule(nn.Module):
         if isinstance(x, Gaussian):
             if mode in ("sample", "local"):
                 raise ValueError(f"mode={mode!r} needs a tensor input, got a Gaussian")
-            return _finish(self.propagate(x, mode), mode)
+            return _finish(self.propagate(x, mode), mode, self)
         if not isinstance(x, Tensor):
             raise ValueError(f"input must be a tensor or a Gaussian, got {type(x).__name__}")
         if x.dim() < 1 or not x.dtype.is_floating_point:
@@ -65,7 +71,7 @@ class BayesModule(nn.Module):
             return self.propagate(x.unsqueeze(0).expand(s, *x.shape), mode)
         if num_samples is not None:
             raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")
-        return _finish(self.propagate(x, mode), mode)
+        return _finish(self.propagate(x, mode), mode, self)
 
     def propagate(self, x: Moments, mode: str) -> Moments:  # pragma: no cover - abstract
         """Propagate without input checks; ``x`` is ``[S, B, D]`` in the Monte Carlo modes."""
@@ -95,10 +101,10 @@ def as_mode(g: Gaussian, mode: str) -> Gaussian:
     return g.to_full() if mode == "full" else g.to_diag()
 
 
-def _finish(out: Moments, mode: str) -> Moments:
+def _finish(out: Moments, mode: str, module: BayesModule) -> Moments:
     # In full mode, modules pass a diag Gaussian along while its covariance is *exactly*
     # diagonal (deterministic input -> first linear layer -> activation); users asked for
     # mode="full" get a full covariance back.
-    if mode == "full" and isinstance(out, Gaussian):
+    if mode == "full" and isinstance(out, Gaussian) and not module.image_output:
         return out.to_full()
     return out

@@ -43,6 +43,14 @@ class Sequential(BayesModule):
         _check_modules("Sequential", modules)
         self.layers = nn.ModuleList(modules)
 
+    @property
+    def image_output(self) -> bool | None:  # type: ignore[override]
+        """Whether the chain returns per-pixel moments (its last non-elementwise module's)."""
+        for layer in reversed(self.layers):
+            if layer.image_output is not None:
+                return layer.image_output
+        return None
+
     def __iter__(self) -> Iterator[BayesModule]:
         return iter(self.layers)  # type: ignore[arg-type]
 

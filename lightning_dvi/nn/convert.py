@@ -40,7 +40,13 @@ from .container import Sequential
 from .linear import BayesLinear
 from .registry import spec_for_module
 
-__all__ = ["ConversionOptions", "Flatten", "from_torch", "register_converter", "set_posterior"]
+__all__ = [
+    "ConversionOptions",
+    "TorchFlatten",
+    "from_torch",
+    "register_converter",
+    "set_posterior",
+]
 
 Init = Literal["torch", "fresh"]
 
@@ -195,8 +201,12 @@ def _drop(module: nn.Module, options: ConversionOptions) -> None:
     return None
 
 
-class Flatten(BayesModule):
-    """``torch.nn.Flatten`` for declared networks: flattens tensors (any mode) and diag Gaussians.
+class TorchFlatten(BayesModule):
+    """``torch.nn.Flatten`` for converted networks: flattens tensors (any mode) and diag Gaussians.
+
+    Unlike :class:`lightning_dvi.nn.Flatten` (images ``[B, C, H, W]`` only, for declared CNNs)
+    it keeps ``torch.nn.Flatten``'s ``start_dim``/``end_dim`` and lets flat inputs through, as
+    the torch module does, so a converted network accepts what the torch one accepted.
 
     In the Monte Carlo modes the leading sample dimension is kept out of the flattened range.
     A full-covariance Gaussian is already flat (``[B, D]``) and passes through unchanged.
@@ -241,10 +251,7 @@ class Flatten(BayesModule):
 @register_converter(nn.Flatten)
 def _convert_flatten(module: nn.Module, options: ConversionOptions) -> BayesModule:
     assert isinstance(module, nn.Flatten)
-    from .. import nn as dvi_nn
-
-    cls = getattr(dvi_nn, "Flatten", Flatten)  # a library-wide Flatten wins where it exists
-    return cls(module.start_dim, module.end_dim)
+    return TorchFlatten(module.start_dim, module.end_dim)
 
 
 def _leaves(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:

@@ -1,0 +1,345 @@
+r"""Convolutional BNN modules: ``BayesConv2d``, ``AvgPool2d``, ``MaxPool2d`` and ``Flatten``.
+
+Thin modules over :mod:`lightning_dvi.moments.conv` and :mod:`lightning_dvi.moments.pooling`.
+Image moments are diag :class:`~lightning_dvi.Gaussian` objects whose mean and variance are
+``[B, C, H, W]``; in the Monte Carlo modes the tensors carry a leading sample dimension,
+``[S, B, C, H, W]``.
+
+**The full-mode rule.** Convolutional stages always propagate *diagonal* moments (per-pixel
+variances); a full covariance over ``C·H·W`` units would cost :math:`O((CHW)^3)` per example.
+In ``mode="full"`` a network therefore runs its conv blocks (conv, activation, pooling) in
+diag storage, :class:`Flatten` hands a diag Gaussian ``[B, C·H·W]`` to the dense head, and the
+first :class:`~lightning_dvi.nn.BayesLinear` after it *lifts to full*: a diag input gives the
+exact full output covariance :math:`\operatorname{diag}(E[h^2]V^\top + u) +
+M\operatorname{diag}(\operatorname{Var} h)M^\top` (dense units share inputs, so they are
+correlated even when the inputs are not). From there on the dense head is full DVI. In
+``mode="diag"`` everything is diagonal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import moments as M
+from ..gaussian import Gaussian
+from .base import BayesModule, Moments
+from .linear import BayesLinear, ParameterGroup, ScaleTransform
+
+__all__ = ["AvgPool2d", "BayesConv2d", "Flatten", "MaxPool2d"]
+
+_MC_MODES = ("sample", "local")
+
+
+def _pair(v: int | tuple[int, int], name: str) -> tuple[int, int]:
+    pair = (v, v) if isinstance(v, int) else tuple(int(i) for i in v)
+    if len(pair) != 2 or any(isinstance(i, bool) for i in pair):
+        raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
+    return pair  # type: ignore[return-value]
+
+
+def _image_shape(owner: str, x: Moments, mode: str) -> tuple[int, ...]:
+    """Check that ``x`` is an image batch and return the user-facing shape ``[B, C, H, W]``."""
+    if isinstance(x, Gaussian) and x.is_full:
+        raise ValueError(
+            f"{owner} needs per-pixel (diag) moments, got a full-covariance Gaussian of shape "
+            f"{tuple(x.shape)}; image stages run before the dense head (see lightning_dvi.nn.conv)"
+        )
+    shape = tuple(x.shape)
+    image = shape[1:] if mode in _MC_MODES and isinstance(x, Tensor) else shape
+    if len(image) != 4:
+        raise ValueError(f"{owner} expects an image batch [B, C, H, W] (4-D), got shape {image}")
+    return image
+
+
+def _flat_samples(x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    s, b = x.shape[:2]
+    return x.reshape(s * b, *x.shape[2:]), (s, b)
+
+
+class BayesConv2d(BayesModule):
+    r"""2-D convolution with a factorised Gaussian posterior over kernels and bias.
+
+    :math:`a = \operatorname{conv}(h, W) + b` with :math:`q(W_{o,c,u,v}) = \mathcal N(M, S^2)`
+    per kernel entry, parameterised like :class:`~lightning_dvi.nn.BayesLinear` (softplus or
+    exp scales, persistent prior-variance buffers, one prior group for the kernel and one for
+    the bias), so priors, empirical Bayes and the KL treat it like a dense layer.
+
+    Modes: ``diag`` (and ``full``, see the module docstring) propagate per-pixel moments by
+    :func:`~lightning_dvi.moments.conv2d_diag`; ``sample`` draws one whole kernel per sample
+    (a grouped convolution); ``local`` samples each output unit from its exact Gaussian given
+    the input (local reparameterisation).
+
+    Args:
+        in_channels: input channels :math:`C_\text{in}`.
+        out_channels: output channels :math:`C_\text{out}`.
+        kernel_size: ``k`` or ``(kH, kW)``.
+        stride: convolution stride.
+        padding: zero padding on each side.
+        bias: learn a Gaussian bias per output channel.
+        init_loc_std: std of the initial kernel means; default He,
+            :math:`\sqrt{2/\text{fan\_in}}` with :math:`\text{fan\_in} = C_\text{in} k_H k_W`.
+        init_scale: initial posterior std; default :math:`0.1\sqrt{1/\text{fan\_in}}`.
+        init_bias_scale: initial posterior std of the bias; default ``init_scale / 10``.
+        prior_variance: initial value of the prior-variance buffers.
+        scale_transform: ``"softplus"`` or ``"exp"``.
+
+    Examples:
+        >>> conv = BayesConv2d(1, 4, 3, padding=1)
+        >>> out = conv(torch.randn(2, 1, 8, 8), mode="diag")
+        >>> tuple(out.mean.shape), tuple(out.var.shape)
+        ((2, 4, 8, 8), (2, 4, 8, 8))
+    """
+
+    image_output = True
+    # the positivity transform and the per-step scale cache are BayesLinear's
+    _raw = BayesLinear._raw
+    _positive = BayesLinear._positive
+    _scale = BayesLinear._scale
+    weight_scale = BayesLinear.weight_scale
+    bias_scale = BayesLinear.bias_scale
+    _moments = BayesLinear._moments
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] = 0,
+        bias: bool = True,
+        *,
+        init_loc_std: float | None = None,
+        init_scale: float | None = None,
+        init_bias_scale: float | None = None,
+        prior_variance: float = 1.0,
+        scale_transform: ScaleTransform = "softplus",
+    ) -> None:
+        super().__init__()
+        if in_channels < 1 or out_channels < 1:
+            raise ValueError(f"channels must be positive, got ({in_channels}, {out_channels})")
+        self.kernel_size = _pair(kernel_size, "kernel_size")
+        self.stride = _pair(stride, "stride")
+        self.padding = _pair(padding, "padding")
+        if min(self.kernel_size) < 1 or min(self.stride) < 1 or min(self.padding) < 0:
+            raise ValueError(
+                "kernel_size and stride must be positive and padding non-negative, got "
+                f"{self.kernel_size}, {self.stride}, {self.padding}"
+            )
+        if scale_transform not in ("softplus", "exp"):
+            raise ValueError(
+                f"scale_transform must be 'softplus' or 'exp', got {scale_transform!r}"
+            )
+        if prior_variance <= 0:
+            raise ValueError(f"prior_variance must be positive, got {prior_variance}")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.scale_transform = scale_transform
+        fan_in = in_channels * self.kernel_size[0] * self.kernel_size[1]
+        self.init_loc_std = math.sqrt(2.0 / fan_in) if init_loc_std is None else init_loc_std
+        self.init_scale = 0.1 * math.sqrt(1.0 / fan_in) if init_scale is None else init_scale
+        self.init_bias_scale = self.init_scale / 10 if init_bias_scale is None else init_bias_scale
+        if self.init_scale <= 0 or self.init_bias_scale <= 0:
+            raise ValueError(
+                f"init_scale and init_bias_scale must be positive, got {self.init_scale}, "
+                f"{self.init_bias_scale}"
+            )
+        shape = (out_channels, in_channels, *self.kernel_size)
+        self.weight_loc = nn.Parameter(torch.empty(shape))
+        self.weight_raw_scale = nn.Parameter(torch.empty(shape))
+        self.register_buffer("weight_prior_variance", torch.tensor(float(prior_variance)))
+        if bias:
+            self.bias_loc = nn.Parameter(torch.empty(out_channels))
+            self.bias_raw_scale = nn.Parameter(torch.empty(out_channels))
+            self.register_buffer("bias_prior_variance", torch.tensor(float(prior_variance)))
+        else:
+            self.register_parameter("bias_loc", None)
+            self.register_parameter("bias_raw_scale", None)
+            self.register_buffer("bias_prior_variance", None)
+        self.reset_parameters()
+
+    reset_parameters = BayesLinear.reset_parameters
+
+    def parameter_groups(self) -> list[ParameterGroup]:
+        """The kernel and the bias vector as separate prior groups."""
+        return BayesLinear.parameter_groups(self)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ propagation
+    def _check_input(self, x: Moments, mode: str) -> None:
+        if x.dtype != self.weight_loc.dtype:
+            raise ValueError(
+                f"BayesConv2d parameters are {self.weight_loc.dtype} but the input is "
+                f"{x.dtype}; convert one of them (e.g. net.double() or x.float())"
+            )
+        shape = _image_shape("BayesConv2d", x, mode)
+        if shape[1] != self.in_channels:
+            raise ValueError(
+                f"BayesConv2d expected {self.in_channels} input channels, got {shape[1]} "
+                f"(input shape {shape}, read as [B, C, H, W])"
+            )
+
+    def propagate(self, x: Moments, mode: str) -> Moments:
+        """Diag moments (``full``/``diag``) or samples (``sample``/``local``) of the output."""
+        self._check_input(x, mode)
+        w_loc, w_var, b_loc, b_var = self._moments()
+        conv = {"stride": self.stride, "padding": self.padding}
+        if mode == "sample":
+            return self._sample(x)  # type: ignore[arg-type]
+        if mode == "local":
+            flat, (s, b) = _flat_samples(x)  # type: ignore[arg-type]
+            mean, var = M.conv2d_deterministic(flat, w_loc, w_var, b_loc, b_var, **conv)
+            out = mean + var.sqrt() * torch.randn_like(mean)
+            return out.reshape(s, b, *out.shape[1:])
+        if isinstance(x, Tensor):
+            mean, var = M.conv2d_deterministic(x, w_loc, w_var, b_loc, b_var, **conv)
+        else:
+            mean, var = M.conv2d_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var, **conv)
+        return Gaussian(mean, var=var, validate=False)
+
+    def _sample(self, x: Tensor) -> Tensor:
+        s = x.shape[0]
+        eps = torch.randn(s, *self.weight_loc.shape, dtype=x.dtype, device=x.device)
+        weight = self.weight_loc + self.weight_scale * eps
+        bias = None
+        if self.bias_loc is not None:
+            b_eps = torch.randn(s, self.out_channels, dtype=x.dtype, device=x.device)
+            bias = self.bias_loc + self.bias_scale * b_eps
+        return M.conv2d_sample(x, weight, bias, stride=self.stride, padding=self.padding)
+
+    def extra_repr(self) -> str:
+        """Shapes and options for ``repr``."""
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+            f"stride={self.stride}, padding={self.padding}, bias={self.bias_loc is not None}, "
+            f"scale_transform={self.scale_transform!r}"
+        )
+
+
+class _Pool2d(BayesModule):
+    _name: str
+    image_output = True
+
+    def __init__(
+        self, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] | None = None
+    ) -> None:
+        super().__init__()
+        self.kernel_size = _pair(kernel_size, "kernel_size")
+        self.stride = self.kernel_size if stride is None else _pair(stride, "stride")
+        if min(self.kernel_size) < 1 or min(self.stride) < 1:
+            raise ValueError(
+                f"kernel_size and stride must be positive, got {self.kernel_size}, {self.stride}"
+            )
+
+    def _tensor(self, x: Tensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _moments(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover
+        raise NotImplementedError
+
+    def propagate(self, x: Moments, mode: str) -> Moments:
+        """Pool a tensor (any mode) or per-pixel moments (``full``/``diag``)."""
+        shape = _image_shape(self._name, x, mode)
+        if shape[2] < self.kernel_size[0] or shape[3] < self.kernel_size[1]:
+            raise ValueError(
+                f"{self._name}: pooling window {self.kernel_size} is larger than the image "
+                f"{tuple(shape[2:])}"
+            )
+        if isinstance(x, Tensor):
+            if mode in _MC_MODES:
+                flat, (s, b) = _flat_samples(x)
+                out = self._tensor(flat)
+                return out.reshape(s, b, *out.shape[1:])
+            return self._tensor(x)
+        mean, var = self._moments(x.mean, x.var)
+        return Gaussian(mean, var=var, validate=False)
+
+    def extra_repr(self) -> str:
+        """Window and stride for ``repr``."""
+        return f"kernel_size={self.kernel_size}, stride={self.stride}"
+
+
+class AvgPool2d(_Pool2d):
+    r"""Average pooling (no padding); exact on independent Gaussian pixels.
+
+    :math:`E = \operatorname{avgpool}(E[h])`,
+    :math:`\operatorname{Var} = \operatorname{avgpool}(\operatorname{Var}h)/(k_Hk_W)`
+    (:func:`~lightning_dvi.moments.avg_pool2d_diag`).
+
+    Examples:
+        >>> from lightning_dvi import Gaussian
+        >>> g = Gaussian(torch.zeros(1, 1, 2, 2), var=torch.ones(1, 1, 2, 2))
+        >>> AvgPool2d(2)(g, mode="diag").var.flatten().tolist()
+        [0.25]
+    """
+
+    _name = "AvgPool2d"
+
+    def _tensor(self, x: Tensor) -> Tensor:
+        return F.avg_pool2d(x, self.kernel_size, self.stride)
+
+    def _moments(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+        return M.avg_pool2d_diag(mean, var, self.kernel_size, self.stride)
+
+
+class MaxPool2d(_Pool2d):
+    r"""Max pooling (no padding); moment-matched on Gaussian pixels.
+
+    The output pixel is the Gaussian with the mean and variance of the maximum of its window's
+    (independent) Gaussian pixels (:func:`~lightning_dvi.moments.max_pool2d_diag`):
+    ``method="quadrature"`` (default) computes them exactly by 1-D quadrature of the CDF of the
+    maximum; ``method="clark"`` applies Clark's formulas for the maximum of two Gaussians
+    sequentially over the window (cheaper; exact only for two-unit windows).
+
+    Args:
+        kernel_size: window ``k`` or ``(kH, kW)``.
+        stride: default ``kernel_size``.
+        method: ``"quadrature"`` or ``"clark"``.
+        points: quadrature nodes.
+    """
+
+    _name = "MaxPool2d"
+
+    def __init__(
+        self,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] | None = None,
+        method: str = "quadrature",
+        points: int = 64,
+    ) -> None:
+        super().__init__(kernel_size, stride)
+        if method not in ("quadrature", "clark"):
+            raise ValueError(f"method must be 'quadrature' or 'clark', got {method!r}")
+        if isinstance(points, bool) or not isinstance(points, int) or points < 2:
+            raise ValueError(f"points must be an int >= 2, got {points!r}")
+        self.method = method
+        self.points = points
+
+    def _tensor(self, x: Tensor) -> Tensor:
+        return F.max_pool2d(x, self.kernel_size, self.stride)
+
+    def _moments(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+        return M.max_pool2d_diag(
+            mean, var, self.kernel_size, self.stride, method=self.method, points=self.points
+        )
+
+
+class Flatten(BayesModule):
+    """Flatten images ``[B, C, H, W]`` to ``[B, C·H·W]`` (means and variances alike).
+
+    The diag Gaussian it returns is what lifts to full covariance at the next
+    :class:`~lightning_dvi.nn.BayesLinear` in ``mode="full"`` (see the module docstring).
+
+    Examples:
+        >>> Flatten()(torch.zeros(2, 3, 4, 4), mode="diag").shape
+        torch.Size([2, 48])
+    """
+
+    def propagate(self, x: Moments, mode: str) -> Moments:
+        """Reshape the last three dimensions into one."""
+        _image_shape("Flatten", x, mode)
+        if isinstance(x, Tensor):
+            return x.flatten(-3)
+        return Gaussian(x.mean.flatten(-3), var=x.var.flatten(-3), validate=False)
