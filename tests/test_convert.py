@@ -121,15 +121,31 @@ def test_unsupported_layers_are_named_with_their_position():
         from_torch(nn.Sequential(nn.Linear(2, 2), Custom()))
 
 
-def test_conv2d_without_bayes_conv_is_a_clear_error():
-    import lightning_dvi.nn as dvi_nn
+@pytest.mark.parametrize("mode", ["diag", "full"])
+def test_cnn_round_trip_with_zero_scale_is_the_torch_network(mode):
+    torch.manual_seed(0)
+    torch_net = nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
+        nn.Conv2d(3, 2, 3), nn.GELU(), nn.Flatten(), nn.Linear(2, 4),
+    ).double()  # fmt: skip
+    x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
+    net = from_torch(torch_net, scale_fraction=0.0)
+    assert [type(m).__name__ for m in net][:3] == ["BayesConv2d", "ReLU", "AvgPool2d"]
+    out = net(x, mode=mode)
+    torch.testing.assert_close(out.mean, torch_net(x), rtol=0, atol=1e-6)
+    assert float(out.var.abs().max()) <= 1e-12
 
-    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2))
-    if hasattr(dvi_nn, "BayesConv2d"):  # pragma: no cover - once the convolution issue lands
-        assert type(from_torch(net)[0]).__name__ == "BayesConv2d"
-    else:
-        with pytest.raises(NotImplementedError, match=r"layer 1 \(0\): Conv2d.*BayesConv2d"):
-            from_torch(net)
+
+def test_max_pool_converts_and_unsupported_conv_options_are_named():
+    torch_net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.MaxPool2d(2), nn.Flatten())
+    net = from_torch(torch_net, scale_fraction=0.1)
+    assert type(net[1]).__name__ == "MaxPool2d"
+    out = net(torch.randn(3, 1, 4, 4), mode="diag")
+    assert out.mean.shape == (3, 8) and bool(torch.isfinite(out.var).all())
+    with pytest.raises(NotImplementedError, match=r"layer 1 \(0\): Conv2d.*dilation=1"):
+        from_torch(nn.Sequential(nn.Conv2d(1, 2, 3, dilation=2)))
+    with pytest.raises(NotImplementedError, match="MaxPool2d with padding=0"):
+        from_torch(nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d(2, padding=1)))
 
 
 def test_bad_options_rejected():

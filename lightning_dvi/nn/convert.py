@@ -5,8 +5,9 @@ through the registry (:mod:`lightning_dvi.nn.registry`: ``nn.ReLU``, ``nn.LeakyR
 ``nn.GELU``, ``nn.SiLU``, ``nn.Tanh``, ``nn.Sigmoid``, ...), ``nn.Flatten`` to a flatten module,
 and ``nn.Dropout``/``nn.Identity`` are dropped (DVI's weight posterior replaces dropout's noise).
 Nested ``nn.Sequential`` containers are flattened in order. Anything else raises an error naming
-the layer and its position. ``nn.Conv2d`` is converted when :mod:`lightning_dvi.nn` provides
-``BayesConv2d``; converters for further layer types plug in through :func:`register_converter`.
+the layer and its position. ``nn.Conv2d`` becomes :class:`~lightning_dvi.nn.BayesConv2d`
+(``groups=1``, no dilation), ``nn.AvgPool2d``/``nn.MaxPool2d`` the moment-propagating pools;
+converters for further layer types plug in through :func:`register_converter`.
 
 **Posterior initialisation** (``init="torch"``, in the spirit of MOPED, Krishnan et al. 2020):
 the posterior means are the torch weights and biases, and the posterior standard deviations are
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 from ..gaussian import Gaussian
 from .base import BayesModule, Moments
 from .container import Sequential
+from .conv import AvgPool2d, BayesConv2d, MaxPool2d
 from .linear import BayesLinear
 from .registry import spec_for_module
 
@@ -167,31 +169,46 @@ def _copy_posterior(layer: nn.Module, module: nn.Module, options: ConversionOpti
 
 @register_converter(nn.Conv2d)
 def _convert_conv2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
-    from .. import nn as dvi_nn
-
-    conv_cls = getattr(dvi_nn, "BayesConv2d", None)
-    if conv_cls is None:
-        raise NotImplementedError(
-            "Conv2d needs lightning_dvi.nn.BayesConv2d, which this version does not provide"
-        )
     assert isinstance(module, nn.Conv2d)
-    if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
+    if (
+        module.groups != 1
+        or module.padding_mode != "zeros"
+        or isinstance(module.padding, str)
+        or tuple(module.dilation) != (1, 1)
+    ):
         raise NotImplementedError(
-            "only Conv2d with groups=1, padding_mode='zeros' and numeric padding is supported"
+            "only Conv2d with groups=1, dilation=1, padding_mode='zeros' and numeric padding is "
+            "supported"
         )
-    layer = conv_cls(
+    layer = BayesConv2d(
         module.in_channels,
         module.out_channels,
         module.kernel_size,
         stride=module.stride,
         padding=module.padding,
-        dilation=module.dilation,
         bias=module.bias is not None,
         **options.layer_kwargs,
     ).to(device=module.weight.device, dtype=module.weight.dtype)
     if options.init == "torch":
         _copy_posterior(layer, module, options)
     return layer
+
+
+@register_converter(nn.AvgPool2d, nn.MaxPool2d)
+def _convert_pool2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
+    assert isinstance(module, (nn.AvgPool2d, nn.MaxPool2d))
+    unsupported = module.padding not in (0, (0, 0)) or module.ceil_mode
+    if isinstance(module, nn.AvgPool2d):
+        unsupported = unsupported or module.divisor_override is not None
+    else:
+        unsupported = unsupported or module.dilation not in (1, (1, 1)) or module.return_indices
+    if unsupported:
+        raise NotImplementedError(
+            f"only {type(module).__name__} with padding=0 and ceil_mode=False (and the default "
+            "dilation, divisor and indices) is supported"
+        )
+    cls = AvgPool2d if isinstance(module, nn.AvgPool2d) else MaxPool2d
+    return cls(module.kernel_size, module.stride)  # type: ignore[arg-type]
 
 
 @register_converter(
@@ -263,7 +280,7 @@ def _leaves(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
 
 
 _SUPPORTED = (
-    "Linear, Conv2d (with BayesConv2d), Flatten, Dropout (dropped), Identity (dropped), "
+    "Linear, Conv2d, AvgPool2d, MaxPool2d, Flatten, Dropout (dropped), Identity (dropped), "
     "nested Sequential, and the registered activations"
 )
 
