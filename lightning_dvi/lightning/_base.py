@@ -237,7 +237,8 @@ class DVIModule(LightningModule):
                 self.net = self._build_net(in_features, out_features, **self._mlp_args)
         else:
             self.net = self._check_net(net, in_features, out_features)
-            self.in_features = next(iter(bayes_layers(self.net))).in_features
+            # a convolutional first layer has channels, not an input width
+            self.in_features = getattr(next(iter(bayes_layers(self.net))), "in_features", None)
         self.calibration_curves: dict[str, dict[str, Tensor]] = {}
         # Collects this frame's and the subclass's arguments (the subclass's win).
         self.save_hyperparameters(ignore=["net", "out_features"])
