@@ -59,6 +59,22 @@ ROWS: dict[str, tuple[str, dict]] = {
     "plain_cnn": ("plain", {"arch": "cnn", "lr": 1e-2, "epochs": 100}),
     "ddvi_cnn": ("bayes", {"arch": "cnn", "mode": "diag", "lr": 1e-2, "epochs": 150, **ANNEAL2}),
     "mcvi_cnn": ("bayes", {"arch": "cnn", "mode": "sample", "lr": 1e-2, "epochs": 100, **ANNEAL}),
+    # Tempered KL (kl_weight 0.03): the MLP setting chosen on the validation rows in
+    # docs/calibration.md (recipes/digits_classification.yaml); the CNN reuses that weight.
+    "dvi_mlp_t": (
+        "bayes",
+        {"arch": "mlp", "mode": "full", "lr": 3e-3, "epochs": 150, "model": {"kl_weight": 0.03}},
+    ),
+    "ddvi_cnn_t": (
+        "bayes",
+        {
+            "arch": "cnn",
+            "mode": "diag",
+            "lr": 1e-2,
+            "epochs": 150,
+            "model": {"kl_anneal_steps": 1000, "kl_weight": 0.03},
+        },
+    ),
 }
 METRICS = ("acc", "nll", "ece", "brier", "ood_auroc", "ood_auroc_mi", "train_s")
 
@@ -142,7 +158,7 @@ def fit_bayes(dm: DigitsDataModule, cfg: dict, seed: int, mc_eval: int):
 
     def predict(x: torch.Tensor):
         with torch.no_grad():
-            return model.predict_proba(x), class_probability_samples(model(x), mc_eval)
+            return model.predictive(x), class_probability_samples(model(x), mc_eval)
 
     return predict
 
