@@ -112,6 +112,34 @@ def test_injected_network_from_the_cli_is_rebuilt_from_its_checkpoint(tmp_path):
     torch.testing.assert_close(loaded.net.weight_loc, run.model.net.weight_loc)
 
 
+def test_cli_trains_a_converted_torch_network_and_reloads_it(tmp_path):
+    """Issue 15: a saved torch network, converted by from_torch, from YAML via TorchNetwork."""
+    torch.manual_seed(0)
+    torch_net = torch.nn.Sequential(
+        torch.nn.Linear(1, 16), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 2)
+    )
+    torch.save(torch_net, tmp_path / "mlp.pt")
+    config = yaml.safe_load(TOY.read_text())
+    config["model"]["init_args"]["net"] = {
+        "class_path": "lightning_dvi.nn.TorchNetwork",
+        "init_args": {"path": str(tmp_path / "mlp.pt"), "scale_fraction": 0.05},
+    }
+    config["trainer"].update(max_epochs=1, logger=False, default_root_dir=str(tmp_path))
+    config["trainer"]["callbacks"] = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(tmp_path), "save_last": True, "save_top_k": 0},
+        }
+    ]
+    config["test_after_fit"] = False
+    path = tmp_path / "net.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = cli(["fit", "--config", str(path), "--data.init_args.num_train", "32"])
+    assert [type(m).__name__ for m in run.model.net] == ["BayesLinear", "GELU", "BayesLinear"]
+    loaded = DVIRegressor.load_from_checkpoint(tmp_path / "last.ckpt")  # no net= needed
+    torch.testing.assert_close(loaded.net[0].weight_loc, run.model.net[0].weight_loc)
+
+
 @pytest.mark.parametrize("model", [DVIRegressor, DVIClassifier])
 def test_help_lists_every_argument_once_forwarded(model, capsys):
     """Shared arguments are forwarded with **kwargs, yet --model.help shows all of them."""

@@ -11,7 +11,7 @@ from .base import BayesModule, Moments
 from .builders import CNN, cnn, mlp
 from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
-from .convert import from_torch, register_converter, set_posterior
+from .convert import TorchNetwork, from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
 from .linear import BayesLinear, ParameterGroup
 from .registry import ActivationSpec, activation_specs, register_activation
@@ -38,6 +38,7 @@ __all__ = [
     "SiLU",
     "Sigmoid",
     "Tanh",
+    "TorchNetwork",
     "activation_specs",
     "bayes_layers",
     "cnn",
