@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -240,3 +242,49 @@ def test_non_centred_hierarchical_scale_is_integrated_exactly():
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), DeterministicELBO())
     assert all(torch.isfinite(torch.tensor(svi.step(x, y))) for _ in range(5))
     assert guide.weight_sites == ("w_raw", "v")
+
+
+# ----------------------------------------------------------------------------- convolutions
+def test_conv2d_and_avg_pool_use_the_conv_moment_formulas():
+    x = torch.randn(2, 1, 6, 6)
+    w = MomentTensor(torch.randn(3, 1, 3, 3), torch.rand(3, 1, 3, 3), mode="diag", sources={"w"})
+    b = MomentTensor(torch.randn(3), torch.rand(3), mode="diag", sources={"b"})
+    h = F.avg_pool2d(torch.relu(F.conv2d(x, w, b, padding=1)), 2)
+    mean, var = M.conv2d_deterministic(x, w.dvi_mean, w.dvi_var, b.dvi_mean, b.dvi_var, 1, 1)
+    mean, var = M.avg_pool2d_diag(*M.relu_diag(mean, var), 2)
+    torch.testing.assert_close(h.dvi_mean, mean)
+    torch.testing.assert_close(h.dvi_var, var)
+    with pytest.raises(NotImplementedError, match="conv2d"):
+        F.conv2d(x, w, b, groups=1, dilation=2)
+
+
+def test_pyro_cnn_trains_with_the_deterministic_guide():
+    """Issue 13: PyroModule[nn.Conv2d] with Normal priors in diag mode."""
+
+    class CNN(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.conv = PyroModule[nn.Conv2d](1, 2, 3, padding=1)
+            self.conv.weight = PyroSample(dist.Normal(0.0, 1.0).expand([2, 1, 3, 3]).to_event(4))
+            self.conv.bias = PyroSample(dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            self.fc = PyroModule[nn.Linear](2 * 2 * 2, 3)
+            self.fc.weight = PyroSample(dist.Normal(0.0, 1.0).expand([3, 8]).to_event(2))
+            self.fc.bias = PyroSample(dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+
+        def forward(self, x, y=None):
+            h = F.avg_pool2d(torch.relu(self.conv(x)), 2).flatten(1)
+            logits = self.fc(h)
+            with pyro.plate("data", x.shape[0]):
+                return pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+    pyro.set_rng_seed(0)
+    x, y = torch.randn(16, 1, 4, 4), torch.randint(0, 3, (16,))
+    model = CNN()
+    guide = DeterministicGuide(model, mode="diag")
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), loss=DeterministicELBO())
+    losses = [svi.step(x, y) for _ in range(30)]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+    assert DeterministicELBO().loss(model, guide, x, y) == DeterministicELBO().loss(
+        model, guide, x, y
+    )

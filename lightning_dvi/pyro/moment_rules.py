@@ -236,6 +236,53 @@ def _matmul(func: Callable[..., Any], x: Any, weight: Any) -> MomentTensor:
     return _linear_core(func, x, weight, None, transpose=True)
 
 
+@register(F.conv2d)
+def _conv2d(
+    func: Callable[..., Any],
+    x: Any,
+    weight: Any,
+    bias: Any = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+) -> MomentTensor:
+    """``PyroModule[nn.Conv2d]``: diag moments through :mod:`lightning_dvi.moments.conv`."""
+    op = op_name(func)
+    if isinstance(weight, SampledTensor) or isinstance(bias, SampledTensor):
+        raise sampled_weight_error(op)
+    if groups != 1 or isinstance(padding, str) or dilation not in (1, (1, 1)):
+        raise unsupported(f"`{op}` with groups, dilation or string padding")
+    sources = union_sources(op, x, weight, bias)
+    like: MomentTensor = next(t for t in (weight, x, bias) if is_moment(t))
+    if like.dvi_mode != "diag":
+        raise unsupported(f"`{op}` in mode='full'", "convolutions propagate diag moments")
+    w_mean, w_var = _param_moments(weight)
+    w_var = torch.zeros_like(w_mean) if w_var is None else w_var
+    b_mean, b_var = _param_moments(bias)
+    if is_moment(x):
+        h = x.gaussian(op)
+        mean, var = M.conv2d_diag(h.mean, h.var, w_mean, w_var, b_mean, b_var, stride, padding)
+    else:
+        mean, var = M.conv2d_deterministic(x, w_mean, w_var, b_mean, b_var, stride, padding)
+    return MomentTensor(mean, var=var, mode="diag", sources=sources)
+
+
+@register(F.avg_pool2d)
+def _avg_pool2d(
+    func: Callable[..., Any], x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0,
+    ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: Any = None,
+) -> MomentTensor:  # fmt: skip
+    """``nn.AvgPool2d`` on independent units: exact diag moments."""
+    op = op_name(func)
+    if padding not in (0, (0, 0)) or ceil_mode or divisor_override is not None:
+        raise unsupported(f"`{op}` with padding, ceil_mode or divisor_override")
+    h = x.gaussian(op)
+    stride = kernel_size if stride in (None, []) else stride
+    mean, var = M.avg_pool2d_diag(h.mean, h.var, kernel_size, stride)
+    return MomentTensor(mean, var=var, mode=x.dvi_mode, sources=x.dvi_sources)
+
+
 def _registered_activation(func: Callable[..., Any]) -> Handler | None:
     """The rule for a torch function that a declared activation stands for (else ``None``)."""
     spec = spec_for_function(func)
