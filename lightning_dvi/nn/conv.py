@@ -18,16 +18,14 @@ correlated even when the inputs are not). From there on the dense head is full D
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from .. import moments as M
 from ..gaussian import Gaussian
 from .base import BayesModule, Moments
-from .linear import BayesLinear, ParameterGroup, ScaleTransform
+from .linear import BayesLinear, ParameterGroup, ScaleTransform, init_factorised_posterior
 
 __all__ = ["AvgPool2d", "BayesConv2d", "Flatten", "MaxPool2d"]
 
@@ -129,36 +127,13 @@ class BayesConv2d(BayesModule):
                 "kernel_size and stride must be positive and padding non-negative, got "
                 f"{self.kernel_size}, {self.stride}, {self.padding}"
             )
-        if scale_transform not in ("softplus", "exp"):
-            raise ValueError(
-                f"scale_transform must be 'softplus' or 'exp', got {scale_transform!r}"
-            )
-        if prior_variance <= 0:
-            raise ValueError(f"prior_variance must be positive, got {prior_variance}")
         self.in_channels = in_channels
         self.out_channels = out_channels
-        self.scale_transform = scale_transform
         fan_in = in_channels * self.kernel_size[0] * self.kernel_size[1]
-        self.init_loc_std = math.sqrt(2.0 / fan_in) if init_loc_std is None else init_loc_std
-        self.init_scale = 0.1 * math.sqrt(1.0 / fan_in) if init_scale is None else init_scale
-        self.init_bias_scale = self.init_scale / 10 if init_bias_scale is None else init_bias_scale
-        if self.init_scale <= 0 or self.init_bias_scale <= 0:
-            raise ValueError(
-                f"init_scale and init_bias_scale must be positive, got {self.init_scale}, "
-                f"{self.init_bias_scale}"
-            )
-        shape = (out_channels, in_channels, *self.kernel_size)
-        self.weight_loc = nn.Parameter(torch.empty(shape))
-        self.weight_raw_scale = nn.Parameter(torch.empty(shape))
-        self.register_buffer("weight_prior_variance", torch.tensor(float(prior_variance)))
-        if bias:
-            self.bias_loc = nn.Parameter(torch.empty(out_channels))
-            self.bias_raw_scale = nn.Parameter(torch.empty(out_channels))
-            self.register_buffer("bias_prior_variance", torch.tensor(float(prior_variance)))
-        else:
-            self.register_parameter("bias_loc", None)
-            self.register_parameter("bias_raw_scale", None)
-            self.register_buffer("bias_prior_variance", None)
+        init_factorised_posterior(
+            self, (out_channels, in_channels, *self.kernel_size), fan_in, bias,
+            init_loc_std, init_scale, init_bias_scale, prior_variance, scale_transform,
+        )  # fmt: skip
         self.reset_parameters()
 
     reset_parameters = BayesLinear.reset_parameters

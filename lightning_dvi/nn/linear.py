@@ -100,6 +100,50 @@ def _inverse_softplus(x: float) -> float:
     return x + math.log(-math.expm1(-x))
 
 
+def init_factorised_posterior(
+    layer: nn.Module,
+    weight_shape: tuple[int, ...],
+    fan_in: int,
+    bias: bool,
+    init_loc_std: float | None,
+    init_scale: float | None,
+    init_bias_scale: float | None,
+    prior_variance: float,
+    scale_transform: str,
+) -> None:
+    r"""Validate and register a factorised Gaussian posterior on ``layer`` (weights and bias).
+
+    Shared by :class:`BayesLinear` and :class:`~lightning_dvi.nn.BayesConv2d`: the parameters
+    ``weight_loc``/``weight_raw_scale`` (``weight_shape``) and ``bias_loc``/``bias_raw_scale``
+    (``weight_shape[0]``, or ``None``), the persistent prior-variance buffers, and the
+    initialisation defaults from ``fan_in`` (means :math:`\mathcal N(0, 2/\mathrm{fan_{in}})`,
+    scales :math:`0.1/\sqrt{\mathrm{fan_{in}}}`, bias scales a tenth of that). The caller then
+    calls ``reset_parameters()``.
+    """
+    if scale_transform not in ("softplus", "exp"):
+        raise ValueError(f"scale_transform must be 'softplus' or 'exp', got {scale_transform!r}")
+    if prior_variance <= 0:
+        raise ValueError(f"prior_variance must be positive, got {prior_variance}")
+    layer.scale_transform = scale_transform
+    layer.init_loc_std = math.sqrt(2.0 / fan_in) if init_loc_std is None else init_loc_std
+    layer.init_scale = 0.1 * math.sqrt(1.0 / fan_in) if init_scale is None else init_scale
+    layer.init_bias_scale = layer.init_scale / 10 if init_bias_scale is None else init_bias_scale
+    for name in ("init_scale", "init_bias_scale"):
+        if getattr(layer, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(layer, name)}")
+    layer.weight_loc = nn.Parameter(torch.empty(weight_shape))
+    layer.weight_raw_scale = nn.Parameter(torch.empty(weight_shape))
+    layer.register_buffer("weight_prior_variance", torch.tensor(float(prior_variance)))
+    if bias:
+        layer.bias_loc = nn.Parameter(torch.empty(weight_shape[0]))
+        layer.bias_raw_scale = nn.Parameter(torch.empty(weight_shape[0]))
+        layer.register_buffer("bias_prior_variance", torch.tensor(float(prior_variance)))
+    else:
+        layer.register_parameter("bias_loc", None)
+        layer.register_parameter("bias_raw_scale", None)
+        layer.register_buffer("bias_prior_variance", None)
+
+
 class BayesLinear(BayesModule):
     r"""Linear layer :math:`a = hW^\top + b` with :math:`q(W_{kj}) = \mathcal N(M_{kj}, S_{kj}^2)`.
 
@@ -140,35 +184,12 @@ class BayesLinear(BayesModule):
         super().__init__()
         if in_features < 1 or out_features < 1:
             raise ValueError(f"features must be positive, got ({in_features}, {out_features})")
-        if scale_transform not in ("softplus", "exp"):
-            raise ValueError(
-                f"scale_transform must be 'softplus' or 'exp', got {scale_transform!r}"
-            )
-        if prior_variance <= 0:
-            raise ValueError(f"prior_variance must be positive, got {prior_variance}")
         self.in_features = in_features
         self.out_features = out_features
-        self.scale_transform = scale_transform
-        self.init_loc_std = math.sqrt(2.0 / in_features) if init_loc_std is None else init_loc_std
-        self.init_scale = 0.1 * math.sqrt(1.0 / in_features) if init_scale is None else init_scale
-        self.init_bias_scale = self.init_scale / 10 if init_bias_scale is None else init_bias_scale
-        for name, value in (
-            ("init_scale", self.init_scale),
-            ("init_bias_scale", self.init_bias_scale),
-        ):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        self.weight_loc = nn.Parameter(torch.empty(out_features, in_features))
-        self.weight_raw_scale = nn.Parameter(torch.empty(out_features, in_features))
-        self.register_buffer("weight_prior_variance", torch.tensor(float(prior_variance)))
-        if bias:
-            self.bias_loc = nn.Parameter(torch.empty(out_features))
-            self.bias_raw_scale = nn.Parameter(torch.empty(out_features))
-            self.register_buffer("bias_prior_variance", torch.tensor(float(prior_variance)))
-        else:
-            self.register_parameter("bias_loc", None)
-            self.register_parameter("bias_raw_scale", None)
-            self.register_buffer("bias_prior_variance", None)
+        init_factorised_posterior(
+            self, (out_features, in_features), in_features, bias,
+            init_loc_std, init_scale, init_bias_scale, prior_variance, scale_transform,
+        )  # fmt: skip
         self.reset_parameters()
 
     # ------------------------------------------------------------------ parameters
