@@ -87,12 +87,10 @@ def test_validate_without_validation_data_fails():
         cli(["validate", "--config", str(TOY), "--data.init_args.num_val", "0"])
 
 
-def test_injected_network_from_the_cli_is_rebuilt_from_its_checkpoint(tmp_path):
+def _fit_toy_with_net(tmp_path, net):
+    """One epoch of the toy recipe with ``model.init_args.net`` set; last.ckpt in tmp_path."""
     config = yaml.safe_load(TOY.read_text())
-    config["model"]["init_args"]["net"] = {
-        "class_path": "lightning_dvi.nn.BayesLinear",
-        "init_args": {"in_features": 1, "out_features": 2, "init_scale": 0.05},
-    }
+    config["model"]["init_args"]["net"] = net
     config["trainer"].update(max_epochs=1, logger=False, default_root_dir=str(tmp_path))
     config["trainer"]["callbacks"] = [
         {
@@ -104,6 +102,15 @@ def test_injected_network_from_the_cli_is_rebuilt_from_its_checkpoint(tmp_path):
     path = tmp_path / "net.yaml"
     path.write_text(yaml.safe_dump(config))
     run = cli(["fit", "--config", str(path), "--data.init_args.num_train", "32"])
+    return run
+
+
+def test_injected_network_from_the_cli_is_rebuilt_from_its_checkpoint(tmp_path):
+    net = {
+        "class_path": "lightning_dvi.nn.BayesLinear",
+        "init_args": {"in_features": 1, "out_features": 2, "init_scale": 0.05},
+    }
+    run = _fit_toy_with_net(tmp_path, net)
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["hyper_parameters"]
     assert "hidden" not in saved  # the injected network never had the default [128, 128]
     assert saved["net"]["class_path"] == "lightning_dvi.nn.BayesLinear"
@@ -119,22 +126,11 @@ def test_cli_trains_a_converted_torch_network_and_reloads_it(tmp_path):
         torch.nn.Linear(1, 16), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 2)
     )
     torch.save(torch_net, tmp_path / "mlp.pt")
-    config = yaml.safe_load(TOY.read_text())
-    config["model"]["init_args"]["net"] = {
+    net = {
         "class_path": "lightning_dvi.nn.TorchNetwork",
         "init_args": {"path": str(tmp_path / "mlp.pt"), "scale_fraction": 0.05},
     }
-    config["trainer"].update(max_epochs=1, logger=False, default_root_dir=str(tmp_path))
-    config["trainer"]["callbacks"] = [
-        {
-            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-            "init_args": {"dirpath": str(tmp_path), "save_last": True, "save_top_k": 0},
-        }
-    ]
-    config["test_after_fit"] = False
-    path = tmp_path / "net.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run = cli(["fit", "--config", str(path), "--data.init_args.num_train", "32"])
+    run = _fit_toy_with_net(tmp_path, net)
     assert [type(m).__name__ for m in run.model.net] == ["BayesLinear", "GELU", "BayesLinear"]
     loaded = DVIRegressor.load_from_checkpoint(tmp_path / "last.ckpt")  # no net= needed
     torch.testing.assert_close(loaded.net[0].weight_loc, run.model.net[0].weight_loc)
