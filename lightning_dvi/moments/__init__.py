@@ -1,10 +1,10 @@
 """Pure moment-propagation functions on tensors (no state; imports only torch and the Gaussian).
 
 The closed forms (:mod:`.linear`, :mod:`.activations`, :mod:`.residual`) take and return
-tensors; :mod:`.layers` wraps them as weight moments plus input moments in, a
-:class:`~lightning_dvi.Gaussian` out, which every front-end calls. :mod:`.policy` holds the
-only settings (how the full-covariance kernels execute: blocked, whole-tensor or compiled, and
-their memory budget).
+tensors; :mod:`.algebra` adds, scales and reindexes Gaussians; :mod:`.layers` wraps them as
+weight moments plus input moments in, a :class:`~lightning_dvi.Gaussian` out, which every
+front-end calls. :mod:`.policy` holds the only settings (how the full-covariance kernels
+execute: blocked, whole-tensor or compiled, and their memory budget).
 """
 
 from . import policy
@@ -18,8 +18,15 @@ from .activations import (
     relu_full,
     relu_slope,
 )
+from .algebra import add_independent, reindex_gaussian, scale_gaussian
 from .conv import conv2d_deterministic, conv2d_diag, conv2d_sample
-from .layers import activation_moments, linear_moments, residual_moments, skip_covariance
+from .layers import (
+    activation_moments,
+    conv2d_moments,
+    linear_moments,
+    residual_moments,
+    skip_covariance,
+)
 from .linear import (
     linear_deterministic,
     linear_diag,
@@ -53,12 +60,14 @@ from .special import (
 
 __all__ = [
     "activation_moments",
+    "add_independent",
     "asin_over_x",
     "asin_residual_over_x3",
     "avg_pool2d_diag",
     "clip_correlation",
     "conv2d_deterministic",
     "conv2d_diag",
+    "conv2d_moments",
     "conv2d_sample",
     "cross_through_activation",
     "cross_through_linear",
@@ -82,12 +91,14 @@ __all__ = [
     "normal_cdf",
     "normal_pdf",
     "policy",
+    "reindex_gaussian",
     "relu_diag",
     "relu_full",
     "relu_slope",
     "residual_diag",
     "residual_full",
     "residual_moments",
+    "scale_gaussian",
     "set_kernel_backend",
     "set_memory_budget",
     "skip_covariance",

@@ -17,12 +17,20 @@ import torch
 from torch import Tensor
 
 from ..gaussian import Gaussian
+from .conv import conv2d_deterministic, conv2d_diag
 from .linear import linear_deterministic, linear_diag, linear_full, linear_full_from_diag
 from .residual import residual_diag, residual_full
 
-__all__ = ["activation_moments", "linear_moments", "residual_moments", "skip_covariance"]
+__all__ = [
+    "activation_moments",
+    "conv2d_moments",
+    "linear_moments",
+    "residual_moments",
+    "skip_covariance",
+]
 
 _Pair = tuple[Tensor, Tensor]
+_Size = int | tuple[int, int]
 
 
 def linear_moments(
@@ -61,6 +69,44 @@ def linear_moments(
         mean, cov = linear_full_from_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
         return Gaussian(mean, cov=cov, validate=False)
     mean, var = linear_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
+    return Gaussian(mean, var=var, validate=False)
+
+
+def conv2d_moments(
+    x: Tensor | Gaussian,
+    w_loc: Tensor,
+    w_var: Tensor,
+    b_loc: Tensor | None = None,
+    b_var: Tensor | None = None,
+    *,
+    stride: _Size = 1,
+    padding: _Size = 0,
+) -> Gaussian:
+    r"""The per-pixel Gaussian of :math:`a = \operatorname{conv}(h, W) + b` (factorised weights).
+
+    :func:`.conv2d_deterministic` for a deterministic image (exact), :func:`.conv2d_diag` for
+    independent Gaussian pixels (exact marginals; the covariances between output pixels are
+    dropped, so the output is a diag Gaussian in every mode).
+
+    Args:
+        x: a deterministic image batch ``[B, C_in, H, W]`` or a diag Gaussian of that shape.
+        w_loc: kernel means ``[C_out, C_in, kH, kW]``.
+        w_var: kernel variances, same shape.
+        b_loc: bias means ``[C_out]`` or ``None``.
+        b_var: bias variances ``[C_out]`` or ``None``.
+        stride: convolution stride.
+        padding: zero padding on each side.
+
+    Raises:
+        ValueError: for a full-covariance input (image stages carry per-pixel moments).
+    """
+    conv = {"stride": stride, "padding": padding}
+    if not isinstance(x, Gaussian):
+        mean, var = conv2d_deterministic(x, w_loc, w_var, b_loc, b_var, **conv)
+    elif x.is_full:
+        raise ValueError("conv2d_moments needs per-pixel (diag) moments, got a full covariance")
+    else:
+        mean, var = conv2d_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var, **conv)
     return Gaussian(mean, var=var, validate=False)
 
 

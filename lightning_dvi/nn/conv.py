@@ -18,6 +18,8 @@ correlated even when the inputs are not). From there on the dense head is full D
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -27,7 +29,14 @@ from ..gaussian import Gaussian
 from .base import BayesModule, Moments
 from .linear import BayesLinear, ParameterGroup, ScaleTransform, init_factorised_posterior
 
-__all__ = ["AvgPool2d", "BayesConv2d", "Flatten", "MaxPool2d"]
+__all__ = [
+    "AvgPool2d",
+    "BayesConv2d",
+    "Flatten",
+    "MaxPool2d",
+    "unsupported_conv2d_options",
+    "unsupported_pool2d_options",
+]
 
 _MC_MODES = ("sample", "local")
 
@@ -37,6 +46,45 @@ def _pair(v: int | tuple[int, int], name: str) -> tuple[int, int]:
     if len(pair) != 2 or any(isinstance(i, bool) for i in pair):
         raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
     return pair  # type: ignore[return-value]
+
+
+def _is_one(v: Any) -> bool:
+    return v in (1, (1, 1), [1, 1])
+
+
+def unsupported_conv2d_options(
+    groups: int = 1, dilation: Any = 1, padding: Any = 0, padding_mode: str = "zeros"
+) -> str | None:
+    """What :class:`BayesConv2d` requires of torch ``conv2d`` options they break, else ``None``.
+
+    One check for every front-end: :func:`~lightning_dvi.nn.from_torch` converting an
+    ``nn.Conv2d`` and the Pyro moment pass running ``F.conv2d``.
+    """
+    if groups != 1 or not _is_one(dilation) or isinstance(padding, str) or padding_mode != "zeros":
+        return "groups=1, dilation=1, padding_mode='zeros' and numeric padding"
+    return None
+
+
+def unsupported_pool2d_options(
+    padding: Any = 0,
+    ceil_mode: bool = False,
+    dilation: Any = 1,
+    divisor_override: int | None = None,
+    return_indices: bool = False,
+) -> str | None:
+    """What :class:`AvgPool2d`/:class:`MaxPool2d` require of torch pooling options, else ``None``.
+
+    Shared as :func:`unsupported_conv2d_options` is.
+    """
+    if (
+        padding not in (0, (0, 0), [0, 0])
+        or ceil_mode
+        or not _is_one(dilation)
+        or divisor_override is not None
+        or return_indices
+    ):
+        return "padding=0 and ceil_mode=False (and the default dilation, divisor and indices)"
+    return None
 
 
 def _image_shape(owner: str, x: Moments, mode: str) -> tuple[int, ...]:
@@ -168,11 +216,7 @@ class BayesConv2d(BayesModule):
             mean, var = M.conv2d_deterministic(flat, w_loc, w_var, b_loc, b_var, **conv)
             out = mean + var.sqrt() * torch.randn_like(mean)
             return out.reshape(s, b, *out.shape[1:])
-        if isinstance(x, Tensor):
-            mean, var = M.conv2d_deterministic(x, w_loc, w_var, b_loc, b_var, **conv)
-        else:
-            mean, var = M.conv2d_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var, **conv)
-        return Gaussian(mean, var=var, validate=False)
+        return M.conv2d_moments(x, w_loc, w_var, b_loc, b_var, **conv)
 
     def _sample(self, x: Tensor) -> Tensor:
         s = x.shape[0]

@@ -38,7 +38,13 @@ from torch import Tensor, nn
 from ..gaussian import Gaussian
 from .base import BayesModule, Moments
 from .container import Sequential
-from .conv import AvgPool2d, BayesConv2d, MaxPool2d
+from .conv import (
+    AvgPool2d,
+    BayesConv2d,
+    MaxPool2d,
+    unsupported_conv2d_options,
+    unsupported_pool2d_options,
+)
 from .linear import BayesLinear
 from .registry import spec_for_module
 
@@ -171,16 +177,11 @@ def _copy_posterior(layer: nn.Module, module: nn.Module, options: ConversionOpti
 @register_converter(nn.Conv2d)
 def _convert_conv2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
     assert isinstance(module, nn.Conv2d)
-    if (
-        module.groups != 1
-        or module.padding_mode != "zeros"
-        or isinstance(module.padding, str)
-        or tuple(module.dilation) != (1, 1)
-    ):
-        raise NotImplementedError(
-            "only Conv2d with groups=1, dilation=1, padding_mode='zeros' and numeric padding is "
-            "supported"
-        )
+    required = unsupported_conv2d_options(
+        module.groups, module.dilation, module.padding, module.padding_mode
+    )
+    if required is not None:
+        raise NotImplementedError(f"only Conv2d with {required} is supported")
     layer = BayesConv2d(
         module.in_channels,
         module.out_channels,
@@ -198,16 +199,15 @@ def _convert_conv2d(module: nn.Module, options: ConversionOptions) -> BayesModul
 @register_converter(nn.AvgPool2d, nn.MaxPool2d)
 def _convert_pool2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
     assert isinstance(module, (nn.AvgPool2d, nn.MaxPool2d))
-    unsupported = module.padding not in (0, (0, 0)) or module.ceil_mode
-    if isinstance(module, nn.AvgPool2d):
-        unsupported = unsupported or module.divisor_override is not None
-    else:
-        unsupported = unsupported or module.dilation not in (1, (1, 1)) or module.return_indices
-    if unsupported:
-        raise NotImplementedError(
-            f"only {type(module).__name__} with padding=0 and ceil_mode=False (and the default "
-            "dilation, divisor and indices) is supported"
-        )
+    required = unsupported_pool2d_options(
+        module.padding,
+        module.ceil_mode,
+        getattr(module, "dilation", 1),
+        getattr(module, "divisor_override", None),
+        getattr(module, "return_indices", False),
+    )
+    if required is not None:
+        raise NotImplementedError(f"only {type(module).__name__} with {required} is supported")
     cls = AvgPool2d if isinstance(module, nn.AvgPool2d) else MaxPool2d
     return cls(module.kernel_size, module.stride)  # type: ignore[arg-type]
 

@@ -10,7 +10,6 @@ shape ops and broadcasting, addition of independent terms, scaling by constants,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import moments as M
+from ..gaussian import Gaussian
+from ..nn.conv import unsupported_conv2d_options, unsupported_pool2d_options
 from ..nn.registry import spec_for_function
 from .dispatch import Handler, op_name, register, register_resolver, unsupported
 from .moment_tensor import (
@@ -36,35 +37,6 @@ _T = Tensor
 
 
 # ------------------------------------------------------------------------------- shape ops
-def _probe_gather(func: Callable[..., Any], x: MomentTensor, args: tuple, kwargs: dict) -> Any:
-    """Apply a shape op to a full-mode moment tensor, keeping exactly what it can.
-
-    The op is applied to two index probes (source row and source column of every element). If
-    each output row comes from one source row, the covariance is gathered exactly; otherwise
-    the output's last dimension mixes data rows and only marginals survive.
-    """
-    mean = func(x.dvi_mean, *args, **kwargs)
-    var = func(x.dvi_var, *args, **kwargs)
-    if x.dim() == 0 or x.dvi_marginal:
-        return new_like(x, mean, var, marginal=True)
-    batch, d = x.shape[:-1], x.shape[-1]
-    n = math.prod(batch)
-    rows = torch.arange(n, device=x.device).reshape(*batch, 1).expand(*batch, d)
-    cols = torch.arange(d, device=x.device).expand(*batch, d)
-    r, c = func(rows, *args, **kwargs), func(cols, *args, **kwargs)
-    if r.dim() == 0 or not bool((r == r[..., :1]).all()):
-        return new_like(x, mean, var, marginal=True)
-    if x.dvi_cov is None:
-        # Independent units stay independent only if no unit is duplicated within a row.
-        distinct = c.shape[-1] <= 1 or bool((c.sort(-1).values.diff(dim=-1) > 0).all())
-        return new_like(x, mean, var, marginal=not distinct)
-    out_d = c.shape[-1]
-    cov = x.dvi_cov.reshape(n, d, d)[r[..., 0]]
-    cov = cov.gather(-2, c.unsqueeze(-1).expand(*c.shape, d))
-    cov = cov.gather(-1, c.unsqueeze(-2).expand(*c.shape[:-1], out_d, out_d))
-    return new_like(x, mean, cov=cov)
-
-
 _SHAPE_OPS = (
     *(getattr(_T, n) for n in ("expand", "view", "__getitem__", "contiguous", "clone", "t")),
     *(getattr(m, n) for m in (_T, torch) for n in ("reshape", "squeeze", "unsqueeze", "flatten")),
@@ -77,11 +49,18 @@ _SHAPE_OPS = (
 
 @register(*_SHAPE_OPS)
 def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
+    """Gather the moments (:func:`lightning_dvi.moments.reindex_gaussian`).
+
+    In ``full`` mode an op that mixes the last dimension with batch dimensions (or repeats a
+    unit of independent ones) keeps only marginals and marks the result ``dvi_marginal``.
+    """
     if not is_moment(x) or any(is_moment(a) for a in (*args, *kwargs.values())):
         raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
-    if x.dvi_mode == "diag":
-        return new_like(x, func(x.dvi_mean, *args, **kwargs), func(x.dvi_var, *args, **kwargs))
-    return _probe_gather(func, x, args, kwargs)
+    full = x.dvi_mode == "full"
+    g, exact = M.reindex_gaussian(
+        x.moments(), func, *args, joint=full and not x.dvi_marginal, **kwargs
+    )
+    return new_like(x, g, marginal=full and not exact)
 
 
 @register(_T.expand_as, _T.reshape_as, _T.view_as)
@@ -106,62 +85,45 @@ def _cast(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Moment
     if not is_moment(x) or any(is_moment(a) for a in args):
         raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
     cov = None if x.dvi_cov is None else func(x.dvi_cov, *args, **kwargs)
-    return new_like(x, func(x.dvi_mean, *args, **kwargs), func(x.dvi_var, *args, **kwargs), cov)
+    var = None if cov is not None else func(x.dvi_var, *args, **kwargs)
+    return new_like(x, Gaussian(func(x.dvi_mean, *args, **kwargs), cov, var, validate=False))
 
 
 # ------------------------------------------------------------------------------ arithmetic
-def _needs_full_input(op: str, x: MomentTensor) -> Tensor:
-    """The full covariance of a full-mode input (exactly diagonal for independent units)."""
-    return M.skip_covariance(x.gaussian(op))
-
-
-def _as_tensor(x: Any, like: MomentTensor) -> Any:
-    if isinstance(x, Tensor):
-        return x
-    return torch.as_tensor(x, dtype=like.dvi_mean.dtype, device=like.dvi_mean.device)
-
-
+# Sums and constant factors of independent moments: lightning_dvi.moments.algebra. Operands are
+# broadcast first by the shape rule above, which keeps the covariance or marks marginals.
 def _add_moments(op: str, a: Any, b: Any) -> MomentTensor:
     for t in (a, b):
         if is_moment(t):
             t.check_unlinked(op)
     sources = union_sources(op, a, b)
     like = a if is_moment(a) else b
-    a, b = _as_tensor(a, like), _as_tensor(b, like)
+    a, b = (
+        t if isinstance(t, Tensor) else torch.as_tensor(t, dtype=like.dtype, device=like.device)
+        for t in (a, b)
+    )
     shape = torch.broadcast_shapes(a.shape, b.shape)
     a, b = expand_to(a, shape), expand_to(b, shape)
-    if not (is_moment(a) and is_moment(b)):
-        x, c = (a, b) if is_moment(a) else (b, a)
-        return new_like(x, x.dvi_mean + c, x.dvi_var, x.dvi_cov)
-    mean = a.dvi_mean + b.dvi_mean
-    if like.dvi_mode == "diag" or a.dvi_marginal or b.dvi_marginal:
-        return new_like(
-            like, mean, a.dvi_var + b.dvi_var, sources=sources, marginal=like.dvi_mode == "full"
-        )
-    if a.dvi_cov is None and b.dvi_cov is None:
-        return new_like(like, mean, a.dvi_var + b.dvi_var, sources=sources)
-    cov = _needs_full_input(op, a) + _needs_full_input(op, b)
-    return new_like(like, mean, cov=cov, sources=sources, marginal=False)
+    marginal = like.dvi_mode == "full" and any(is_moment(t) and t.dvi_marginal for t in (a, b))
+    marginals_only = like.dvi_mode == "diag" or marginal
+    a, b = (
+        (t.moments().to_diag() if marginals_only else t.moments()) if is_moment(t) else t
+        for t in (a, b)
+    )
+    return new_like(like, M.add_independent(a, b), sources=sources, marginal=marginal)
 
 
-def _scale_moments(x: MomentTensor, c: Tensor | float) -> MomentTensor:
-    x.check_unlinked("scaling")
-    c = torch.as_tensor(c, dtype=x.dvi_mean.dtype, device=x.dvi_mean.device)
-    shape = torch.broadcast_shapes(x.shape, c.shape)
-    x, c = expand_to(x, shape), c.expand(shape)  # type: ignore[assignment]
-    cov = None if x.dvi_cov is None else x.dvi_cov * c.unsqueeze(-1) * c.unsqueeze(-2)
-    return new_like(x, x.dvi_mean * c, x.dvi_var * c * c, cov)
-
-
-def _neg(x: MomentTensor) -> MomentTensor:
-    x.check_unlinked("negation")
-    return new_like(x, -x.dvi_mean, x.dvi_var, x.dvi_cov)
+def _scale_moments(x: MomentTensor, c: Tensor | float, op: str) -> MomentTensor:
+    x.check_unlinked(op)
+    c = torch.as_tensor(c)
+    x = expand_to(x, torch.broadcast_shapes(x.shape, c.shape))  # type: ignore[assignment]
+    return new_like(x, M.scale_gaussian(x.moments(), c))
 
 
 @register(_T.__add__, _T.__radd__, _T.add, torch.add)
 def _add(func: Callable[..., Any], a: Any, b: Any, *, alpha: float = 1) -> MomentTensor:
     if alpha != 1:
-        b = _scale_moments(b, alpha) if is_moment(b) else b * alpha
+        b = _scale_moments(b, alpha, "scaling") if is_moment(b) else b * alpha
     return _add_moments(op_name(func), a, b)
 
 
@@ -169,35 +131,35 @@ def _add(func: Callable[..., Any], a: Any, b: Any, *, alpha: float = 1) -> Momen
 def _sub(func: Callable[..., Any], a: Any, b: Any, *, alpha: float = 1) -> MomentTensor:
     if isinstance(b, _LogSumExp):  # logits - logits.logsumexp(-1, keepdim=True): Categorical
         return b.normalise(a, alpha)
-    b = _neg(b) if is_moment(b) else -torch.as_tensor(b)
+    b = _scale_moments(b, -1.0, "negation") if is_moment(b) else -torch.as_tensor(b)
     return _add(func, a, b, alpha=alpha)
 
 
 @register(_T.__rsub__)
 def _rsub(func: Callable[..., Any], a: Any, b: Any) -> MomentTensor:
-    return _add_moments(op_name(func), _neg(a), b)  # b - a
+    return _add_moments(op_name(func), _scale_moments(a, -1.0, "negation"), b)  # b - a
 
 
 @register(_T.__neg__, _T.neg, torch.neg)
 def _neg_op(func: Callable[..., Any], x: MomentTensor) -> MomentTensor:
-    return _neg(x)
+    return _scale_moments(x, -1.0, "negation")
 
 
 @register(_T.__mul__, _T.__rmul__, _T.mul, torch.mul)
 def _mul(func: Callable[..., Any], a: Any, b: Any) -> MomentTensor:
     if is_moment(a) and is_moment(b):
         raise unsupported(f"`{op_name(func)}` of two moment-carrying tensors", "not Gaussian")
-    return _scale_moments(a, b) if is_moment(a) else _scale_moments(b, a)
+    return _scale_moments(a, b, "scaling") if is_moment(a) else _scale_moments(b, a, "scaling")
 
 
 @register(_T.__truediv__, _T.div, torch.div)
 def _div(func: Callable[..., Any], a: Any, b: Any, **kwargs: Any) -> MomentTensor:
     if is_moment(b) or kwargs:
         raise unsupported(f"`{op_name(func)}` by a moment-carrying tensor or with rounding")
-    return _scale_moments(a, 1.0 / torch.as_tensor(b))
+    return _scale_moments(a, 1.0 / torch.as_tensor(b), "scaling")
 
 
-# ---------------------------------------------------------------------------- linear, relu
+# ------------------------------------------------------------------ layers with weights
 def _param_moments(p: Any) -> tuple[Tensor, Tensor | None]:
     if p is None or not is_moment(p):
         return p, None
@@ -206,66 +168,59 @@ def _param_moments(p: Any) -> tuple[Tensor, Tensor | None]:
     return p.dvi_mean, p.dvi_var
 
 
-def _linear_core(op: Any, x: Any, weight: Any, bias: Any, transpose: bool) -> MomentTensor:
+def _layer(func: Callable[..., Any], x: Any, weight: Any, bias: Any, moments: Any) -> MomentTensor:
+    """Convert the operands to (weight moments, input moments) and call ``moments`` on them.
+
+    ``moments(h, w_loc, w_var, b_loc, b_var, *, mode) -> Gaussian`` is a function of
+    :mod:`lightning_dvi.moments.layers`; a deterministic weight has zero variance.
+    """
     if isinstance(weight, SampledTensor) or isinstance(bias, SampledTensor):
-        raise sampled_weight_error(op)
-    op = op_name(op)
+        raise sampled_weight_error(func)
+    op = op_name(func)
     sources = union_sources(op, x, weight, bias)
-    like: MomentTensor = next(t for t in (weight, x, bias) if is_moment(t))
+    mode = next(t for t in (weight, x, bias) if is_moment(t)).dvi_mode
     w_mean, w_var = _param_moments(weight)
-    if transpose:
-        w_mean = w_mean.transpose(-1, -2)
-        w_var = None if w_var is None else w_var.transpose(-1, -2)
-    if w_var is None:
-        w_var = torch.zeros_like(w_mean)
     b_mean, b_var = _param_moments(bias)
+    w_var = torch.zeros_like(w_mean) if w_var is None else w_var
     h = x.gaussian(op) if is_moment(x) else x
-    out = M.linear_moments(h, w_mean, w_var, b_mean, b_var, mode=like.dvi_mode)
-    return MomentTensor.of(out, like.dvi_mode, sources)
+    return MomentTensor.of(moments(h, w_mean, w_var, b_mean, b_var, mode=mode), mode, sources)
 
 
 @register(F.linear)
 def _linear(func: Callable[..., Any], x: Any, weight: Any, bias: Any = None) -> MomentTensor:
-    return _linear_core(func, x, weight, bias, transpose=False)
+    return _layer(func, x, weight, bias, M.linear_moments)
 
 
 @register(torch.matmul, _T.matmul, _T.__matmul__)
 def _matmul(func: Callable[..., Any], x: Any, weight: Any) -> MomentTensor:
+    """``x @ w`` with an ``[in, out]`` matrix ``w``: the linear layer of ``w.mT``."""
     if weight.dim() != 2 or (is_moment(weight) and weight.dvi_cov is not None):
         raise unsupported(f"`{op_name(func)}` unless the right operand is a [in, out] matrix")
-    return _linear_core(func, x, weight, None, transpose=True)
+
+    def moments(h: Any, w_loc: Tensor, w_var: Tensor, *bias: Any, mode: str) -> Gaussian:
+        return M.linear_moments(h, w_loc.mT, w_var.mT, *bias, mode=mode)
+
+    return _layer(func, x, weight, None, moments)
 
 
 @register(F.conv2d)
 def _conv2d(
-    func: Callable[..., Any],
-    x: Any,
-    weight: Any,
-    bias: Any = None,
-    stride: Any = 1,
-    padding: Any = 0,
-    dilation: Any = 1,
-    groups: int = 1,
-) -> MomentTensor:
-    """``PyroModule[nn.Conv2d]``: diag moments through :mod:`lightning_dvi.moments.conv`."""
-    op = op_name(func)
-    if isinstance(weight, SampledTensor) or isinstance(bias, SampledTensor):
-        raise sampled_weight_error(op)
-    if groups != 1 or isinstance(padding, str) or dilation not in (1, (1, 1)):
-        raise unsupported(f"`{op}` with groups, dilation or string padding")
-    sources = union_sources(op, x, weight, bias)
-    like: MomentTensor = next(t for t in (weight, x, bias) if is_moment(t))
-    if like.dvi_mode != "diag":
-        raise unsupported(f"`{op}` in mode='full'", "convolutions propagate diag moments")
-    w_mean, w_var = _param_moments(weight)
-    w_var = torch.zeros_like(w_mean) if w_var is None else w_var
-    b_mean, b_var = _param_moments(bias)
-    if is_moment(x):
-        h = x.gaussian(op)
-        mean, var = M.conv2d_diag(h.mean, h.var, w_mean, w_var, b_mean, b_var, stride, padding)
-    else:
-        mean, var = M.conv2d_deterministic(x, w_mean, w_var, b_mean, b_var, stride, padding)
-    return MomentTensor(mean, var=var, mode="diag", sources=sources)
+    func: Callable[..., Any], x: Any, weight: Any, bias: Any = None, stride: Any = 1,
+    padding: Any = 0, dilation: Any = 1, groups: int = 1,
+) -> MomentTensor:  # fmt: skip
+    """``PyroModule[nn.Conv2d]``: diag moments (:func:`lightning_dvi.moments.conv2d_moments`)."""
+    required = unsupported_conv2d_options(groups, dilation, padding)
+    if required is not None:
+        raise unsupported(f"`{op_name(func)}`", f"only {required}")
+
+    def moments(h: Any, *weights: Any, mode: str) -> Gaussian:
+        if mode != "diag":
+            raise unsupported(
+                f"`{op_name(func)}` in mode='full'", "convolutions propagate diag moments"
+            )
+        return M.conv2d_moments(h, *weights, stride=stride, padding=padding)
+
+    return _layer(func, x, weight, bias, moments)
 
 
 @register(F.avg_pool2d)
@@ -275,8 +230,9 @@ def _avg_pool2d(
 ) -> MomentTensor:  # fmt: skip
     """``nn.AvgPool2d`` on independent units: exact diag moments."""
     op = op_name(func)
-    if padding not in (0, (0, 0)) or ceil_mode or divisor_override is not None:
-        raise unsupported(f"`{op}` with padding, ceil_mode or divisor_override")
+    required = unsupported_pool2d_options(padding, ceil_mode, divisor_override=divisor_override)
+    if required is not None:
+        raise unsupported(f"`{op}`", f"only {required}")
     h = x.gaussian(op)
     stride = kernel_size if stride in (None, []) else stride
     mean, var = M.avg_pool2d_diag(h.mean, h.var, kernel_size, stride)
@@ -313,7 +269,7 @@ def _link(func: Callable[..., Any], x: Any, link: str) -> MomentTensor:
     if not is_moment(x):
         raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
     x.check_unlinked(op_name(func))
-    out = new_like(x, x.dvi_mean, x.dvi_var, x.dvi_cov)
+    out = new_like(x, x.moments())
     out.dvi_link = link
     return out
 

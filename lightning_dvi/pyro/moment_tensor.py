@@ -122,13 +122,17 @@ class MomentTensor(Tensor):
                 on a linked tensor (see :meth:`check_unlinked`).
         """
         self.check_unlinked(op)
-        if self.dvi_cov is not None:
-            return Gaussian(self.dvi_mean, cov=self.dvi_cov, validate=False)
         if self.dvi_mode == "full" and self.dvi_marginal:
             raise unsupported(
                 f"`{op}` on a tensor whose covariance an earlier shape op dropped",
                 "in mode='full' only ops on batch dimensions may precede a layer",
             )
+        return self.moments()
+
+    def moments(self) -> Gaussian:
+        """The stored moments as a :class:`~lightning_dvi.Gaussian`, whatever they stand for."""
+        if self.dvi_cov is not None:
+            return Gaussian(self.dvi_mean, cov=self.dvi_cov, validate=False)
         return Gaussian(self.dvi_mean, var=self.dvi_var, validate=False)
 
     def check_unlinked(self, op: str) -> None:
@@ -161,16 +165,15 @@ def is_moment(x: object) -> bool:
 
 def new_like(
     like: MomentTensor,
-    mean: Tensor,
-    var: Tensor | None = None,
-    cov: Tensor | None = None,
+    g: Gaussian,
     sources: frozenset[str] | None = None,
     marginal: bool | None = None,
 ) -> MomentTensor:
+    """The moment tensor carrying ``g``, with the mode, link and (by default) provenance of ``like``."""
     return MomentTensor(
-        mean,
-        var,
-        cov,
+        g.mean,
+        None if g.is_full else g.var,
+        g.cov,
         mode=like.dvi_mode,
         sources=like.dvi_sources if sources is None else sources,
         marginal=like.dvi_marginal if marginal is None else marginal,
