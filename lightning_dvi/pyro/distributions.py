@@ -41,19 +41,10 @@ def unwrap_independent(fn: Any) -> tuple[Any, int]:
     return fn, dims
 
 
-def _gaussian(what: str, x: MomentTensor) -> Any:
-    if x.dvi_mode == "full" and x.dvi_marginal:
-        raise unsupported(
-            f"{what} on outputs whose covariance an earlier shape op dropped",
-            "pass the network's [..., K] output directly",
-        )
-    return x.dvi_mean, x.dvi_var if x.dvi_cov is None else x.dvi_cov
-
-
 def categorical_expected_log_prob(what: str, logits: MomentTensor) -> Callable[[Tensor], Tensor]:
     """``y -> `` the delta-method expected log-likelihood of Gaussian logits (appendix B.4)."""
-    mean, cov = _gaussian(what, logits)
-    return lambda y: categorical_delta_expected_log_prob(mean, cov, y)
+    g = logits.gaussian(what, link="log_softmax")
+    return lambda y: categorical_delta_expected_log_prob(g.mean, g.cov if g.is_full else g.var, y)
 
 
 class LikelihoodSite(TorchDistribution):

@@ -185,10 +185,8 @@ def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
     expected = getattr(fn, "expected_log_prob", None)
     if expected is not None:  # the library's moment-aware likelihoods
         return expected
-    if isinstance(fn, torch.distributions.Categorical):
-        logits = fn.__dict__.get("logits")
-        if isinstance(logits, MomentTensor) and logits.dvi_link == "log_softmax":
-            return categorical_expected_log_prob(f"observed site {name!r}: Categorical", logits)
+    if isinstance(fn, torch.distributions.Categorical):  # it normalises its logits: linked
+        return categorical_expected_log_prob(f"observed site {name!r}: Categorical", fn.logits)
     if isinstance(fn, torch.distributions.Normal):
         return _normal(name, fn.loc, fn.scale)
     raise unsupported(

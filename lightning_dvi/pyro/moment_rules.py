@@ -36,6 +36,12 @@ __all__ = ["expand_to"]
 _T = Tensor
 
 
+def _only_moment_operand(func: Callable[..., Any], x: Any, *rest: Any) -> None:
+    """Refuse ``func`` unless ``x`` is its only moment-carrying operand."""
+    if not is_moment(x) or any(is_moment(a) for a in rest):
+        raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
+
+
 # ------------------------------------------------------------------------------- shape ops
 _SHAPE_OPS = (
     *(getattr(_T, n) for n in ("expand", "view", "__getitem__", "contiguous", "clone", "t")),
@@ -54,8 +60,7 @@ def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Mo
     In ``full`` mode an op that mixes the last dimension with batch dimensions (or repeats a
     unit of independent ones) keeps only marginals and marks the result ``dvi_marginal``.
     """
-    if not is_moment(x) or any(is_moment(a) for a in (*args, *kwargs.values())):
-        raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
+    _only_moment_operand(func, x, *args, *kwargs.values())
     full = x.dvi_mode == "full"
     g, exact = M.reindex_gaussian(
         x.moments(), func, *args, joint=full and not x.dvi_marginal, **kwargs
@@ -82,8 +87,7 @@ def _broadcast_tensors(func: Callable[..., Any], *tensors: Tensor) -> tuple[Tens
 
 @register(_T.to, _T.float, _T.double, _T.type_as)
 def _cast(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
-    if not is_moment(x) or any(is_moment(a) for a in args):
-        raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
+    _only_moment_operand(func, x, *args, *kwargs.values())
     cov = None if x.dvi_cov is None else func(x.dvi_cov, *args, **kwargs)
     var = None if cov is not None else func(x.dvi_var, *args, **kwargs)
     return new_like(x, Gaussian(func(x.dvi_mean, *args, **kwargs), cov, var, validate=False))
@@ -249,8 +253,7 @@ def _registered_activation(func: Callable[..., Any]) -> Handler | None:
         op = op_name(func)
         if kwargs.pop("inplace", False):
             raise unsupported(f"in-place `{op}`", "use f(x), not f_(x) or inplace=True")
-        if not is_moment(x) or any(is_moment(a) for a in (*args, *kwargs.values())):
-            raise unsupported(f"`{op}` with a moment-carrying tensor as an argument")
+        _only_moment_operand(func, x, *args, *kwargs.values())
         module = spec.build_from_call(*args, **kwargs)
         out = module.propagate(x.gaussian(op), x.dvi_mode)
         return MomentTensor.of(out, x.dvi_mode, x.dvi_sources)
@@ -266,8 +269,7 @@ register_resolver(_registered_activation)
 # stands for log_softmax(a) (``dvi_link``), passes through shape ops only, and the Categorical
 # site integrates it (lightning_dvi.pyro.messenger).
 def _link(func: Callable[..., Any], x: Any, link: str) -> MomentTensor:
-    if not is_moment(x):
-        raise unsupported(f"`{op_name(func)}` with a moment-carrying tensor as an argument")
+    _only_moment_operand(func, x)
     x.check_unlinked(op_name(func))
     out = new_like(x, x.moments())
     out.dvi_link = link

@@ -112,20 +112,24 @@ class MomentTensor(Tensor):
                 return func(*args, **kwargs)
         return handler_for(func)(func, *args, **kwargs)
 
-    def gaussian(self, op: str) -> Gaussian:
+    def gaussian(self, op: str, link: str | None = None) -> Gaussian:
         """The :class:`~lightning_dvi.Gaussian` these moments stand for, as input to ``op``.
 
         Diag storage for independent units (``diag`` mode, or exactly diagonal in ``full``).
+        ``link`` names the link ``op`` integrates (a likelihood): a tensor with that link gives
+        the Gaussian of its argument.
 
         Raises:
             NotImplementedError: in ``full`` mode after a shape op dropped the covariance, or
-                on a linked tensor (see :meth:`check_unlinked`).
+                on a tensor with another link (see :meth:`check_unlinked`).
         """
-        self.check_unlinked(op)
+        if self.dvi_link != link:
+            self.check_unlinked(op)
         if self.dvi_mode == "full" and self.dvi_marginal:
             raise unsupported(
                 f"`{op}` on a tensor whose covariance an earlier shape op dropped",
-                "in mode='full' only ops on batch dimensions may precede a layer",
+                "in mode='full' only ops on batch dimensions may come between the layer that "
+                "made it and a layer or likelihood (pass the network's output on directly)",
             )
         return self.moments()
 
