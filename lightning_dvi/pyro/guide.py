@@ -136,32 +136,36 @@ class DeterministicGuide(AutoNormal):
         delta = dist.Delta(value, log_density=log_density, event_dim=site["fn"].event_dim)
         return pyro.sample(name, delta)
 
-    def _each_site(self, visit: Callable[[str, dict], None], args: tuple, kwargs: dict) -> None:
-        """Call ``visit(name, site)`` for every latent site inside the site's plates."""
+    def _each_site(
+        self, weight: Callable[[str, Tensor, Tensor], Tensor], args: tuple, kwargs: dict
+    ) -> dict[str, Tensor]:
+        """Every latent site's value, inside the site's plates.
+
+        A weight site's value is ``weight(name, loc, scale)`` of its Normal posterior; other
+        latents get AutoNormal's transformed Normal sample.
+        """
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
+        values: dict[str, Tensor] = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
             with ExitStack() as stack:
                 for frame in site["cond_indep_stack"]:
                     if frame.vectorized:
                         stack.enter_context(plates[frame.name])
-                visit(name, site)
+                if name in self.weight_sites:
+                    values[name] = weight(name, *self._get_loc_and_scale(name))
+                else:
+                    values[name] = self._sample_transformed(name, site)
+        return values
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         """Sample every latent site (weights from their Normal posterior); used by Predictive."""
-        result: dict[str, Tensor] = {}
 
-        def visit(name: str, site: dict) -> None:
-            if name in self.weight_sites:
-                loc, scale = self._get_loc_and_scale(name)
-                posterior = dist.Normal(loc, scale).to_event(self._event_dims[name])
-                result[name] = pyro.sample(name, posterior)
-            else:
-                result[name] = self._sample_transformed(name, site)
+        def sample(name: str, loc: Tensor, scale: Tensor) -> Tensor:
+            return pyro.sample(name, dist.Normal(loc, scale).to_event(self._event_dims[name]))
 
-        self._each_site(visit, args, kwargs)
-        return result
+        return self._each_site(sample, args, kwargs)
 
     @pyro_method
     def moment_posteriors(self, *args: Any, **kwargs: Any) -> dict[str, MomentTensor]:
@@ -174,16 +178,11 @@ class DeterministicGuide(AutoNormal):
         """
         weights: dict[str, MomentTensor] = {}
 
-        def visit(name: str, site: dict) -> None:
-            if name in self.weight_sites:
-                loc, scale = self._get_loc_and_scale(name)
-                weights[name] = MomentTensor(
-                    loc, var=scale * scale, mode=self.mode, sources=(name,)
-                )
-            else:
-                self._sample_transformed(name, site)
+        def moments(name: str, loc: Tensor, scale: Tensor) -> Tensor:
+            weights[name] = MomentTensor(loc, var=scale * scale, mode=self.mode, sources=(name,))
+            return weights[name]
 
-        self._each_site(visit, args, kwargs)
+        self._each_site(moments, args, kwargs)
         return weights
 
     def extra_repr(self) -> str:
