@@ -102,8 +102,8 @@ def scale_gaussian(g: Gaussian, c: Tensor | float) -> Gaussian:
         [4.0, 1.0]
     """
     c = _as_constant(c, g, "scale_gaussian").expand(g.shape)
-    if g.is_full:
-        cov = g.cov * c.unsqueeze(-1) * c.unsqueeze(-2)  # type: ignore[operator]
+    if g.cov is not None:
+        cov = g.cov * c.unsqueeze(-1) * c.unsqueeze(-2)
         return Gaussian(g.mean * c, cov=cov, validate=False)
     return Gaussian(g.mean * c, var=g.var * c * c, validate=False)
 
@@ -152,12 +152,12 @@ def reindex_gaussian(
     r, c = op(rows, *args, **kwargs), op(cols, *args, **kwargs)
     if r.dim() == 0 or not bool((r == r[..., :1]).all()):
         return marginals, False
-    if not g.is_full:
+    if g.cov is None:
         # Independent units stay independent only if no unit is repeated within a row.
         distinct = c.shape[-1] <= 1 or bool((c.sort(-1).values.diff(dim=-1) > 0).all())
         return marginals, distinct
     out_d = c.shape[-1]
-    cov = g.cov.reshape(n, d, d)[r[..., 0]]  # type: ignore[union-attr]
+    cov = g.cov.reshape(n, d, d)[r[..., 0]]
     cov = cov.gather(-2, c.unsqueeze(-1).expand(*c.shape, d))
     cov = cov.gather(-1, c.unsqueeze(-2).expand(*c.shape[:-1], out_d, out_d))
     return Gaussian(mean, cov=cov, validate=False), True

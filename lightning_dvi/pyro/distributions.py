@@ -44,7 +44,9 @@ def unwrap_independent(fn: Any) -> tuple[Any, int]:
 def categorical_expected_log_prob(what: str, logits: MomentTensor) -> Callable[[Tensor], Tensor]:
     """``y -> `` the delta-method expected log-likelihood of Gaussian logits (appendix B.4)."""
     g = logits.gaussian(what, link="log_softmax")
-    return lambda y: categorical_delta_expected_log_prob(g.mean, g.cov if g.is_full else g.var, y)
+    return lambda y: categorical_delta_expected_log_prob(
+        g.mean, g.cov if g.cov is not None else g.var, y
+    )
 
 
 class LikelihoodSite(TorchDistribution):

@@ -185,7 +185,7 @@ def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
     expected = getattr(fn, "expected_log_prob", None)
     if expected is not None:  # the library's moment-aware likelihoods
         return expected
-    if isinstance(fn, torch.distributions.Categorical):  # it normalises its logits: linked
+    if isinstance(fn, torch.distributions.Categorical) and isinstance(fn.logits, MomentTensor):
         return categorical_expected_log_prob(f"observed site {name!r}: Categorical", fn.logits)
     if isinstance(fn, torch.distributions.Normal):
         return _normal(name, fn.loc, fn.scale)

@@ -11,7 +11,7 @@ shape ops and broadcasting, addition of independent terms, scaling by constants,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +120,7 @@ def _add_moments(op: str, a: Any, b: Any) -> MomentTensor:
 def _scale_moments(x: MomentTensor, c: Tensor | float, op: str) -> MomentTensor:
     x.check_unlinked(op)
     c = torch.as_tensor(c)
-    x = expand_to(x, torch.broadcast_shapes(x.shape, c.shape))  # type: ignore[assignment]
+    x = cast(MomentTensor, expand_to(x, torch.broadcast_shapes(x.shape, c.shape)))
     return new_like(x, M.scale_gaussian(x.moments(), c))
 
 
