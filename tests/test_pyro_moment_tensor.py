@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_dvi import moments as M
 from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide, MomentTensor
+from lightning_dvi.pyro.moment_tensor import SampledTensor
 
 pytestmark = pytest.mark.usefixtures("pyro_state")
 
@@ -224,6 +225,19 @@ def test_a_layer_of_sampled_weights_is_refused():
         DeterministicELBO().loss(model, guide, x, y)
     with pytest.raises(ValueError, match="not found"):
         DeterministicGuide(model, sampled_sites=["nope"])(x, y)
+
+
+@pytest.mark.parametrize("op", ["linear", "conv2d"])
+def test_a_sampled_weight_is_refused_on_a_plain_input(op):
+    # The first layer sees the data (a plain tensor): its sampled weight must still be refused.
+    if op == "linear":
+        x, w = torch.randn(4, 3), torch.randn(2, 3).as_subclass(SampledTensor)
+        call = lambda: F.linear(x, w)  # noqa: E731
+    else:
+        x, w = torch.randn(4, 1, 5, 5), torch.randn(2, 1, 3, 3).as_subclass(SampledTensor)
+        call = lambda: F.conv2d(x, w)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="non-Normal prior"):
+        call()
 
 
 def test_non_centred_hierarchical_scale_is_integrated_exactly():

@@ -27,8 +27,16 @@ _HINT = (
     "lightning_dvi.nn modules), or train it with pyro.infer.Trace_ELBO."
 )
 
+# Ops whose second and third arguments are a layer's weight and bias (a sampled value there is
+# refused: see moment_tensor.SampledTensor).
 LAYER_OPS = frozenset(
-    {torch.Tensor.__matmul__, torch.Tensor.matmul, torch.matmul, torch.nn.functional.linear}
+    {
+        torch.Tensor.__matmul__,
+        torch.Tensor.matmul,
+        torch.matmul,
+        torch.nn.functional.linear,
+        torch.nn.functional.conv2d,
+    }
 )
 
 
