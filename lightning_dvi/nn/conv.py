@@ -96,8 +96,6 @@ class BayesConv2d(BayesModule):
     # the positivity transform and the per-step scale cache are BayesLinear's
     _raw = BayesLinear._raw
     _positive = BayesLinear._positive
-    _positive_and_square = BayesLinear._positive_and_square
-    _scale_var = BayesLinear._scale_var
     _scale = BayesLinear._scale
     weight_scale = BayesLinear.weight_scale
     bias_scale = BayesLinear.bias_scale

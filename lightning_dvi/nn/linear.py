@@ -12,7 +12,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import FunctionCtx, once_differentiable
 
 from .. import moments as M
 from ..gaussian import Gaussian
@@ -88,39 +87,6 @@ def given_weights(weights: Mapping[BayesLinear, WeightMoments]) -> Iterator[None
         yield
     finally:
         _local.given = outer
-
-
-class _SoftplusSquare(torch.autograd.Function):
-    r"""``(s, s^2)`` with :math:`s = \operatorname{softplus}(r)`, the posterior scale and variance.
-
-    One node for both: the KL reads the scale, the moments the variance, and the backward
-    :math:`\bar r = (\bar s + 2s\bar v)\,\sigma(r)` is two ops (an ``addcmul`` and
-    ``softplus_backward``) instead of autograd's five (two products and a sum for the square,
-    an accumulation, ``softplus_backward``), for one more op forward (:math:`2s`, saved).
-    """
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, raw: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        ctx.set_materialize_grads(False)
-        scale = F.softplus(raw)
-        ctx.save_for_backward(raw, scale * 2)  # not an output: saving one costs a detach
-        return scale, scale * scale
-
-    @staticmethod
-    @once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: FunctionCtx, g_scale: Tensor | None, g_var: Tensor | None
-    ) -> Tensor | None:
-        raw, two_scale = ctx.saved_tensors  # type: ignore[attr-defined]
-        if g_var is None:
-            grad = g_scale
-        elif g_scale is None:
-            grad = g_var * two_scale
-        else:
-            grad = torch.addcmul(g_scale, g_var, two_scale)
-        if grad is None:
-            return None
-        return torch.ops.aten.softplus_backward(grad, raw, 1.0, 20.0)  # type: ignore[no-any-return]
 
 
 def _affine_values(x: Moments, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -242,31 +208,15 @@ class BayesLinear(BayesModule):
                 self.bias_loc.zero_()
                 self.bias_raw_scale.fill_(self._raw(self.init_bias_scale))
 
-    def _positive_and_square(self, raw: Tensor) -> tuple[Tensor, Tensor]:
-        """``(scale, scale**2)``; for softplus one autograd node (:class:`_SoftplusSquare`)."""
-        if (
-            self.scale_transform == "softplus"
-            and not torch._C._are_functorch_transforms_active()
-            and not torch.compiler.is_exporting()
-        ):
-            return _SoftplusSquare.apply(raw)  # type: ignore[no-any-return]
-        scale = self._positive(raw)
-        return scale, scale * scale
-
-    def _scale_var(self, raw: Tensor, which: str) -> tuple[Tensor, Tensor]:
+    def _scale(self, raw: Tensor, which: str) -> Tensor:
         cache = None if torch.compiler.is_compiling() else getattr(_local, "cache", None)
         if cache is None:
-            return self._positive_and_square(raw)
+            return self._positive(raw)
         key = (id(self), raw._version, torch.is_grad_enabled(), which)
-        pair = cache.get(key)
-        if pair is None:
-            pair = cache[key] = self._positive_and_square(raw)
-        return pair  # type: ignore[no-any-return]
-
-    def _scale(self, raw: Tensor, which: str) -> Tensor:
-        if torch.compiler.is_compiling() or getattr(_local, "cache", None) is None:
-            return self._positive(raw)  # the scale alone: no square to share
-        return self._scale_var(raw, which)[0]
+        scale = cache.get(key)
+        if scale is None:
+            scale = cache[key] = self._positive(raw)
+        return scale
 
     @property
     def weight_scale(self) -> Tensor:
@@ -297,11 +247,10 @@ class BayesLinear(BayesModule):
         given = None if torch.compiler.is_compiling() else getattr(_local, "given", None)
         if given is not None and self in given:
             return given[self]
-        w_var = self._scale_var(self.weight_raw_scale, "weight")[1]
-        b_var = None
-        if self.bias_raw_scale is not None:
-            b_var = self._scale_var(self.bias_raw_scale, "bias")[1]
-        return self.weight_loc, w_var, self.bias_loc, b_var
+        w_scale = self.weight_scale
+        b_scale = self.bias_scale
+        b_var = None if b_scale is None else b_scale * b_scale
+        return self.weight_loc, w_scale * w_scale, self.bias_loc, b_var
 
     # ------------------------------------------------------------------ propagation
     def _check_input(self, x: Moments, weight_dtype: torch.dtype) -> None:
