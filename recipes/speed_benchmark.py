@@ -17,6 +17,7 @@ then wall-clock medians between ``torch.cuda.synchronize()`` calls and peak memo
 
 Run:  python recipes/speed_benchmark.py [--quick] [--device cuda] [--json out.json]
           [--sections steps,layer,frontends,compile,net] [--widths 128,512] [--data-dir DIR]
+          [--count-ops]   (net section: aten ops / non-view ops / host reads per step)
 """
 
 from __future__ import annotations
@@ -98,19 +99,58 @@ def count_ops(fn: Callable[[], Any]) -> int:
     At these sizes a step costs ~2.5-3 us per op whatever the op does, so the count explains the
     times and, unlike them, does not depend on the machine's load.
     """
+    return count_dispatch(fn, cuda_kernels=False)["aten ops"]
+
+
+_HOST_READS = frozenset({"_local_scalar_dense", "nonzero", "masked_select"})
+
+
+def count_dispatch(fn: Callable[[], Any], cuda_kernels: bool | None = None) -> dict[str, int]:
+    """What one call of ``fn`` (after one warm-up call, backward included) dispatches.
+
+    * ``aten ops``: every aten op (a ``TorchDispatchMode``), views included;
+    * ``non-view ops``: those that are not views (``t``, ``view``, ``expand``, ``detach``...):
+      on a GPU each is one or more kernel launches in eager mode, so this is the launch count
+      the issue's "kernel launches per step" refers to;
+    * ``host reads``: ops whose result the host must wait for (``item``/``nonzero``): one
+      device synchronisation each on a GPU;
+    * ``cuda kernels`` (``cuda_kernels``, default: on when the benchmark device is CUDA): the
+      CUDA kernels ``torch.profiler`` records, which also counts fused (compiled) kernels.
+
+    Under ``torch.compile`` only ``cuda kernels`` is meaningful (the dispatch mode sees the
+    compiled region's few extern calls, not its fused kernels), so compiled cells count that.
+    """
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Counter(TorchDispatchMode):
-        n = 0
+    counts = {"aten ops": 0, "non-view ops": 0, "host reads": 0}
 
+    class Counter(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            Counter.n += 1
+            counts["aten ops"] += 1
+            counts["non-view ops"] += not func.is_view
+            counts["host reads"] += func._schema.name.split("::")[-1] in _HOST_READS
             return func(*args, **(kwargs or {}))
 
     fn()
     with Counter():
         fn()
-    return Counter.n
+    if cuda_kernels if cuda_kernels is not None else DEVICE.type == "cuda":
+        counts["cuda kernels"] = count_cuda_kernels(fn)
+    return counts
+
+
+def count_cuda_kernels(fn: Callable[[], Any]) -> int:
+    """CUDA kernels ``torch.profiler`` records during one call of ``fn`` (-1 if none can be)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return -1
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(1 for e in prof.events() if e.device_type == cuda)
 
 
 def peak_memory_mib(fn: Callable[[], Any]) -> float:
@@ -559,11 +599,14 @@ def bench_net(
     batch: int = 128,
     max_cell_s: float = 60.0,
     methods: Sequence[str] | None = None,
+    count: bool = False,
 ) -> list[dict[str, Any]]:
     """Time per step (ms), peak MiB and compile s of every :data:`NET_METHODS` row per width.
 
     A method whose first call at some width takes longer than ``max_cell_s`` is skipped at the
     larger widths ("skipped"); a failing cell (e.g. out of memory) records the error's name.
+    ``count``: also :func:`count_dispatch` per eager cell (``"<label> ops"``, a dict), and the
+    profiled CUDA kernels per compiled cell on a GPU.
     """
     rows: list[dict[str, Any]] = []
     slow: set[str] = set()
@@ -588,6 +631,10 @@ def bench_net(
                     if opts is not None:
                         row[label + " compile s"] = first
                     row[label + " peak MiB"] = peak_memory_mib(step)
+                    if count and opts is None:
+                        row[label + " ops"] = count_dispatch(step)
+                    elif count and DEVICE.type == "cuda":
+                        row[label + " ops"] = {"cuda kernels": count_cuda_kernels(step)}
                     reps = repeats if first < 1.0 else max(2, repeats // 5)
                     row[label] = 1e3 * time_call(step, reps, warmup=1)
                     if first > max_cell_s:
@@ -610,6 +657,25 @@ def table(rows: list[dict[str, Any]], cols: Sequence[str], fmt: str = "{:.3f}") 
                  for c in cols]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def op_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """The cell labels that carry op counts, in column order."""
+    labels: list[str] = []
+    for row in rows:
+        labels += [k[: -len(" ops")] for k in row if k.endswith(" ops") and k[:-4] not in labels]
+    return labels
+
+
+def op_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``{"d": d, label: "ops / non-view / reads [/ kernels]"}`` rows for :func:`table`."""
+    out = []
+    for row in rows:
+        cells: dict[str, Any] = {"d": row["d"]}
+        for label in op_labels([row]):
+            cells[label] = " / ".join(str(v) for v in row[label + " ops"].values())
+        out.append(cells)
+    return out
 
 
 def step_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -654,6 +720,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--memory-budget", type=int, default=None, help="moments scratch bytes")
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (default off)")
     p.add_argument("--max-cell-s", type=float, default=60.0, help="skip slower methods after")
+    p.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="net section: aten ops, non-view ops and host reads per step (+ CUDA kernels)",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
@@ -745,11 +816,14 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             opts = {"backend": args.compile_backend}
             if args.compile_mode:
                 opts["mode"] = args.compile_mode
-        rows = bench_net(widths, repeats, opts, args.batch, args.max_cell_s)
+        rows = bench_net(widths, repeats, opts, args.batch, args.max_cell_s, count=args.count_ops)
         result["net"] = rows
         names = [m[0] for m in NET_METHODS]
         print(f"\n## 3-layer d x d net, batch {args.batch}, forward + backward (ms, median)\n")
         print(table(rows, ["d", *names]))
+        if args.count_ops:
+            print("\n## Ops per step: aten ops / non-view ops / host reads [/ CUDA kernels]\n")
+            print(table(op_rows(rows), ["d", *(lab for lab in op_labels(rows))]))
         print("\n## Peak memory (MiB)\n")
         print(table(rows, ["d", *(n + " peak MiB" for n in names)], "{:.1f}"))
         if compiled:

@@ -88,3 +88,13 @@ def test_net_section_quick_json_and_no_default_data_dir(bench, tmp_path):
 def test_net_compiled_cells(bench):
     (row,) = bench.bench_net([5], 1, {"backend": "eager", "fullgraph": True}, 3, methods=["DVI"])
     assert row["DVI compiled"] > 0 and row["DVI compiled compile s"] > 0
+
+
+def test_count_ops_of_the_net_section(bench):
+    (row,) = bench.bench_net([4], 1, None, 3, methods=["plain MLP", "dDVI"], count=True)
+    ops = row["dDVI ops"]
+    assert set(ops) == {"aten ops", "non-view ops", "host reads"}  # no CUDA kernels on a CPU
+    assert ops["aten ops"] > ops["non-view ops"] > row["plain MLP ops"]["non-view ops"] > 0
+    assert ops["host reads"] == 1  # the input's NaN/Inf check, once per step
+    assert bench.op_rows([row])[0]["dDVI"].count(" / ") == 2
+    assert bench.count_ops(bench.net_step("plain MLP", 4, 3)) == row["plain MLP ops"]["aten ops"]

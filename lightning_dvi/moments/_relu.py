@@ -47,7 +47,6 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 __all__ = ["INV_2PI", "big", "clip_eps", "floors", "relu_diag_fn"]
 
 _SQRT_HALF = math.sqrt(0.5)
-_SQRT_HALF_PI = math.sqrt(0.5 * math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 INV_2PI = 1.0 / (2.0 * math.pi)
 
@@ -93,15 +92,14 @@ class _ReluDiag(torch.autograd.Function):
         # the variance's cancellation): erfcx's accuracy at a tenth of its cost. x is clamped
         # where phi underflows anyway; CPU exp/erfc are ~10x slower on arguments that underflow.
         x = mu.abs().mul_(_SQRT_HALF).clamp_max_(math.sqrt(-math.log(e_min)))
-        erfc = torch.special.erfc(x)  # 2 Phi(-a), full relative precision in the tail
+        half = torch.special.erfc(x).mul_(0.5)  # Phi(-a), full relative precision in the tail
         sq = x * x
-        gauss = torch.exp(-sq)  # sqrt(2 pi) phi(a)
-        mills = erfc * _square_error(x, sq, split).add_(1)
-        mills.div_(gauss).mul_(_SQRT_HALF_PI)
+        pdf = torch.exp(-sq).mul_(_INV_SQRT_2PI)  # phi(a), up to the rounding of x^2:
+        # phi(a) = fl(pdf) (1 - err) with err = x^2 - fl(x^2), so M = Phi(-a) (1 + err) / pdf
+        mills = torch.addcmul(half, half, _square_error(x, sq, split)).div_(pdf)
         a = x * math.sqrt(2.0)
         u = 1 - a * mills  # 1 - a M
         w = mills - a * u  # (1 + a^2) M - a
-        pdf = gauss.mul_(_INV_SQRT_2PI)
         pu = pdf * u
         relu = mu.clamp_min(0)
         # E[h]/sd = relu(mu) + phi u for either sign of mu; Var[h]/var = phi w - (phi u)^2 for
@@ -111,7 +109,6 @@ class _ReluDiag(torch.autograd.Function):
         pos = (mu * big(mu.dtype)).clamp_(0, 1)  # 1 for mu > 0, 0 for mu <= 0
         out_var = torch.lerp(pw, 1 - pw, pos).sub_(pu * torch.add(pu, relu, alpha=2))
         out_var = out_var.mul_(var_c).clamp_min_(0)
-        half = erfc.mul_(0.5)  # Phi(-a)
         cdf = torch.lerp(half, 1 - half, pos)
         ctx.save_for_backward(cdf, pdf.div_(sd), out_mean, var)
         return out_mean, out_var
@@ -122,18 +119,23 @@ class _ReluDiag(torch.autograd.Function):
         ctx: FunctionCtx, g_mean: Tensor | None, g_var: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
         cdf, dens, out_mean, var = ctx.saved_tensors  # type: ignore[attr-defined]
-        grad_m = grad_v = None
-        if g_mean is not None:
-            grad_m = g_mean * cdf
-            grad_v = g_mean * (0.5 * dens)
-        if g_var is not None:
-            dm = g_var * (2 * out_mean * (1 - cdf))
-            dv = g_var * (cdf - out_mean * dens)
-            grad_m = dm if grad_m is None else grad_m.add_(dm)
-            grad_v = dv if grad_v is None else grad_v.add_(dv)
-        if grad_v is not None:  # the variance floor has zero derivative below it
-            grad_v = grad_v.mul_(var >= floors(var.dtype)[0])
-        return grad_m, grad_v
+        # the module docstring's four derivatives, contracted with (g_mean, g_var) in few ops:
+        # grad_m = g_mean Phi + 2 t (1 - Phi), grad_v = g_var Phi + dens (g_mean / 2 - t),
+        # t = g_var E[h], dens = phi / sigma
+        if g_var is None:
+            if g_mean is None:
+                return None, None
+            grad_m, grad_v = g_mean * cdf, torch.mul(g_mean, dens).mul_(0.5)
+        else:
+            t = g_var * out_mean
+            if g_mean is None:
+                grad_m = (1 - cdf).mul_(t).mul_(2)
+                grad_v = (g_var * cdf).addcmul_(dens, t, value=-1)
+            else:
+                grad_m = torch.addcmul(g_mean * cdf, t, 1 - cdf, value=2)
+                grad_v = torch.addcmul(g_var * cdf, dens, torch.sub(g_mean, t, alpha=2), value=0.5)
+        # the variance floor has zero derivative below it
+        return grad_m, grad_v.mul_(var >= floors(var.dtype)[0])
 
 
 def relu_diag_fn(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:

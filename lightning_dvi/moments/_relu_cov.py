@@ -1,4 +1,4 @@
-r"""The full ReLU covariance, computed block by block on the upper triangle.
+r"""The full ReLU covariance: one formula, executed block by block (CPU) or whole (GPU).
 
 Forward, for :math:`j < l` (the diagonal is the exact variance, the lower triangle a copy):
 
@@ -10,27 +10,57 @@ with :math:`K` and its derivatives as in :mod:`lightning_dvi.moments._relu` and 
 exact output variances (the Cauchy-Schwarz clamp of
 :func:`~lightning_dvi.moments.activations.relu_full`).
 
-Why blocks: the formula is ~30 elementwise passes over ``[B, D, D]``. Done on whole tensors
-each pass streams the array through memory and allocates a fresh output (for tensors above
-glibc's mmap threshold every allocation page-faults its memory in again); done on blocks of
-:data:`BLOCK` elements the temporaries stay in cache and are reused. The triangle halves the
-work and makes the output exactly symmetric without averaging. The backward recomputes each
-block instead of storing ~10 full-size intermediates, so the peak memory of the full mode is
-a few blocks on top of the output.
+**The formula, once.** :class:`_Terms`, :func:`_raw`, :func:`_clamp` and :func:`_vjp` write the
+forward and its closed-form backward elementwise over *broadcastable operands*: a column of the
+row units' statistics (``sd_j``, ``mu_j``, ``cdf_j``, ``osd_j``, ``[n, r, 1]``), a row of the
+column units' (``sd_l``, ... ``[n, 1, c]``) and the matching ``[n, r, c]`` entries of the
+covariance and of the output gradient. Every intermediate is written with ``out=`` into a buffer
+from a *scratch allocator*: :class:`_Workspace` hands out reused block-sized buffers,
+:data:`_FRESH` hands out ``None`` (torch allocates the result; what the whole-tensor path and
+``torch.compile`` want). The in-place updates that follow are safe either way, every buffer
+being private to the call. The per-unit gradients are contractions of elementwise pieces
+:math:`A_{jl}` over the pairs that contain the unit (``_vjp`` hands each piece to an ``emit``
+callback as soon as it is complete),
 
-The same formula is also written once as whole-tensor functions, :func:`relu_cov_forward` and
-:func:`relu_cov_backward` on ``[n, D, D]``: a fixed sequence of kernels with no host
-synchronisation and no Python loop over matrices, which is what a GPU wants (and what
-``torch.compile`` fuses). :mod:`lightning_dvi.moments.policy` chooses between the two: the
-blocked loop on a CPU, the whole-tensor functions (eager or compiled, chunked over the batch to
-a memory budget) on CUDA and while an outer ``torch.compile`` traces. The tests hold both to
-1e-6 relative in float64, values and gradients.
+.. math::
+    \bar\Phi_j = \sum_l h_{jl}\Phi_l,\quad
+    \bar\mu_j = \sum_l u_{jl}\gamma_{jl}\mu_l - 2\mu_j\sum_l u_{jl}\beta_{jl},\quad
+    \bar\sigma_j = \frac1{\sigma_j}\sum_l v_{jl},\quad
+    \bar V_j = G_{jj} + \frac{[V_j \ge \text{tiny}]}{2\sqrt{V_j}}\sum_l b_{jl}\sqrt{V_l},
+
+assembled once by :func:`_unit_grads` (:math:`h = G\Sigma`, :math:`u = GSK`,
+:math:`v = G(SK - \Sigma\,\partial_\rho K)`, :math:`b` the gradient routed to the clamp bound,
+:math:`G = g + g^\top` the symmetrised output gradient).
+
+**Two executors** (:mod:`lightning_dvi.moments.policy` chooses):
+
+* *blocked* (:class:`_ReluCov`, the CPU): the formula on blocks of :data:`BLOCK` elements of
+  the upper triangle (row bands of a large matrix, whole small matrices grouped), with one
+  :class:`_Workspace` reused by every block; the contractions are matrix-vector products of the
+  cache-resident block over its rows and over its columns (each pair :math:`j < l` lives in one
+  block), and the clamp's gradient is skipped when no entry of a block binds (a host read,
+  free on a CPU). Why blocks: the formula is ~30 elementwise passes over ``[B, D, D]``. Done on
+  whole tensors each pass streams the array through memory and allocates a fresh output (for
+  tensors above glibc's mmap threshold every allocation page-faults its memory in again); done
+  on blocks the temporaries stay in cache and are reused. The triangle halves the work and
+  makes the output exactly symmetric without averaging. The backward recomputes each block
+  instead of storing ~10 full-size intermediates, so the peak memory of the full mode is a few
+  blocks on top of the output.
+* *whole* (:func:`relu_cov_forward`, :func:`relu_cov_backward`, chunked over the batch by
+  :class:`_ReluCovWhole`; CUDA, and anything ``torch.compile`` traces): the same functions on
+  the whole ``[n, D, D]``, with the covariance mirrored to a symmetric matrix, fresh
+  allocations and the contractions as row sums of symmetric matrices (which inductor fuses
+  into the elementwise kernels): a fixed sequence of kernels with no host synchronisation and
+  no Python loop over matrices.
+
+The tests hold the two executors to 1e-6 relative in float64, values and gradients.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -68,6 +98,7 @@ def _row_bands(n: int, d: int, target: int) -> list[tuple[int, int, int, int]]:
     return [(n0, n0 + 1, r0, r1) for n0 in range(n) for r0, r1 in itertools.pairwise(bounds)]
 
 
+# ------------------------------------------------------------------- scratch allocators
 class _Workspace:
     """Scratch tensors of one block size, handed out in order and reused by every block.
 
@@ -93,26 +124,52 @@ class _Workspace:
         self.next += 1
         return self.bufs.as_strided(self.shape, self.stride, (self.next - 1) * self.size)
 
+    def reuse(self, buf: Tensor) -> Tensor:
+        """``buf`` itself: its value is dead, its memory takes the next result."""
+        return buf
 
-_BUFFERS = 20
+
+_BUFFERS = 21
 
 
-class _Block:
-    """Intermediates of one block ``[nb, rows, cols]`` of the upper triangle."""
+class _Fresh:
+    """The whole-tensor path's allocator: no buffers, every op allocates its own result."""
+
+    def take(self) -> Tensor | None:
+        """``None``: as ``out=``, torch allocates a fresh tensor."""
+        return None
+
+    def reuse(self, buf: Tensor) -> Tensor | None:
+        """``None`` as well (``torch.compile`` rejects ``out=`` tensors of unknown layout)."""
+        return None
+
+
+_FRESH = _Fresh()
+_Scratch = _Workspace | _Fresh
+_Emit = Callable[[str, Tensor], None]
+
+_PARTNERS = {"osd": "osd", "cdf": "cdf", "mu": "mu", "ub": None, "sd": None}
+"""Per-pair pieces emitted by :func:`_vjp` and the per-unit vector each is contracted with."""
+
+
+# ------------------------------------------------------------------------ the formula
+class _Terms:
+    r"""Intermediates of :math:`K` on one set of operands (a block, or the whole matrices).
+
+    ``cov`` is ``[n, r, c]``; ``sd_j``, ``mu_j`` are ``[n, r, 1]`` and ``sd_l``, ``mu_l``
+    ``[n, 1, c]`` (module docstring). The buffers hold, in the notation of
+    :mod:`lightning_dvi.moments._relu`: :math:`S = \sigma_j\sigma_l`, :math:`\rho` (clipped),
+    :math:`\arcsin\rho`, :math:`\bar\rho`, :math:`1/(1+\bar\rho)`, :math:`P`, :math:`\beta`,
+    :math:`\gamma`, :math:`\mu_j^2+\mu_l^2`, :math:`\mu_j\mu_l` and :math:`e^{-Q}`.
+    """
 
     def __init__(
-        self, ws: _Workspace, cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, sl: tuple
+        self, ws: _Scratch, cov: Tensor, sd_j: Tensor, sd_l: Tensor, mu_j: Tensor, mu_l: Tensor
     ) -> None:
-        n0, n1, r0, r1 = sl
-        ws.start((n1 - n0, r1 - r0, cov.shape[-1] - r0))
-        self.ws = ws
-        self.cov = cov[n0:n1, r0:r1, r0:]
-        self.sd_j, self.sd_l = sd[n0:n1, r0:r1, None], sd[n0:n1, None, r0:]
-        self.mu_j, self.mu_l = mu[n0:n1, r0:r1, None], mu[n0:n1, None, r0:]
-        self.cdf_j, self.cdf_l = cdf[n0:n1, r0:r1, None], cdf[n0:n1, None, r0:]
         eps = clip_eps(cov.dtype)
-        self.scale = torch.mul(self.sd_j, self.sd_l, out=ws.take())
-        self.rho = torch.div(self.cov, self.scale, out=ws.take()).clamp_(-1 + eps, 1 - eps)
+        self.cov = cov
+        self.scale = torch.mul(sd_j, sd_l, out=ws.take())
+        self.rho = torch.div(cov, self.scale, out=ws.take()).clamp_(-1 + eps, 1 - eps)
         self.asin = torch.asin(self.rho, out=ws.take())
         rho2 = torch.mul(self.rho, self.rho, out=ws.take())
         self.rho_bar = torch.neg(rho2, out=ws.take()).add_(1).sqrt_()
@@ -122,19 +179,107 @@ class _Block:
         p_safe = torch.clamp(self.p, min=floors(cov.dtype)[3], out=ws.take())
         self.beta = rho2.mul_(self.inv).div_(p_safe).mul_(0.5)
         self.gamma = torch.sub(self.asin, self.rho, out=ws.take()).div_(p_safe)
-        sq = mu[n0:n1] * mu[n0:n1]
-        self.sum_sq = torch.add(sq[:, r0:r1, None], sq[:, None, r0:], out=ws.take())
-        self.prod = torch.mul(self.mu_j, self.mu_l, out=ws.take())
+        self.sum_sq = torch.add(mu_j * mu_j, mu_l * mu_l, out=ws.take())
+        self.prod = torch.mul(mu_j, mu_l, out=ws.take())
         quad = torch.mul(self.beta, self.sum_sq, out=ws.take())
         self.gauss = quad.addcmul_(self.gamma, self.prod, value=-1).neg_().exp_()  # e^{-Q}
 
-    def raw(self) -> Tensor:
-        """Unclamped covariance of the block."""
-        out = torch.mul(self.p, self.gauss, out=self.ws.take()).mul_(self.scale).mul_(INV_2PI)
-        return out.addcmul_(self.cov, torch.mul(self.cdf_j, self.cdf_l, out=self.ws.take()))
+
+def _raw(ws: _Scratch, t: _Terms, cdf_j: Tensor, cdf_l: Tensor) -> tuple[Tensor, Tensor]:
+    r"""``(S K, C)``: the correction :math:`\sigma_j\sigma_l K` and the unclamped covariance."""
+    sk = torch.mul(t.p, t.gauss, out=ws.take()).mul_(t.scale).mul_(INV_2PI)
+    cdf_prod = torch.mul(cdf_j, cdf_l, out=ws.take())
+    return sk, torch.addcmul(sk, t.cov, cdf_prod, out=ws.reuse(cdf_prod))
 
 
-def _sym_sum(ws: _Workspace, grad: Tensor, sl: tuple) -> Tensor:
+def _clamp(ws: _Scratch, raw: Tensor, osd_j: Tensor, osd_l: Tensor) -> Tensor:
+    r"""``raw`` clamped to :math:`\pm\sqrt{V_jV_l}` in place (``osd`` = :math:`\sqrt V`)."""
+    bound = torch.mul(osd_j, osd_l, out=ws.take())
+    raw = torch.minimum(raw, bound, out=ws.reuse(raw))
+    return torch.maximum(raw, bound.neg_(), out=ws.reuse(raw))
+
+
+def _bound_factors(var: Tensor) -> Tensor:
+    r""":math:`\sqrt V`, floored so that its derivative stays finite (the clamp's factors)."""
+    return var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
+
+
+def _vjp(
+    ws: _Scratch,
+    t: _Terms,
+    g: Tensor,
+    operands: tuple[Tensor, Tensor, Tensor, Tensor],
+    emit: _Emit,
+    skip_unclamped: bool,
+) -> Tensor:
+    r"""The closed-form backward on the operands of ``t``; returns the gradient of :math:`\Sigma`.
+
+    ``g`` is :math:`G` on these entries (zero where an entry is not to count; modified in
+    place), ``operands`` ``(cdf_j, cdf_l, osd_j, osd_l)``. Each per-pair piece is handed to
+    ``emit(name, piece)`` as soon as it is complete (its buffer is reused afterwards); the names
+    and the vectors they are contracted with are :data:`_PARTNERS`. ``skip_unclamped``: skip
+    the clamp's gradient when no entry binds (a host read).
+    """
+    cdf_j, cdf_l, osd_j, osd_l = operands
+    unclipped, huge = 1 - clip_eps(t.cov.dtype), big(t.cov.dtype)
+    sk, raw = _raw(ws, t, cdf_j, cdf_l)
+    excess = torch.abs(raw, out=ws.take()).sub_(osd_j * osd_l)
+    if not skip_unclamped or excess.amax() > 0:  # the Cauchy-Schwarz clamp: route to the bound
+        inside = excess.mul_(-huge).clamp_(0, 1)  # 0 where it bit
+        emit("osd", (1 - inside).mul_(g).mul_(raw.sign()))
+        g.mul_(inside)
+    # dK/drho (module docstring of _relu), zero where rho was clipped
+    inv_q = torch.div(t.inv, t.rho_bar, out=ws.take())
+    tmp = torch.mul(t.p, t.rho, out=ws.take())
+    p_beta = torch.mul(t.rho, t.inv, out=ws.take()).mul_(-2).add_(t.asin)
+    p_beta.addcmul_(tmp, inv_q).mul_(t.beta)
+    p_gamma = (
+        torch.mul(t.rho, t.rho, out=ws.reuse(tmp)).mul_(inv_q).addcmul_(t.gamma, t.asin, value=-1)
+    )
+    d_rho = torch.mul(p_beta, t.sum_sq, out=ws.take()).neg_().add_(t.asin)
+    d_rho.addcmul_(p_gamma, t.prod).mul_(t.gauss).mul_(INV_2PI)
+    d_rho.mul_(torch.abs(t.rho, out=ws.reuse(inv_q)).neg_().add_(unclipped).mul_(huge).clamp_(0, 1))
+    g_cov = torch.mul(cdf_j, cdf_l, out=ws.take()).add_(d_rho).mul_(g)
+    emit("cdf", torch.mul(g, t.cov, out=ws.reuse(tmp)))  # dC/dPhi_j = Sigma Phi_l
+    u = torch.mul(sk, g, out=ws.reuse(tmp))  # dC/dmu_j = S K (gamma mu_l - 2 beta mu_j)
+    emit("ub", torch.mul(u, t.beta, out=ws.reuse(p_beta)))
+    emit("mu", u.mul_(t.gamma))
+    emit("sd", sk.sub_(d_rho.mul_(t.cov)).mul_(g))  # s_j dC/ds_j
+    return g_cov
+
+
+def _unit_grads(
+    sums: dict[str, Tensor], grad: Tensor, sd: Tensor, mu: Tensor, var: Tensor, osd: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients for ``(sd, mu, cdf, var)`` from the contracted pieces (module docstring)."""
+    g_mu = sums["mu"].sub_(2 * mu * sums["ub"])
+    g_var = grad.diagonal(dim1=-2, dim2=-1) + sums["osd"] * 0.5 / osd * (
+        var >= torch.finfo(var.dtype).tiny
+    )
+    return sums["sd"] / sd, g_mu, sums["cdf"], g_var
+
+
+# ------------------------------------------------------------- executor 1: CPU blocks
+def _slices(x: Tensor, sl: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
+    """Row operand ``[nb, rows, 1]`` and column operand ``[nb, 1, cols]`` of ``x`` on a block."""
+    n0, n1, r0, r1 = sl
+    return x[n0:n1, r0:r1, None], x[n0:n1, None, r0:]
+
+
+def _block_terms(
+    ws: _Workspace, cov: Tensor, sd: Tensor, mu: Tensor, sl: tuple[int, int, int, int]
+) -> _Terms:
+    n0, n1, r0, r1 = sl
+    ws.start((n1 - n0, r1 - r0, cov.shape[-1] - r0))
+    return _Terms(ws, cov[n0:n1, r0:r1, r0:], *_slices(sd, sl), *_slices(mu, sl))
+
+
+def _workspace(cov: Tensor, blocks: list[tuple[int, int, int, int]]) -> _Workspace:
+    d = cov.shape[-1]
+    return _Workspace(cov, max((n1 - n0) * (r1 - r0) * (d - r0) for n0, n1, r0, r1 in blocks))
+
+
+def _sym_sum(ws: _Workspace, grad: Tensor, sl: tuple[int, int, int, int]) -> Tensor:
     """``G_jl + G_lj`` on the block, zero on and below the diagonal of its square part."""
     n0, n1, r0, r1 = sl
     g = torch.add(grad[n0:n1, r0:r1, r0:], grad[n0:n1, r0:, r0:r1].transpose(-1, -2), out=ws.take())
@@ -144,22 +289,20 @@ def _sym_sum(ws: _Workspace, grad: Tensor, sl: tuple) -> Tensor:
 
 
 class _ReluCov(torch.autograd.Function):
+    """The blocked executor: the formula on row bands of the upper triangle, mirrored."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: FunctionCtx, cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor
     ) -> Tensor:
-        osd = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()  # Cauchy-Schwarz bound factors
+        osd = _bound_factors(var)
         out = torch.empty_like(cov, memory_format=torch.contiguous_format)
         blocks = _row_bands(cov.shape[0], cov.shape[-1], BLOCK)
-        ws = _Workspace(
-            cov, max((n1 - n0) * (r1 - r0) * (cov.shape[-1] - r0) for n0, n1, r0, r1 in blocks)
-        )
+        ws = _workspace(cov, blocks)
         for sl in blocks:
             n0, n1, r0, r1 = sl
-            raw = _Block(ws, cov, sd, mu, cdf, sl).raw()
-            bound = torch.mul(osd[n0:n1, r0:r1, None], osd[n0:n1, None, r0:], out=ws.take())
-            torch.minimum(raw, bound, out=raw)
-            torch.maximum(raw, bound.neg_(), out=raw)
+            t = _block_terms(ws, cov, sd, mu, sl)
+            raw = _clamp(ws, _raw(ws, t, *_slices(cdf, sl))[1], *_slices(osd, sl))
             # the lower part, mirrored (a single matrix uses the blocked 2-D transpose kernel)
             mirror = raw[0].t().contiguous() if n1 - n0 == 1 else raw.transpose(-1, -2)
             out[n0:n1, r0:, r0:r1] = mirror
@@ -175,86 +318,46 @@ class _ReluCov(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         cov, sd, mu, cdf, var, osd = ctx.saved_tensors  # type: ignore[attr-defined]
         g_cov = torch.zeros_like(cov, memory_format=torch.contiguous_format)
-        g_sd, g_mu, g_cdf, g_osd = (torch.zeros_like(sd) for _ in range(4))
-        unclipped, huge = 1 - clip_eps(cov.dtype), big(cov.dtype)
+        sums = {key: torch.zeros_like(sd) for key in _PARTNERS}
+        vectors = {"osd": osd, "cdf": cdf, "mu": mu}
         blocks = _row_bands(cov.shape[0], cov.shape[-1], BLOCK)
-        ws = _Workspace(
-            cov, max((n1 - n0) * (r1 - r0) * (cov.shape[-1] - r0) for n0, n1, r0, r1 in blocks)
-        )
+        ws = _workspace(cov, blocks)
         for sl in blocks:
             n0, n1, r0, r1 = sl
-            b = _Block(ws, cov, sd, mu, cdf, sl)
+
+            def emit(key: str, piece: Tensor, sl: tuple[int, int, int, int] = sl) -> None:
+                # each pair j < l of the block counts for its row unit and its column unit
+                n0, n1, r0, r1 = sl
+                acc, partner = sums[key], _PARTNERS[key]
+                if partner is None:
+                    acc[n0:n1, r0:r1] += piece.sum(-1)
+                    acc[n0:n1, r0:] += piece.sum(-2)
+                else:
+                    x = vectors[partner]
+                    acc[n0:n1, r0:r1] += (piece @ x[n0:n1, r0:, None]).squeeze(-1)
+                    acc[n0:n1, r0:] += (x[n0:n1, None, r0:r1] @ piece).squeeze(-2)
+
+            t = _block_terms(ws, cov, sd, mu, sl)
             g = _sym_sum(ws, grad, sl)
-            raw = b.raw()
-            osd_j, osd_l = osd[n0:n1, r0:r1, None], osd[n0:n1, None, r0:]
-            excess = torch.abs(raw, out=ws.take()).sub_(osd_j * osd_l)
-            if excess.amax() > 0:  # the Cauchy-Schwarz clamp bit: route those to the bound
-                inside = excess.mul_(-huge).clamp_(0, 1)
-                g_bound = (1 - inside).mul_(g).mul_(raw.sign())
-                g_osd[n0:n1, r0:r1] += (g_bound * osd_l).sum(-1)
-                g_osd[n0:n1, r0:] += (g_bound * osd_j).sum(-2)
-                g.mul_(inside)
-            # dK/drho (module docstring of _relu), zero where rho was clipped
-            inv_q = torch.div(b.inv, b.rho_bar, out=ws.take())
-            tmp = torch.mul(b.p, b.rho, out=ws.take())
-            p_beta = torch.mul(b.rho, b.inv, out=ws.take()).mul_(-2).add_(b.asin)
-            p_beta.addcmul_(tmp, inv_q).mul_(b.beta)
-            p_gamma = (
-                torch.mul(b.rho, b.rho, out=tmp).mul_(inv_q).addcmul_(b.gamma, b.asin, value=-1)
-            )
-            d_rho = torch.mul(p_beta, b.sum_sq, out=ws.take()).neg_().add_(b.asin)
-            d_rho.addcmul_(p_gamma, b.prod).mul_(b.gauss).mul_(INV_2PI)
-            d_rho.mul_(torch.abs(b.rho, out=inv_q).neg_().add_(unclipped).mul_(huge).clamp_(0, 1))
-            gc = torch.mul(b.cdf_j, b.cdf_l, out=tmp).add_(d_rho).mul_(g)
-            g_cov[n0:n1, r0:r1, r0:] = gc
-            h = torch.mul(g, b.cov, out=tmp)
-            g_cdf[n0:n1, r0:r1] += (h @ cdf[n0:n1, r0:, None]).squeeze(-1)
-            g_cdf[n0:n1, r0:] += (cdf[n0:n1, None, r0:r1] @ h).squeeze(-2)
-            sk = b.p.mul_(b.gauss).mul_(b.scale).mul_(INV_2PI)  # S K
-            u = torch.mul(sk, g, out=tmp)  # dC/dmu_j = S K (gamma mu_l - 2 beta mu_j)
-            ub = torch.mul(u, b.beta, out=p_beta)
-            ug = u.mul_(b.gamma)
-            g_mu[n0:n1, r0:r1] += (ug @ mu[n0:n1, r0:, None]).squeeze(-1)
-            g_mu[n0:n1, r0:r1] -= 2 * mu[n0:n1, r0:r1] * ub.sum(-1)
-            g_mu[n0:n1, r0:] += (mu[n0:n1, None, r0:r1] @ ug).squeeze(-2)
-            g_mu[n0:n1, r0:] -= 2 * mu[n0:n1, r0:] * ub.sum(-2)
-            v = sk.sub_(d_rho.mul_(b.cov)).mul_(g)  # s_j dC/ds_j
-            g_sd[n0:n1, r0:r1] += v.sum(-1)
-            g_sd[n0:n1, r0:] += v.sum(-2)
-        g_var = grad.diagonal(dim1=-2, dim2=-1) + g_osd * 0.5 / osd * (
-            var >= torch.finfo(var.dtype).tiny
-        )
-        return g_cov, g_sd / sd, g_mu, g_cdf, g_var
+            operands = (*_slices(cdf, sl), *_slices(osd, sl))
+            g_cov[n0:n1, r0:r1, r0:] = _vjp(ws, t, g, operands, emit, skip_unclamped=True)
+        return g_cov, *_unit_grads(sums, grad, sd, mu, var, osd)
 
 
-# ------------------------------------------------------------------- whole-tensor formula
+# ------------------------------------------------ executor 2: whole tensors (GPU, compile)
 def _masks(d: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """``[d, d]`` bools: strictly upper triangle, and the diagonal."""
     idx = torch.arange(d, device=device)
     return idx[:, None] < idx[None, :], idx[:, None] == idx[None, :]
 
 
-def _terms(cov: Tensor, sd: Tensor, mu: Tensor) -> tuple[Tensor, ...]:
-    """Shared intermediates of the correction term on whole ``[n, D, D]`` tensors."""
-    eps = clip_eps(cov.dtype)
-    sd_j, sd_l = sd[..., :, None], sd[..., None, :]
-    mu_j, mu_l = mu[..., :, None], mu[..., None, :]
-    scale = sd_j * sd_l
-    rho = (cov / scale).clamp(-1 + eps, 1 - eps)
-    asin = torch.asin(rho)
-    rho2 = rho * rho
-    rho_bar = torch.sqrt(1 - rho2)
-    inv = 1 / (1 + rho_bar)
-    p = (asin - rho * inv) * rho  # P = rho (asin rho - rho / (1 + rho_bar))
-    p_safe = p.clamp_min(floors(cov.dtype)[3])
-    beta = rho2 * inv / p_safe * 0.5
-    gamma = (asin - rho) / p_safe
-    sq = mu * mu
-    sum_sq = sq[..., :, None] + sq[..., None, :]
-    prod = mu_j * mu_l
-    gauss = torch.exp(-(beta * sum_sq - gamma * prod))  # e^{-Q}
-    sk = p * gauss * scale * INV_2PI  # S K
-    return scale, rho, asin, rho_bar, inv, p, beta, gamma, sum_sq, prod, gauss, sk
+def _whole_terms(cov: Tensor, sd: Tensor, mu: Tensor) -> tuple[Tensor, Tensor, _Terms]:
+    upper, eye = _masks(cov.shape[-1], cov.device)
+    cov = torch.where(upper.mT, cov.mT, cov)  # the lower triangle mirrors the upper
+    terms = _Terms(
+        _FRESH, cov, sd[..., :, None], sd[..., None, :], mu[..., :, None], mu[..., None, :]
+    )
+    return upper, eye, terms
 
 
 def relu_cov_forward(cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor) -> Tensor:
@@ -264,13 +367,10 @@ def relu_cov_forward(cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tens
     ``var`` on its diagonal; the arguments are those of :func:`relu_cov`, flattened to one
     batch dimension.
     """
-    upper, eye = _masks(cov.shape[-1], cov.device)
-    cov = torch.where(upper.mT, cov.mT, cov)  # the lower triangle mirrors the upper
-    sk = _terms(cov, sd, mu)[-1]
-    raw = sk + cov * (cdf[..., :, None] * cdf[..., None, :])
-    osd = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
-    bound = osd[..., :, None] * osd[..., None, :]
-    out = torch.maximum(torch.minimum(raw, bound), -bound)
+    upper, eye, t = _whole_terms(cov, sd, mu)
+    osd = _bound_factors(var)
+    raw = _raw(_FRESH, t, cdf[..., :, None], cdf[..., None, :])[1]
+    out = _clamp(_FRESH, raw, osd[..., :, None], osd[..., None, :])
     # exact symmetry (kernels may round (j, l) and (l, j) differently) and the exact diagonal
     return torch.where(upper, out, torch.where(eye, var[..., :, None], out.mT))
 
@@ -281,38 +381,28 @@ def relu_cov_backward(
     r"""Closed-form vector-Jacobian product of :func:`relu_cov_forward` (module docstring).
 
     With :math:`G = g + g^\top` off the diagonal (the output is symmetric and only the upper
-    triangle of ``cov`` is read), every per-unit gradient is one row sum over the symmetric
-    matrices, so the backward is a fixed set of whole-tensor kernels.
+    triangle of ``cov`` is read) and the covariance mirrored, every piece of :func:`_vjp` is a
+    symmetric matrix and each per-unit contraction one row sum, so the backward is a fixed
+    set of whole-tensor kernels.
 
     Returns:
         Gradients for ``(cov, sd, mu, cdf, var)``; the one for ``cov`` lives on the strict
         upper triangle.
     """
-    upper, eye = _masks(cov.shape[-1], cov.device)
-    unclipped, huge, tiny = 1 - clip_eps(cov.dtype), big(cov.dtype), torch.finfo(var.dtype).tiny
-    cov = torch.where(upper.mT, cov.mT, cov)
-    _, rho, asin, rho_bar, inv, p, beta, gamma, sum_sq, prod, gauss, sk = _terms(cov, sd, mu)
+    upper, eye, t = _whole_terms(cov, sd, mu)
+    osd = _bound_factors(var)
+    vectors = {"osd": osd, "cdf": cdf, "mu": mu}
+    sums: dict[str, Tensor] = {}
+
+    def emit(key: str, piece: Tensor) -> None:
+        partner = _PARTNERS[key]
+        x = None if partner is None else vectors[partner]
+        sums[key] = piece.sum(-1) if x is None else (piece * x[..., None, :]).sum(-1)
+
     g = torch.where(eye, 0, grad + grad.mT)
-    cdf_j, cdf_l = cdf[..., :, None], cdf[..., None, :]
-    raw = sk + cov * (cdf_j * cdf_l)
-    osd = var.clamp_min(tiny).sqrt()
-    excess = raw.abs() - osd[..., :, None] * osd[..., None, :]
-    inside = (excess * -huge).clamp(0, 1)  # 0 where the Cauchy-Schwarz clamp bit
-    g_osd = ((1 - inside) * g * raw.sign() * osd[..., None, :]).sum(-1)
-    g = g * inside
-    # dK/drho, zero where rho was clipped
-    inv_q = inv / rho_bar
-    p_beta = (asin - 2 * rho * inv + p * rho * inv_q) * beta
-    p_gamma = rho * rho * inv_q - gamma * asin
-    d_rho = (asin - p_beta * sum_sq + p_gamma * prod) * gauss * INV_2PI
-    d_rho = d_rho * ((unclipped - rho.abs()) * huge).clamp(0, 1)
-    g_cov = torch.where(upper, (cdf_j * cdf_l + d_rho) * g, 0)
-    g_cdf = (g * cov * cdf_l).sum(-1)
-    u = sk * g  # dC/dmu_j = S K (gamma mu_l - 2 beta mu_j)
-    g_mu = (u * gamma * mu[..., None, :]).sum(-1) - 2 * mu * (u * beta).sum(-1)
-    g_sd = ((sk - d_rho * cov) * g).sum(-1) / sd  # s_j dC/ds_j, over s_j
-    g_var = grad.diagonal(dim1=-2, dim2=-1) + g_osd * 0.5 / osd * (var >= tiny)
-    return g_cov, g_sd, g_mu, g_cdf, g_var
+    operands = (cdf[..., :, None], cdf[..., None, :], osd[..., :, None], osd[..., None, :])
+    g_cov = _vjp(_FRESH, t, g, operands, emit, skip_unclamped=False)
+    return torch.where(upper, g_cov, 0), *_unit_grads(sums, grad, sd, mu, var, osd)
 
 
 def _run_forward(path: str, cov: Tensor, *vecs: Tensor) -> Tensor:

@@ -27,8 +27,9 @@ in the tests); they differ from the paper's Table 1 as printed:
   prints :math:`\log(g_h\rho/2\pi)`), so :math:`\operatorname{Cov}(h_j, h_l) = e^{-Q}`.
 
 The ReLU moments are evaluated by custom autograd functions with closed-form backward passes,
-the full covariance block by block on its upper triangle on a CPU or as whole-tensor (possibly
-compiled) kernels on a GPU (:mod:`._relu`, :mod:`._relu_cov`, :mod:`.policy`);
+the full covariance by one formula executed block by block on its upper triangle on a CPU or
+as whole-tensor (possibly compiled) kernels on a GPU (:mod:`._relu`, :mod:`._relu_cov`,
+:mod:`.policy`);
 the Heaviside coefficients through :func:`~lightning_dvi.moments.special.asin_over_x`, which is
 smooth at :math:`\rho = 0` (the common case: a first layer fed a deterministic input has
 diagonal output covariance), so values and gradients stay finite there.

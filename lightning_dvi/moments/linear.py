@@ -11,6 +11,20 @@ independent of the weights:
 
 Weights use the ``torch.nn.Linear`` layout ``[out_features, in_features]``. Everything is a
 batched matmul; no loops over units.
+
+**dDVI backward.** :func:`linear_diag` (the layer of every dDVI step) runs its forward formula
+in a custom autograd function whose backward is written out: with :math:`\bar m, \bar v` the
+output gradients, :math:`s = E[h^2] = m^2 + v`,
+
+.. math::
+    \partial_m = \bar m M + 2m \odot (\bar v V),\quad
+    \partial_v = \bar v (V + M^{\circ 2}),\quad
+    \partial_M = \bar m^\top m + 2M \odot (\bar v^\top v),\quad
+    \partial_V = \bar v^\top s,
+
+and the bias gradients are batch sums. That is ten kernels where autograd through the formula
+dispatches about thirty (a node per op, a transpose per matmul, gradient accumulations): the
+dDVI step is bound by that count on a GPU and ~2.5 us per op on a CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 __all__ = [
     "linear_deterministic",
@@ -50,6 +65,13 @@ def _affine(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return out if b is None else out + b
 
 
+def _plus_affine(acc: Tensor, x: Tensor, w: Tensor) -> Tensor:
+    """``acc + x @ w.T``; one ``addmm`` for 2-D operands."""
+    if x.dim() == 2 and w.dim() == 2 and acc.dim() == 2:
+        return torch.addmm(acc, x, w.t())
+    return acc + _affine(x, w)
+
+
 def linear_deterministic(
     x: Tensor,
     w_loc: Tensor,
@@ -80,10 +102,90 @@ def linear_diag(
 
     :math:`\operatorname{Var}(a) = (E[h]^2 + \operatorname{Var} h)\,V^\top
     + \operatorname{Var}(h)\,(M^{\circ 2})^\top + u`.
+
+    With 2-D weights and 1-D biases (every declared layer) the backward is the closed form of
+    the module docstring (one autograd node); batched weights, broadcast inputs, ``torch.func``
+    transforms and export differentiate the same formula with autograd.
     """
-    out_var = _affine(torch.addcmul(var, mean, mean), w_var, b_var)
-    out_var = out_var + _affine(var, w_loc * w_loc)
-    return _affine(mean, w_loc, b_loc), out_var
+    closed_form = (
+        w_loc.dim() == 2
+        and w_var.shape == w_loc.shape
+        and mean.shape == var.shape
+        and mean.dim() >= 1
+        and (b_loc is None or b_loc.dim() == 1)
+        and (b_var is None or b_var.dim() == 1)
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.compiler.is_exporting()
+    )
+    if closed_form:
+        return _LinearDiag.apply(mean, var, w_loc, w_var, b_loc, b_var)  # type: ignore[no-any-return]
+    return _linear_diag_formula(mean, var, w_loc, w_var, b_loc, b_var)[:2]
+
+
+def _linear_diag_formula(
+    mean: Tensor,
+    var: Tensor,
+    w_loc: Tensor,
+    w_var: Tensor,
+    b_loc: Tensor | None,
+    b_var: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(mean, var)`` of :func:`linear_diag`, and the ``(E[h^2], M^2)`` the backward reuses."""
+    second = torch.addcmul(var, mean, mean)  # E[h^2]
+    w_sq = w_loc * w_loc
+    out_var = _plus_affine(_affine(second, w_var, b_var), var, w_sq)
+    return _affine(mean, w_loc, b_loc), out_var, second, w_sq
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x`` as ``[rows, features]`` (the batch dimensions flattened)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+class _LinearDiag(torch.autograd.Function):
+    """:func:`_linear_diag_formula` with the closed-form backward of the module docstring."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx,
+        mean: Tensor,
+        var: Tensor,
+        w_loc: Tensor,
+        w_var: Tensor,
+        b_loc: Tensor | None,
+        b_var: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        out_mean, out_var, second, w_sq = _linear_diag_formula(
+            mean, var, w_loc, w_var, b_loc, b_var
+        )
+        ctx.save_for_backward(mean, var, w_loc, w_var, second, w_sq)
+        return out_mean, out_var
+
+    @staticmethod
+    @once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: FunctionCtx, g_mean: Tensor, g_var: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        mean, var, w_loc, w_var, second, w_sq = ctx.saved_tensors  # type: ignore[attr-defined]
+        need = ctx.needs_input_grad  # type: ignore[attr-defined]
+        d_mean = d_var = d_w_loc = d_w_var = d_b_loc = d_b_var = None
+        if need[0] or need[1]:
+            through_v = g_var @ w_var  # dVar/dv via V, also half of dVar/dm / m
+            if need[0]:
+                d_mean = torch.addcmul(g_mean @ w_loc, mean, through_v, value=2)
+            if need[1]:
+                d_var = torch.addmm(_rows(through_v), _rows(g_var), w_sq)
+                d_var = d_var if var.dim() == 2 else d_var.view(var.shape)
+        g_mean_t, g_var_t = _rows(g_mean).t(), _rows(g_var).t()
+        if need[2]:
+            d_w_loc = torch.addcmul(g_mean_t @ _rows(mean), w_loc, g_var_t @ _rows(var), value=2)
+        if need[3]:
+            d_w_var = g_var_t @ _rows(second)
+        if need[4]:
+            d_b_loc = _rows(g_mean).sum(0)
+        if need[5]:
+            d_b_var = _rows(g_var).sum(0)
+        return d_mean, d_var, d_w_loc, d_w_var, d_b_loc, d_b_var
 
 
 def linear_full(

@@ -1,11 +1,13 @@
 r"""Execution policy of the full-covariance moment kernels: which implementation runs where.
 
-The formulas of :mod:`lightning_dvi.moments` are written once, as whole-tensor functions on
-``[..., D, D]`` (:mod:`lightning_dvi.moments._relu_cov`, :func:`~lightning_dvi.moments.heaviside_full`).
-This module only decides *how* they are executed:
+The formulas of :mod:`lightning_dvi.moments` are written once: the ReLU covariance and its
+closed-form backward elementwise over broadcastable row/column operands with a pluggable scratch
+allocator (:mod:`lightning_dvi.moments._relu_cov`), the Heaviside covariance as one whole-tensor
+function (:func:`~lightning_dvi.moments.heaviside_cov`). This module only decides *how* they are
+executed:
 
-* ``"blocked"``: the ReLU covariance in cache-sized blocks of its upper triangle with reused
-  scratch buffers (a Python loop over blocks). Fastest on a CPU, where a block stays in cache;
+* ``"blocked"``: the ReLU formula on cache-sized blocks of the upper triangle with reused
+  scratch buffers (a Python loop over blocks; Heaviside: its formula, unchunked). Fastest on a CPU, where a block stays in cache;
   on a GPU it means tens of thousands of tiny kernel launches.
 * ``"whole"``: each formula as a handful of whole-tensor kernels on ``[n, D, D]`` with no host
   synchronisation and no Python loop over batch elements; the batch is cut into chunks only

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._relu import floors
 from .activations import relu_diag, relu_full, relu_slope
 from .special import normal_cdf, normal_pdf
 
@@ -95,7 +96,13 @@ _GL_NODES = 32
 
 
 def _var_floor(dtype: torch.dtype) -> float:
-    return 1e-30 if dtype == torch.float64 else 1e-24
+    return floors(dtype)[0]  # the variance floor of every moment kernel (one home: _relu)
+
+
+def _correlation(cov: Tensor) -> Tensor:
+    r""":math:`\rho = \Sigma_{jl}/(\sigma_j\sigma_l)` clamped to :math:`[-1, 1]` (floored variances)."""
+    sd = cov.diagonal(dim1=-2, dim2=-1).clamp_min(_var_floor(cov.dtype)).sqrt()
+    return (cov / (sd.unsqueeze(-1) * sd.unsqueeze(-2))).clamp(-1, 1)
 
 
 def _set_diagonal(cov: Tensor, diag: Tensor) -> Tensor:
@@ -236,9 +243,7 @@ def hermite_cov(cov: Tensor, coeffs: Tensor, out_var: Tensor) -> Tensor:
     Returns:
         The output covariance ``[..., D, D]``, symmetric and PSD up to round-off.
     """
-    var = cov.diagonal(dim1=-2, dim2=-1)
-    sd = var.clamp_min(_var_floor(cov.dtype)).sqrt()
-    rho = (cov / (sd.unsqueeze(-1) * sd.unsqueeze(-2))).clamp(-1, 1)
+    rho = _correlation(cov)
     out = torch.zeros_like(rho)
     power = torch.ones_like(rho)
     for k in range(coeffs.shape[-1]):
@@ -252,9 +257,7 @@ def hermite_cov(cov: Tensor, coeffs: Tensor, out_var: Tensor) -> Tensor:
 def hermite_tail_bound(coeffs: Tensor, out_var: Tensor, cov: Tensor) -> Tensor:
     r"""Bound :math:`|\rho_{jl}|^{K+1}\sqrt{T_jT_l}` on the truncation error of :func:`hermite_cov`."""
     tail = (out_var - (coeffs.square() / _factorials(coeffs)).sum(-1)).clamp_min(0)
-    var = cov.diagonal(dim1=-2, dim2=-1)
-    sd = var.clamp_min(_var_floor(cov.dtype)).sqrt()
-    rho = (cov / (sd.unsqueeze(-1) * sd.unsqueeze(-2))).clamp(-1, 1)
+    rho = _correlation(cov)
     t = tail.sqrt()
     return rho.abs() ** (coeffs.shape[-1] + 1) * t.unsqueeze(-1) * t.unsqueeze(-2)
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
-from ..gaussian import Gaussian, validate_mode
+from ..gaussian import Gaussian, all_finite, validate_mode
 
 __all__ = ["BayesModule", "Moments"]
 
@@ -62,7 +61,7 @@ class BayesModule(nn.Module):
             )
         # A host read: skipped while torch.compile traces (it would split the graph);
         # lightning_dvi.compile runs it once per call outside the compiled region.
-        if not torch.compiler.is_compiling() and not torch.isfinite(x).all():
+        if not all_finite(x):
             raise ValueError("input contains NaN or Inf")
         if mode in ("sample", "local"):
             s = 1 if num_samples is None else num_samples
