@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-__all__ = ["check", "fraction", "is_int", "positive_float", "positive_int"]
+from ..gaussian import MODES, MONTE_CARLO_MODES
+
+__all__ = [
+    "check",
+    "fraction",
+    "is_int",
+    "one_of",
+    "optional_positive_int",
+    "positive_float",
+    "positive_int",
+    "sampling",
+]
 
 
 def check(condition: bool, message: str) -> None:
@@ -35,8 +47,38 @@ def positive_int(name: str, value: object) -> int:
     return value  # type: ignore[return-value]
 
 
+def optional_positive_int(name: str, value: object, note: str = "") -> int | None:
+    """``value`` checked to be ``None`` or an int ``>= 1`` (``note`` follows "or None")."""
+    ok = value is None or (is_int(value) and value >= 1)  # type: ignore[operator]
+    check(ok, f"{name} must be a positive int or None{note}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 def fraction(name: str, value: object) -> float:
     """``value`` as a float, checked to lie in ``[0, 1]``."""
     ok = _finite_number(value) and 0.0 <= value <= 1.0  # type: ignore[operator]
     check(ok, f"{name} must be a fraction in [0, 1], got {value!r}")
     return float(value)  # type: ignore[arg-type]
+
+
+def one_of(name: str, value: object, choices: Sequence[str]) -> str:
+    """``value`` checked to be one of the string ``choices``: ``name must be 'a' or 'b', got ...``."""
+    options = " or ".join(repr(c) for c in choices)
+    check(value in choices, f"{name} must be {options}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def sampling(mode: object, num_samples: object) -> tuple[str, int | None]:
+    """The propagation ``mode`` and its network samples per step, checked together.
+
+    ``num_samples`` defaults to 1 in the Monte Carlo modes (``sample``/``local``) and must be
+    unset in the closed-form ones (``full``/``diag``).
+    """
+    check(mode in MODES, f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode in MONTE_CARLO_MODES:
+        return str(mode), positive_int("num_samples", 1 if num_samples is None else num_samples)
+    check(
+        num_samples is None,
+        f"num_samples is only used by mode='sample'/'local', not {mode!r}; leave it unset",
+    )
+    return str(mode), None
