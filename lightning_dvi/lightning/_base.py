@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torchmetrics import MetricCollection
 
 from ..compile import CompiledELBO, compile_options
-from ..gaussian import MONTE_CARLO_MODES, Gaussian, Mode
+from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode
 from ..likelihoods import Likelihood
 from ..nn import BayesLinear, BayesModule, bayes_layers
 from ..nn.builders import Activation
@@ -42,7 +42,7 @@ EBMode = Literal["in_graph", "buffer"]
 
 PredictiveMethod = Literal["closed_form", "mc"]
 
-_MC_MODES = MONTE_CARLO_MODES
+_MODES, _MC_MODES = MODES, MONTE_CARLO_MODES
 _DEFAULT_MC_SAMPLES = 100
 
 

@@ -51,15 +51,11 @@ class OptimiserConfig:
     def configure(
         self, parameters: Iterable[nn.Parameter], total_steps: Callable[[], int]
     ) -> torch.optim.Optimizer | dict[str, Any]:
-        r"""Adam over ``parameters``, with the per-step cosine schedule if asked for.
+        """Adam over ``parameters``, with the per-step cosine schedule of ``lr_schedule="cosine"``.
 
-        The cosine factor at optimisation step :math:`t` of :math:`T` = ``total_steps()``,
-
-        .. math::
-            \eta_t = \eta_{\min} + (\eta - \eta_{\min})\,\tfrac12\bigl(1 + \cos(\pi\min(t, T)/T)\bigr),
-
-        stays at :math:`\eta_{\min}` after :math:`T`. ``total_steps`` is called once, at the
-        first step after step 0: estimating the steps loads the training data, which before a
+        The schedule (:meth:`DVIModule.configure_optimizers
+        <lightning_dvi.lightning._base.DVIModule.configure_optimizers>`) calls ``total_steps``
+        once, at step 1: estimating the run's steps loads the training data, which before a
         checkpoint is restored would lose a resumed loader's position.
         """
         optimiser = torch.optim.Adam(parameters, lr=self.lr, weight_decay=self.weight_decay)

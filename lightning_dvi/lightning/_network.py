@@ -76,11 +76,11 @@ class MLPConfig:
 
 def check_net(net: object, in_features: int | None, out_features: int | None) -> BayesModule:
     """``net`` checked to be a declared network whose widths fit ``in_features``/``out_features``."""
-    check(
-        isinstance(net, BayesModule),
-        f"net must be a lightning_dvi.nn module (BayesModule), got {type(net).__name__}",
-    )
-    layers = list(bayes_layers(net))  # type: ignore[arg-type]
+    if not isinstance(net, BayesModule):
+        raise ValueError(
+            f"net must be a lightning_dvi.nn module (BayesModule), got {type(net).__name__}"
+        )
+    layers = list(bayes_layers(net))
     check(bool(layers), f"net {type(net).__name__} has no BayesLinear layer")
     first, last = layers[0], layers[-1]
     check(
@@ -96,7 +96,7 @@ def check_net(net: object, in_features: int | None, out_features: int | None) ->
         f"the injected net takes {getattr(first, 'in_features', None)} inputs but "
         f"in_features={in_features}",
     )
-    return net  # type: ignore[return-value]
+    return net
 
 
 def setup_network(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeGuard
 
 from ..gaussian import MODES, MONTE_CARLO_MODES
 
@@ -25,7 +26,7 @@ def check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An ``int`` that is not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -43,15 +44,16 @@ def positive_float(name: str, value: object, allow_zero: bool = False) -> float:
 
 def positive_int(name: str, value: object) -> int:
     """``value`` checked to be an int ``>= 1``."""
-    check(is_int(value) and value >= 1, f"{name} must be a positive int, got {value!r}")  # type: ignore[operator]
-    return value  # type: ignore[return-value]
+    if is_int(value) and value >= 1:
+        return value
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def optional_positive_int(name: str, value: object, note: str = "") -> int | None:
     """``value`` checked to be ``None`` or an int ``>= 1`` (``note`` follows "or None")."""
-    ok = value is None or (is_int(value) and value >= 1)  # type: ignore[operator]
-    check(ok, f"{name} must be a positive int or None{note}, got {value!r}")
-    return value  # type: ignore[return-value]
+    if value is None or (is_int(value) and value >= 1):
+        return value
+    raise ValueError(f"{name} must be a positive int or None{note}, got {value!r}")
 
 
 def fraction(name: str, value: object) -> float:
@@ -63,9 +65,9 @@ def fraction(name: str, value: object) -> float:
 
 def one_of(name: str, value: object, choices: Sequence[str]) -> str:
     """``value`` checked to be one of the string ``choices``: ``name must be 'a' or 'b', got ...``."""
-    options = " or ".join(repr(c) for c in choices)
-    check(value in choices, f"{name} must be {options}, got {value!r}")
-    return value  # type: ignore[return-value]
+    if isinstance(value, str) and value in choices:
+        return value
+    raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got {value!r}")
 
 
 def sampling(mode: object, num_samples: object) -> tuple[str, int | None]:
