@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Literal
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
@@ -27,20 +27,16 @@ from torchmetrics import MetricCollection
 from ..compile import CompiledELBO, compile_options
 from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode
 from ..likelihoods import Likelihood
-from ..nn import BayesLinear, BayesModule, bayes_layers, mlp
-from ..objective import ELBOTerms, KLSchedule, elbo
-from ..priors import EmpiricalBayes, GaussianPrior, Prior
+from ..nn import BayesLinear, BayesModule, bayes_layers
+from ..nn.builders import Activation
+from ..objective import ELBOTerms, elbo
+from ._config import KLScheduleConfig, LRSchedule, OptimiserConfig, make_prior
 from ._data import DataView
-from ._network import UnbuiltNetwork, instantiate_net, primitive
-from ._validation import check as _check
-from ._validation import fraction as _fraction
-from ._validation import is_int as _is_int
-from ._validation import positive_float as _positive_float
-from ._validation import positive_int as _positive_int
+from ._network import MLP_ARGUMENTS, MLPConfig, UnbuiltNetwork, primitive, setup_network
+from ._validation import one_of, optional_positive_int, positive_float, positive_int, sampling
 
 __all__ = ["DVIModule", "logs_this_step"]
 
-Activation = Literal["relu", "heaviside"]
 PriorName = Literal["empirical_bayes", "gaussian"]
 EBMode = Literal["in_graph", "buffer"]
 
@@ -54,15 +50,7 @@ def resolve_method(mode: str, method: str | None) -> str:
     """The predictive method: ``method``, or the default of a model trained in ``mode``."""
     if method is None:
         return "mc" if mode in _MC_MODES else "closed_form"
-    _check(
-        method in ("closed_form", "mc"),
-        f"method must be 'closed_form' or 'mc', got {method!r}",
-    )
-    return method
-
-
-# The hyper-parameters that only describe the built-in MLP; not recorded for an injected network.
-_MLP_HPARAMS = ("hidden", "activation", "residual", "init_scale")
+    return one_of("method", method, ("closed_form", "mc"))
 
 
 def logs_this_step(trainer: Trainer) -> bool:
@@ -142,6 +130,7 @@ class DVIModule(LightningModule):
     """
 
     likelihood: Likelihood
+    net: nn.Module
     val_metrics: MetricCollection
     test_metrics: MetricCollection
 
@@ -166,7 +155,7 @@ class DVIModule(LightningModule):
         kl_warmup_fraction: float = 0.0,
         kl_anneal_fraction: float = 0.0,
         lr: float = 1e-3,
-        lr_schedule: Literal["constant", "cosine"] = "constant",
+        lr_schedule: LRSchedule = "constant",
         min_lr: float = 0.0,
         weight_decay: float = 0.0,
         init_scale: float | None = None,
@@ -176,122 +165,37 @@ class DVIModule(LightningModule):
     ) -> None:
         super().__init__()
         self._compile = compile_options(compile)  # validated here; applied in _elbo
-        _check(mode in _MODES, f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
-        if mode in _MC_MODES:
-            num_samples = _positive_int("num_samples", 1 if num_samples is None else num_samples)
-        else:
-            _check(
-                num_samples is None,
-                f"num_samples is only used by mode='sample'/'local', not {mode!r}; leave it unset",
-            )
-        _check(
-            num_data is None or (_is_int(num_data) and num_data >= 1),
-            f"num_data (the training-set size N) must be a positive int or None, got {num_data!r}",
+        self.mode, self.num_samples = sampling(mode, num_samples)
+        num_samples = self.num_samples  # the hyper-parameters record it resolved
+        self.num_data = optional_positive_int("num_data (the training-set size N)", num_data)
+        self.optimiser_config = OptimiserConfig(lr, lr_schedule, min_lr, weight_decay)
+        self.kl_config = KLScheduleConfig(
+            kl_warmup_steps, kl_anneal_steps, kl_warmup_fraction, kl_anneal_fraction
         )
-        self.mode = mode
-        self.num_samples = num_samples
-        self.num_data = num_data
-        self.lr = _positive_float("lr", lr)
-        self.weight_decay = _positive_float("weight_decay", weight_decay, allow_zero=True)
-        _check(
-            lr_schedule in ("constant", "cosine"),
-            f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}",
-        )
-        self.lr_schedule = lr_schedule
-        self.min_lr = _positive_float("min_lr", min_lr, allow_zero=True)
-        _check(self.min_lr <= self.lr, f"min_lr ({min_lr}) must not exceed lr ({lr})")
-        self.kl_schedule = KLSchedule(kl_warmup_steps, kl_anneal_steps)
-        self.kl_weight = _positive_float("kl_weight", kl_weight)
-        self.kl_warmup_fraction = _fraction("kl_warmup_fraction", kl_warmup_fraction)
-        self.kl_anneal_fraction = _fraction("kl_anneal_fraction", kl_anneal_fraction)
-        _check(
-            self.kl_warmup_fraction + self.kl_anneal_fraction <= 1.0,
-            "kl_warmup_fraction + kl_anneal_fraction must not exceed 1, got "
-            f"{kl_warmup_fraction} + {kl_anneal_fraction}",
-        )
-        _check(
-            not (
-                (kl_warmup_fraction or kl_anneal_fraction) and (kl_warmup_steps or kl_anneal_steps)
-            ),
-            "give the KL schedule either in steps (kl_warmup_steps, kl_anneal_steps) or as "
-            "fractions of the run (kl_warmup_fraction, kl_anneal_fraction), not both",
-        )
-        self.prior = self._build_prior(prior, prior_alpha, prior_beta, prior_variance, eb_mode)
-        _check(
-            in_features is None or (_is_int(in_features) and in_features >= 1),
-            f"in_features must be a positive int or None (read from the data), got {in_features!r}",
-        )
-        self.in_features = in_features
-        self.out_features = out_features
-        self._mlp_args: dict[str, Any] = {}
+        self.kl_schedule = self.kl_config.schedule()  # fractions become steps in on_train_start
+        self.kl_weight = positive_float("kl_weight", kl_weight)
+        self.prior = make_prior(prior, prior_alpha, prior_beta, prior_variance, eb_mode)
+        optional_positive_int("in_features", in_features, " (read from the data)")
         self.net_injected = net is not None
-        self._net_config = primitive(net) if isinstance(net, Mapping) else None
-        if isinstance(net, Mapping):  # type: ignore[unreachable]
-            # A checkpoint of a CLI run with model.init_args.net records the network's config.
-            net = instantiate_net(net)
+        self._net_config = primitive(net) if isinstance(net, Mapping) else None  # a CLI run's net
+        self._mlp: MLPConfig | None = None  # the built-in MLP, unless a network is injected
         if net is None:
-            self._mlp_args = self._check_mlp_args(hidden, activation, residual, init_scale)
-            self._mlp_args["prior_variance"] = prior_variance
-            self.net: nn.Module = UnbuiltNetwork(type(self).__name__)
-            if in_features is not None and out_features is not None:
-                self.net = self._build_net(in_features, out_features, **self._mlp_args)
-        else:
-            self.net = self._check_net(net, in_features, out_features)
-            # a convolutional first layer has channels, not an input width
-            self.in_features = getattr(next(iter(bayes_layers(self.net))), "in_features", None)
+            self._mlp = MLPConfig(hidden, activation, residual, init_scale, prior_variance)
+        self.out_features = out_features
+        self.net, self.in_features = setup_network(
+            type(self).__name__, net, self._mlp, in_features, out_features
+        )
         self.calibration_curves: dict[str, dict[str, Tensor]] = {}
-        # Collects this frame's and the subclass's arguments (the subclass's win).
+        # Collects this frame's and the subclass's arguments.
         self.save_hyperparameters(ignore=["net", "out_features"])
         self._finish_hparams()
 
     # ------------------------------------------------------------------ construction
-    @staticmethod
-    def _build_prior(prior: str, alpha: float, beta: float, variance: float, eb_mode: str) -> Prior:
-        _positive_float("prior_variance", variance)
-        if prior == "empirical_bayes":
-            return EmpiricalBayes(alpha=alpha, beta=beta, mode=eb_mode)
-        if prior == "gaussian":
-            return GaussianPrior(variance)
-        raise ValueError(f"prior must be 'empirical_bayes' or 'gaussian', got {prior!r}")
-
-    @staticmethod
-    def _check_mlp_args(
-        hidden: list[int] | None, activation: str, residual: bool, init_scale: float | None
-    ) -> dict[str, Any]:
-        _check(
-            isinstance(hidden, (list, tuple)) and all(_is_int(h) and h >= 1 for h in hidden),
-            f"hidden must be a list of positive ints, got {hidden!r}",
-        )
-        _check(
-            activation in ("relu", "heaviside"),
-            f"activation must be 'relu' or 'heaviside', got {activation!r}",
-        )
-        args: dict[str, Any] = {
-            "hidden": list(hidden),  # type: ignore[arg-type]
-            "activation": activation,
-            "residual": bool(residual),
-        }
-        if init_scale is not None:
-            args["init_scale"] = _positive_float("init_scale", init_scale)
-        return args
-
-    @staticmethod
-    def _build_net(
-        in_features: int,
-        out_features: int,
-        *,
-        hidden: list[int],
-        activation: str,
-        residual: bool,
-        **layer_kwargs: Any,
-    ) -> nn.Module:
-        return mlp(in_features, hidden, out_features, activation, residual, **layer_kwargs)  # type: ignore[arg-type]
-
     def _finish_hparams(self) -> None:
         """After ``save_hyperparameters``: an injected network records no MLP arguments."""
         if not self.net_injected:
             return
-        for key in _MLP_HPARAMS:
+        for key in MLP_ARGUMENTS:
             self.hparams.pop(key, None)
         if self._net_config is not None:
             self.hparams["net"] = self._net_config
@@ -305,48 +209,23 @@ class DVIModule(LightningModule):
         """Build the MLP for ``in_features`` inputs (once) and record the width in the hyper-parameters."""
         if self.network_built:
             return
-        _positive_int("in_features", in_features)
-        _check(
-            self.out_features is not None,
-            f"{type(self).__name__}: the number of outputs is not known yet",
-        )
+        positive_int("in_features", in_features)
+        if self.out_features is None:
+            raise ValueError(f"{type(self).__name__}: the number of outputs is not known yet")
+        assert self._mlp is not None  # only the MLP waits for the data
         self.in_features = int(in_features)
-        self.net = self._build_net(self.in_features, self.out_features, **self._mlp_args)  # type: ignore[arg-type]
+        self.net = self._mlp.build(self.in_features, self.out_features)
         self.hparams["in_features"] = self.in_features
         self._after_build()
 
     def _after_build(self) -> None:
         """Initialise what depends on the built network (subclasses override)."""
 
-    @staticmethod
-    def _check_net(net: nn.Module, in_features: int | None, out_features: int | None) -> nn.Module:
-        _check(
-            isinstance(net, BayesModule),
-            f"net must be a lightning_dvi.nn module (BayesModule), got {type(net).__name__}",
-        )
-        layers = list(bayes_layers(net))
-        _check(bool(layers), f"net {type(net).__name__} has no BayesLinear layer")
-        first, last = layers[0], layers[-1]
-        _check(
-            out_features is None or last.out_features == out_features,
-            f"the injected net ends in {last.out_features} outputs but the likelihood needs "
-            f"{out_features}",
-        )
-        _check(
-            # a conv first layer checks its channels itself, on the first batch
-            in_features is None
-            or not isinstance(first, BayesLinear)
-            or first.in_features == in_features,
-            f"the injected net takes {getattr(first, 'in_features', None)} inputs but "
-            f"in_features={in_features}",
-        )
-        return net
-
     def _weight_draws(self, x: Tensor, num_samples: int | None) -> Tensor:
         """Network outputs ``[S, B, D]`` under ``S`` posterior draws of the weights."""
         if num_samples is None:
             num_samples = self.num_samples if self.mode in _MC_MODES else _DEFAULT_MC_SAMPLES
-        _positive_int("num_samples", num_samples)
+        positive_int("num_samples", num_samples)
         draw_mode = "local" if self.mode == "local" else "sample"
         return self.net(x, mode=draw_mode, num_samples=num_samples)
 
@@ -422,15 +301,13 @@ class DVIModule(LightningModule):
         Run when training starts (after a checkpoint is restored): the number of optimisation
         steps is ``trainer.estimated_stepping_batches``.
         """
-        if self.lr_schedule == "cosine":
+        if self.optimiser_config.lr_schedule == "cosine":
             self._total_steps("lr_schedule='cosine'")
         total: float = self.trainer.estimated_stepping_batches
         finite = math.isfinite(total) and total >= 1
-        if self.kl_warmup_fraction or self.kl_anneal_fraction:
+        if self.kl_config.by_fraction:
             total = self._total_steps("kl_warmup_fraction/kl_anneal_fraction")
-            self.kl_schedule = KLSchedule(
-                round(self.kl_warmup_fraction * total), round(self.kl_anneal_fraction * total)
-            )
+            self.kl_schedule = self.kl_config.schedule(total)
             return
         if not finite or self.trainer.fast_dev_run:  # a smoke test is not the run
             return
@@ -581,26 +458,18 @@ class DVIModule(LightningModule):
         and stays at :math:`\eta_{\min}` (``min_lr``) after :math:`T`; :math:`T` must be finite
         (set ``max_steps`` or ``max_epochs``).
         """
-        optimiser = torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        if self.lr_schedule == "constant":
-            return optimiser
-        floor = self.min_lr / self.lr
-        horizon: list[int] = []
+        return self.optimiser_config.configure(
+            self.parameters(), lambda: self._total_steps("lr_schedule='cosine'")
+        )
 
-        def factor(step: int) -> float:
-            if step == 0:
-                return 1.0  # cos(0) = 1 for any horizon
-            # Read lazily: estimating the steps loads the training data, which before the
-            # checkpoint is restored would lose a resumed loader's position.
-            if not horizon:
-                horizon.append(self._total_steps("lr_schedule='cosine'"))
-            steps = horizon[0]
-            return floor + (1.0 - floor) * 0.5 * (
-                1.0 + math.cos(math.pi * min(step, steps) / steps)
-            )
+    @property
+    def lr(self) -> float:
+        """Adam's learning rate (settable, as Lightning's learning-rate finder does)."""
+        return self.optimiser_config.lr
 
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, factor)
-        return {"optimizer": optimiser, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.optimiser_config = replace(self.optimiser_config, lr=value)  # checked again
 
     # ------------------------------------------------------------------ subclass interface
     def _network_targets(self, y: Tensor) -> Tensor:

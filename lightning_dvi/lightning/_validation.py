@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TypeGuard
 
-__all__ = ["check", "fraction", "is_int", "positive_float", "positive_int"]
+from ..gaussian import MODES, MONTE_CARLO_MODES
+
+__all__ = [
+    "check",
+    "fraction",
+    "is_int",
+    "one_of",
+    "optional_positive_int",
+    "positive_float",
+    "positive_int",
+    "sampling",
+]
 
 
 def check(condition: bool, message: str) -> None:
@@ -13,7 +26,7 @@ def check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An ``int`` that is not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -31,8 +44,16 @@ def positive_float(name: str, value: object, allow_zero: bool = False) -> float:
 
 def positive_int(name: str, value: object) -> int:
     """``value`` checked to be an int ``>= 1``."""
-    check(is_int(value) and value >= 1, f"{name} must be a positive int, got {value!r}")  # type: ignore[operator]
-    return value  # type: ignore[return-value]
+    if is_int(value) and value >= 1:
+        return value
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def optional_positive_int(name: str, value: object, note: str = "") -> int | None:
+    """``value`` checked to be ``None`` or an int ``>= 1`` (``note`` follows "or None")."""
+    if value is None or (is_int(value) and value >= 1):
+        return value
+    raise ValueError(f"{name} must be a positive int or None{note}, got {value!r}")
 
 
 def fraction(name: str, value: object) -> float:
@@ -40,3 +61,26 @@ def fraction(name: str, value: object) -> float:
     ok = _finite_number(value) and 0.0 <= value <= 1.0  # type: ignore[operator]
     check(ok, f"{name} must be a fraction in [0, 1], got {value!r}")
     return float(value)  # type: ignore[arg-type]
+
+
+def one_of(name: str, value: object, choices: Sequence[str]) -> str:
+    """``value`` checked to be one of the string ``choices``: ``name must be 'a' or 'b', got ...``."""
+    if isinstance(value, str) and value in choices:
+        return value
+    raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got {value!r}")
+
+
+def sampling(mode: object, num_samples: object) -> tuple[str, int | None]:
+    """The propagation ``mode`` and its network samples per step, checked together.
+
+    ``num_samples`` defaults to 1 in the Monte Carlo modes (``sample``/``local``) and must be
+    unset in the closed-form ones (``full``/``diag``).
+    """
+    check(mode in MODES, f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode in MONTE_CARLO_MODES:
+        return str(mode), positive_int("num_samples", 1 if num_samples is None else num_samples)
+    check(
+        num_samples is None,
+        f"num_samples is only used by mode='sample'/'local', not {mode!r}; leave it unset",
+    )
+    return str(mode), None

@@ -14,6 +14,7 @@ from ..likelihoods import HeteroscedasticGaussian, HomoscedasticGaussian
 from ..metrics import RegressionMetrics
 from ._base import DVIModule, PredictiveMethod, resolve_method
 from ._data import DataView, target_statistics
+from ._validation import one_of
 
 __all__ = ["DVIRegressor", "VarianceSplit"]
 
@@ -43,6 +44,27 @@ class VarianceSplit(Metric):
         """Root mean aleatoric and epistemic variance."""
         n = self.count.clamp_min(1)
         return (self.aleatoric / n).sqrt(), (self.epistemic / n).sqrt()
+
+
+def _regression_likelihood(
+    likelihood: str, init_log_noise: float
+) -> HeteroscedasticGaussian | HomoscedasticGaussian:
+    """The likelihood named ``likelihood``; a homoscedastic one starts at ``init_log_noise``."""
+    one_of("likelihood", likelihood, ("heteroscedastic", "homoscedastic"))
+    if likelihood == "heteroscedastic":
+        return HeteroscedasticGaussian()
+    return HomoscedasticGaussian(init_log_variance=init_log_noise)
+
+
+def _checked_target_statistics(loc: float | None, scale: float | None) -> tuple[float, float]:
+    """The target standardisation ``(m, s)``: ``loc`` finite (default 0), ``scale`` finite > 0 (default 1)."""
+    loc_value = 0.0 if loc is None else float(loc)
+    scale_value = 1.0 if scale is None else float(scale)
+    if not (math.isfinite(loc_value) and 0.0 < scale_value < math.inf):
+        raise ValueError(
+            f"target_loc must be finite and target_scale finite and > 0, got {loc!r}, {scale!r}"
+        )
+    return loc_value, scale_value
 
 
 class DVIRegressor(DVIModule):
@@ -115,14 +137,7 @@ class DVIRegressor(DVIModule):
         standardize_targets: bool = True,
         **kwargs: Any,
     ) -> None:
-        if likelihood == "heteroscedastic":
-            lik: HeteroscedasticGaussian | HomoscedasticGaussian = HeteroscedasticGaussian()
-        elif likelihood == "homoscedastic":
-            lik = HomoscedasticGaussian(init_log_variance=init_log_noise)
-        else:
-            raise ValueError(
-                f"likelihood must be 'heteroscedastic' or 'homoscedastic', got {likelihood!r}"
-            )
+        lik = _regression_likelihood(likelihood, init_log_noise)
         if not isinstance(standardize_targets, bool):
             raise ValueError(f"standardize_targets must be a bool, got {standardize_targets!r}")
         super().__init__(
@@ -133,7 +148,7 @@ class DVIRegressor(DVIModule):
         if self.network_built and not self.net_injected:
             self._after_build()
         self.standardize_targets = standardize_targets
-        loc, scale = self._check_target_statistics(target_loc, target_scale)
+        loc, scale = _checked_target_statistics(target_loc, target_scale)
         # Persistent buffers: checkpoints carry the standardisation with the weights.
         self.register_buffer("target_loc", torch.tensor(loc))
         self.register_buffer("target_scale", torch.tensor(scale))
@@ -141,16 +156,6 @@ class DVIRegressor(DVIModule):
         self.test_metrics = RegressionMetrics(prefix="test/")
         self.val_split = VarianceSplit()
         self.test_split = VarianceSplit()
-
-    @staticmethod
-    def _check_target_statistics(loc: float | None, scale: float | None) -> tuple[float, float]:
-        loc_value = 0.0 if loc is None else float(loc)
-        scale_value = 1.0 if scale is None else float(scale)
-        if not (math.isfinite(loc_value) and 0.0 < scale_value < math.inf):
-            raise ValueError(
-                f"target_loc must be finite and target_scale finite and > 0, got {loc!r}, {scale!r}"
-            )
-        return loc_value, scale_value
 
     def _after_build(self) -> None:
         if self.hparams.get("likelihood") == "heteroscedastic":
@@ -193,7 +198,7 @@ class DVIRegressor(DVIModule):
             from_data = target_statistics(targets)
         if from_data is None:
             return
-        loc, scale = self._check_target_statistics(*from_data)
+        loc, scale = _checked_target_statistics(*from_data)
         self.hparams["target_loc"], self.hparams["target_scale"] = loc, scale
         self.target_loc.fill_(loc)
         self.target_scale.fill_(scale)
