@@ -34,7 +34,8 @@ def instantiate_net(config: Mapping[str, Any]) -> nn.Module:
             return [build(v) for v in value]
         return value
 
-    return build(config)
+    net: nn.Module = build(config)
+    return net
 
 
 def primitive(value: Any) -> Any:
