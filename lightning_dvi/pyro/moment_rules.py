@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import moments as M
+from ..gaussian import Gaussian
 from ..nn.registry import spec_for_function
 from .dispatch import Handler, op_name, register, register_resolver, unsupported
 from .moment_tensor import (
@@ -36,7 +37,9 @@ _T = Tensor
 
 
 # ------------------------------------------------------------------------------- shape ops
-def _probe_gather(func: Callable[..., Any], x: MomentTensor, args: tuple, kwargs: dict) -> Any:
+def _probe_gather(
+    func: Callable[..., Any], x: MomentTensor, args: tuple, kwargs: dict
+) -> MomentTensor:
     """Apply a shape op to a full-mode moment tensor, keeping exactly what it can.
 
     The op is applied to two index probes (source row and source column of every element). If
@@ -86,8 +89,12 @@ def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Mo
 
 @register(_T.expand_as, _T.reshape_as, _T.view_as)
 def _shape_as(func: Callable[..., Any], x: Any, other: Any) -> MomentTensor:
-    target = {_T.expand_as: _T.expand, _T.reshape_as: _T.reshape, _T.view_as: _T.view}[func]
-    return _shape_op(target, x, tuple(other.shape))
+    to: dict[Any, Handler] = {
+        _T.expand_as: _T.expand,
+        _T.reshape_as: _T.reshape,
+        _T.view_as: _T.view,
+    }
+    return _shape_op(to[func], x, tuple(other.shape))
 
 
 def expand_to(x: Tensor, shape: torch.Size) -> Tensor:
@@ -250,7 +257,7 @@ def _conv2d(
     """``PyroModule[nn.Conv2d]``: diag moments through :mod:`lightning_dvi.moments.conv`."""
     op = op_name(func)
     if isinstance(weight, SampledTensor) or isinstance(bias, SampledTensor):
-        raise sampled_weight_error(op)
+        raise sampled_weight_error(func)
     if groups != 1 or isinstance(padding, str) or dilation not in (1, (1, 1)):
         raise unsupported(f"`{op}` with groups, dilation or string padding")
     sources = union_sources(op, x, weight, bias)
@@ -297,7 +304,7 @@ def _registered_activation(func: Callable[..., Any]) -> Handler | None:
             raise unsupported(f"`{op}` with a moment-carrying tensor as an argument")
         module = spec.build_from_call(*args, **kwargs)
         out = module.propagate(x.gaussian(op), x.dvi_mode)
-        return MomentTensor.of(out, x.dvi_mode, x.dvi_sources)
+        return MomentTensor.of(cast(Gaussian, out), x.dvi_mode, x.dvi_sources)  # Gaussian in
 
     return activation
 
@@ -339,7 +346,7 @@ def _log_softmax(
 ) -> MomentTensor:
     _last_dim(func, x, kw.pop("dim", dim))
     if x.dvi_link == "log_softmax":
-        return x
+        return cast(MomentTensor, x)
     return _link(func, x, "log_softmax")
 
 
