@@ -267,7 +267,7 @@ class DVIModule(LightningModule):
             f"activation must be 'relu' or 'heaviside', got {activation!r}",
         )
         args: dict[str, Any] = {
-            "hidden": list(hidden),  # type: ignore[arg-type]
+            "hidden": list(hidden),  # type: ignore[arg-type]  # not None: checked above
             "activation": activation,
             "residual": bool(residual),
         }
@@ -285,7 +285,7 @@ class DVIModule(LightningModule):
         residual: bool,
         **layer_kwargs: Any,
     ) -> nn.Module:
-        return mlp(in_features, hidden, out_features, activation, residual, **layer_kwargs)  # type: ignore[arg-type]
+        return mlp(in_features, hidden, out_features, activation, residual, **layer_kwargs)  # type: ignore[arg-type]  # activation: checked in _check_mlp_args
 
     def _finish_hparams(self) -> None:
         """After ``save_hyperparameters``: an injected network records no MLP arguments."""
@@ -311,7 +311,7 @@ class DVIModule(LightningModule):
             f"{type(self).__name__}: the number of outputs is not known yet",
         )
         self.in_features = int(in_features)
-        self.net = self._build_net(self.in_features, self.out_features, **self._mlp_args)  # type: ignore[arg-type]
+        self.net = self._build_net(self.in_features, self.out_features, **self._mlp_args)  # type: ignore[arg-type]  # out_features: checked above
         self.hparams["in_features"] = self.in_features
         self._after_build()
 

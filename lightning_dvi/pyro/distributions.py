@@ -101,8 +101,9 @@ class LikelihoodSite(TorchDistribution):
         return self._conditional().variance
 
     def rsample(
-        self, sample_shape: torch.Size | list[int] | tuple[int, ...] = torch.Size()
-    ) -> Tensor:  # noqa: B008
+        self,
+        sample_shape: torch.Size | list[int] | tuple[int, ...] = torch.Size(),  # noqa: B008
+    ) -> Tensor:
         """Reparameterised draws of ``y``."""
         return self._conditional().rsample(sample_shape)
 

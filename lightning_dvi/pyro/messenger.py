@@ -49,8 +49,9 @@ class _SiteTerm(TorchDistribution):
         return self._term(value)
 
     def sample(
-        self, sample_shape: torch.Size | list[int] | tuple[int, ...] = torch.Size()
-    ) -> Tensor:  # noqa: B008
+        self,
+        sample_shape: torch.Size | list[int] | tuple[int, ...] = torch.Size(),  # noqa: B008
+    ) -> Tensor:
         """Not samplable: this object exists only inside a moment pass."""
         raise RuntimeError("a DVI moment-pass site term cannot be sampled")
 

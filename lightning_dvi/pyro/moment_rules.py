@@ -73,8 +73,8 @@ _SHAPE_OPS = (
     *(getattr(m, n) for m in (_T, torch) for n in ("reshape", "squeeze", "unsqueeze", "flatten")),
     *(getattr(m, n) for m in (_T, torch) for n in ("permute", "transpose")),
     *(getattr(torch, n) for n in ("t", "clone")),
-    _T.mT.__get__,  # type: ignore[attr-defined]
-    _T.T.__get__,  # type: ignore[attr-defined]
+    _T.mT.__get__,  # type: ignore[attr-defined]  # a C property, stubbed as a Tensor
+    _T.T.__get__,  # type: ignore[attr-defined]  # a C property, stubbed as a Tensor
 )
 
 
@@ -155,7 +155,7 @@ def _scale_moments(x: MomentTensor, c: Tensor | float) -> MomentTensor:
     x.check_unlinked("scaling")
     c = torch.as_tensor(c, dtype=x.dvi_mean.dtype, device=x.dvi_mean.device)
     shape = torch.broadcast_shapes(x.shape, c.shape)
-    x, c = expand_to(x, shape), c.expand(shape)  # type: ignore[assignment]
+    x, c = expand_to(x, shape), c.expand(shape)  # type: ignore[assignment]  # expanding keeps a MomentTensor
     cov = None if x.dvi_cov is None else x.dvi_cov * c.unsqueeze(-1) * c.unsqueeze(-2)
     return new_like(x, x.dvi_mean * c, x.dvi_var * c * c, cov)
 

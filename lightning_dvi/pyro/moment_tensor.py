@@ -149,7 +149,7 @@ _T = Tensor
 # Queries answered from the tensor data (a detached copy of the mean), not moment rules.
 _METADATA = {
     *(getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "ndim", "layout", "is_cuda")),
-    _T.requires_grad.__get__,  # type: ignore[attr-defined]
+    _T.requires_grad.__get__,  # type: ignore[attr-defined]  # a C property, stubbed as a bool
     *(getattr(_T, n) for n in ("size", "dim", "ndimension", "numel", "nelement", "__len__")),
     *(getattr(_T, n) for n in ("__hash__", "is_floating_point", "is_complex", "get_device")),
 }
