@@ -24,9 +24,11 @@ fidelity: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check lightning_dvi
+	$(BIN)/mypy
 
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 	$(BIN)/python -m pytest -q -n 2 tests lightning_dvi --doctest-modules
 
@@ -34,4 +36,4 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .ruff_cache
+	rm -rf $(VENV) site .pytest_cache .ruff_cache .mypy_cache

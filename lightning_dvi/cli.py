@@ -31,7 +31,7 @@ from __future__ import annotations
 import csv
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import yaml
@@ -40,6 +40,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor
 
 # Imported so their classes are known to jsonargparse by short name (``--data DigitsDataModule``).
 from . import data as _data  # noqa: F401
@@ -132,7 +133,7 @@ class DVILightningCLI(LightningCLI):
                 "first or pass --ckpt_path PATH"
             )
 
-    def _require_batches(self, stage: str, counts: list[int] | int) -> None:
+    def _require_batches(self, stage: str, counts: list[int | float] | int) -> None:
         total = sum(counts) if isinstance(counts, list) else counts
         if not total:
             raise SystemExit(
@@ -172,7 +173,7 @@ class DVILightningCLI(LightningCLI):
         if isinstance(batches[0], dict):
             predictions: Any = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
         else:
-            predictions = torch.cat(batches)
+            predictions = torch.cat(cast(list[Tensor], batches))  # one tensor per batch
         world = self.trainer.world_size
         name = "predictions.pt" if world == 1 else f"predictions_rank{self.trainer.global_rank}.pt"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -226,7 +227,8 @@ class DVILightningCLI(LightningCLI):
         if getattr(self, "_predictions_path", None) is not None:
             lines.append(f"predictions: {self._predictions_path}")
             lines.append(f"predictions: {self._predictions_path.with_suffix('.csv')}")
-        for callback in trainer.callbacks if self.subcommand == "fit" else []:  # type: ignore[attr-defined]
+        callbacks = getattr(trainer, "callbacks", [])  # set by Lightning, not declared on Trainer
+        for callback in callbacks if self.subcommand == "fit" else []:
             if isinstance(callback, ModelCheckpoint) and callback.last_model_path:
                 lines.append(f"checkpoint:  {callback.last_model_path}")
         print("\n".join(lines), flush=True)

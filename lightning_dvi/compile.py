@@ -96,9 +96,12 @@ def compile_network(net: nn.Module, **options: Any) -> Callable[..., Moments]:
     def forward(x: Tensor, mode: str = "full", num_samples: int | None = None) -> Moments:
         validate_mode(mode)
         _check_input(x)
+        out: Moments
         if mode in ("sample", "local"):
-            return compiled(x, mode=mode, num_samples=num_samples)  # type: ignore[no-any-return]
-        return compiled(x, mode=mode)  # type: ignore[no-any-return]
+            out = compiled(x, mode=mode, num_samples=num_samples)
+        else:
+            out = compiled(x, mode=mode)
+        return out
 
     return forward
 

@@ -24,8 +24,8 @@ def monte_carlo_moments(
     """
     if num_samples < 2:
         raise ValueError(f"num_samples must be >= 2, got {num_samples}")
-    total = None
-    outer = None
+    total: Tensor | None = None
+    outer: Tensor | None = None
     done = 0
     while done < num_samples:
         s = min(chunk_size, num_samples - done)
@@ -34,8 +34,9 @@ def monte_carlo_moments(
         total = part if total is None else total + part
         outer = part_outer if outer is None else outer + part_outer
         done += s
-    mean = total / num_samples  # type: ignore[operator]
-    cov = (outer - num_samples * mean.unsqueeze(-1) * mean.unsqueeze(-2)) / (num_samples - 1)  # type: ignore[operator]
+    assert total is not None and outer is not None  # num_samples >= 2: the loop ran
+    mean = total / num_samples
+    cov = (outer - num_samples * mean.unsqueeze(-1) * mean.unsqueeze(-2)) / (num_samples - 1)
     return mean, cov
 
 
@@ -71,9 +72,9 @@ def compare_with_monte_carlo(
     mean_err = ((out.mean.double() - mc_mean).abs() / mc_std).max().item()
     std_err = (out.stddev.double() / mc_std - 1).abs().max().item()
     corr_err = float("nan")
-    if out.is_full:
+    if out.cov is not None:
         outer = mc_std.unsqueeze(-1) * mc_std.unsqueeze(-2)
         sd = out.stddev.double().clamp_min(1e-300)
-        corr = out.cov.double() / (sd.unsqueeze(-1) * sd.unsqueeze(-2))  # type: ignore[union-attr]
+        corr = out.cov.double() / (sd.unsqueeze(-1) * sd.unsqueeze(-2))
         corr_err = (corr - mc_cov / outer).abs().max().item()
     return FidelityResult(mean_err, std_err, corr_err)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from types import EllipsisType
+from typing import Literal, cast, get_args
 
 import torch
 from torch import Tensor
@@ -32,6 +33,11 @@ def all_finite(x: Tensor) -> bool:
     if torch.compiler.is_compiling():
         return True
     return math.isfinite(x.sum().item()) or bool(torch.isfinite(x).all())
+
+
+_IndexItem = int | slice | EllipsisType | Tensor | list[int] | None
+BatchIndex = _IndexItem | tuple[_IndexItem, ...]
+"""What :meth:`Gaussian.__getitem__` accepts: an index of the batch dimensions, as for a tensor."""
 
 
 def validate_mode(mode: str) -> str:
@@ -115,17 +121,17 @@ class Gaussian:
                     f"Gaussian cov shape {tuple(cov.shape)} does not match mean shape "
                     f"{tuple(mean.shape)}; expected {expected}"
                 )
-        elif tuple(var.shape) != tuple(mean.shape):  # type: ignore[union-attr]
+        elif tuple(second.shape) != tuple(mean.shape):
             raise ValueError(
-                f"Gaussian var shape {tuple(var.shape)} does not match "  # type: ignore[union-attr]
+                f"Gaussian var shape {tuple(second.shape)} does not match "
                 f"mean shape {tuple(mean.shape)}"
             )
         if not all_finite(mean):
             raise ValueError("Gaussian mean contains NaN or Inf")
         if not all_finite(second):
             raise ValueError(f"Gaussian {name} contains NaN or Inf")
-        diag = cov.diagonal(dim1=-2, dim2=-1) if cov is not None else var
-        if (diag < 0).any():  # type: ignore[operator]
+        diag = cov.diagonal(dim1=-2, dim2=-1) if cov is not None else second
+        if (diag < 0).any():
             raise ValueError(f"Gaussian {name} has negative variances (not PSD)")
 
     # ------------------------------------------------------------------ accessors
@@ -138,7 +144,8 @@ class Gaussian:
     def var(self) -> Tensor:
         """Per-unit variances ``[..., D]`` (the diagonal of ``cov`` in full mode)."""
         if self._var is None:
-            self._var = self._cov.diagonal(dim1=-2, dim2=-1)  # type: ignore[union-attr]
+            # exactly one of _cov/_var is set (checked in __init__)
+            self._var = cast(Tensor, self._cov).diagonal(dim1=-2, dim2=-1)
         return self._var
 
     @property
@@ -196,18 +203,20 @@ class Gaussian:
         """Draw samples ``[*sample_shape, ..., D]`` (reparameterised)."""
         shape = torch.Size(sample_shape) + self.mean.shape
         eps = torch.randn(shape, dtype=self.dtype, device=self.device)
-        if not self.is_full:
+        cov = self._cov
+        if cov is None:
             return self.mean + self.stddev * eps
         jitter = torch.finfo(self.dtype).eps * self.var.amax(-1, keepdim=True).clamp_min(1e-30)
         eye = torch.eye(self.mean.shape[-1], dtype=self.dtype, device=self.device)
-        chol = torch.linalg.cholesky(self._cov + 10 * jitter.unsqueeze(-1) * eye)  # type: ignore[operator]
-        return self.mean + (chol @ eps.unsqueeze(-1)).squeeze(-1)
+        chol = torch.linalg.cholesky(cov + 10 * jitter.unsqueeze(-1) * eye)
+        out: Tensor = self.mean + (chol @ eps.unsqueeze(-1)).squeeze(-1)
+        return out
 
-    def __getitem__(self, index: object) -> Gaussian:
+    def __getitem__(self, index: BatchIndex) -> Gaussian:
         """Index the batch dimensions (not the event dimension)."""
-        if self.is_full:
-            return Gaussian(self.mean[index], cov=self._cov[index], validate=False)  # type: ignore[index]
-        return Gaussian(self.mean[index], var=self.var[index], validate=False)  # type: ignore[index]
+        if self._cov is not None:
+            return Gaussian(self.mean[index], cov=self._cov[index], validate=False)
+        return Gaussian(self.mean[index], var=self.var[index], validate=False)
 
     def __repr__(self) -> str:
         return f"Gaussian(kind={self.kind}, shape={tuple(self.mean.shape)}, dtype={self.dtype})"

@@ -305,3 +305,12 @@ def test_image_outputs_stay_diag_in_full_mode():
         assert out.cov is None and out.mean.dim() == 4
     flat = Sequential(BayesConv2d(1, 2, 3, padding=1), ReLU(), Flatten())(x, mode="full")
     assert flat.cov.shape == (2, 32, 32)  # a flat output is returned full, as for dense nets
+
+
+def test_conv_refuses_weight_values_from_a_front_end():
+    from lightning_dvi.nn.linear import given_weights
+
+    conv = BayesConv2d(1, 2, 3)
+    w = torch.randn(2, 1, 3, 3)
+    with given_weights({conv: (w, None, None, None)}), pytest.raises(ValueError, match="moments"):
+        conv(torch.randn(1, 1, 5, 5), mode="diag")

@@ -188,3 +188,15 @@ def test_full_mode_keeps_exactly_diagonal_stages_cheap_but_equal():
 def test_dtype_mismatch_names_both_dtypes():
     with pytest.raises(ValueError, match=r"torch\.float32 but the input is torch\.float64"):
         mlp(3, [4], 1)(torch.zeros(2, 3, dtype=torch.float64))
+
+
+def test_module_apply_walks_a_network_with_activations():
+    # nn.Module.apply(fn) recurses into children; an activation's apply must not shadow it
+    # (found by the type checker: the elementwise function was named apply)
+    net = mlp(2, [3], 1, activation="relu")
+    visited = []
+    assert net.apply(lambda m: visited.append(type(m).__name__)) is net
+    assert visited.count("ReLU") == 1 and visited.count("BayesLinear") == 2
+    x = torch.linspace(-1.0, 1.0, 6).reshape(3, 2)
+    relu = next(m for m in net.modules() if type(m).__name__ == "ReLU")
+    assert torch.equal(relu.apply(x), torch.relu(x))  # on a tensor: the activation itself

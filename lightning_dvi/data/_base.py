@@ -62,7 +62,7 @@ class ResumableDataLoader(DataLoader):
         self._yielded = 0
         self._skip = 0
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator over DataLoader's iterator
         # A generator: nothing happens until Lightning's first next(), after set_epoch.
         iterator = super().__iter__()
         skip, self._skip = self._skip, 0

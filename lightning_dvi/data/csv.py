@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypedDict
 
 import numpy as np
 import torch
@@ -269,6 +269,16 @@ def _column_names(path: Path, delimiter: str | None) -> list[str]:
     return read_tabular(path, None, delimiter)[0]  # raises for an unsupported suffix
 
 
+class _Stats(TypedDict, total=False):
+    """What the training split fixes: standardiser and targets' moments, or ``K``."""
+
+    x_loc: np.ndarray
+    x_scale: np.ndarray
+    target_loc: float
+    target_scale: float
+    num_classes: int
+
+
 @dataclass(frozen=True)
 class _Part:
     """The rows of one file: inputs, targets, and how to name row ``i``."""
@@ -407,7 +417,7 @@ class CSVDataModule(InMemoryDataModule):
         self.delimiter = delimiter
         self._num_classes_arg = num_classes
         self._feature_names: list[str] | None = None
-        self._stats: dict[str, object] = {}
+        self._stats: _Stats = {}
 
     # ------------------------------------------------------------------ linked attributes
     @property
@@ -440,7 +450,7 @@ class CSVDataModule(InMemoryDataModule):
         if self.task != "regression":
             raise AttributeError("target_loc: classification targets are not standardised")
         self._datasets()
-        return float(self._stats["target_loc"])  # type: ignore[arg-type]
+        return float(self._stats["target_loc"])
 
     @property
     def target_scale(self) -> float:
@@ -448,7 +458,7 @@ class CSVDataModule(InMemoryDataModule):
         if self.task != "regression":
             raise AttributeError("target_scale: classification targets are not standardised")
         self._datasets()
-        return float(self._stats["target_scale"])  # type: ignore[arg-type]
+        return float(self._stats["target_scale"])
 
     @property
     def num_classes(self) -> int:
@@ -456,7 +466,7 @@ class CSVDataModule(InMemoryDataModule):
         if self.task != "classification":
             raise AttributeError("num_classes: only for task='classification'")
         self._datasets()
-        return int(self._stats["num_classes"])  # type: ignore[call-overload]
+        return int(self._stats["num_classes"])
 
     # ------------------------------------------------------------------ loading
     def _resolve_features(self, path: Path) -> list[str]:
@@ -507,7 +517,7 @@ class CSVDataModule(InMemoryDataModule):
         features = self._resolve_features(main_path)
         self._feature_names = features
         main = self._read(self.path, features, need_target=True)
-        num_rows = main.x.shape[0]
+        num_rows: int = main.x.shape[0]
         order = np.random.default_rng(self.seed).permutation(num_rows)
 
         def count(fraction: float, separate: str | None) -> int:
@@ -556,7 +566,7 @@ class CSVDataModule(InMemoryDataModule):
         if self.task == "regression":
             if self.standardize:
                 y_loc, y_scale = (float(v[0]) for v in fit_standardizer(y_train[:, None]))
-            self._stats.update(target_loc=y_loc, target_scale=y_scale)
+            self._stats.update({"target_loc": y_loc, "target_scale": y_scale})
         else:
             self._stats["num_classes"] = self._check_classes(files)
 
@@ -577,19 +587,18 @@ class CSVDataModule(InMemoryDataModule):
 
     def _check_classes(self, files: list[_Part]) -> int:
         """``K``: ``num_classes`` or the largest label plus one; every label must be below it."""
-        labelled = [part for part in files if part.y is not None and part.y.size]
-        largest = int(max(float(part.y.max()) for part in labelled))  # type: ignore[union-attr]
+        labelled = [(part, part.y) for part in files if part.y is not None and part.y.size]
+        largest = int(max(float(y.max()) for _, y in labelled))
         num_classes = self._num_classes_arg if self._num_classes_arg is not None else largest + 1
-        for part in labelled:
-            assert part.y is not None
-            bad = np.flatnonzero(part.y >= num_classes)
+        for part, y in labelled:
+            bad = np.flatnonzero(y >= num_classes)
             if bad.size:
                 i = int(bad[0])
                 raise _fail(
                     part.path,
                     part.row_name(i),
                     self.target,
-                    f"class label {part.y[i]:g} is out of range for num_classes={num_classes}",
+                    f"class label {y[i]:g} is out of range for num_classes={num_classes}",
                 )
         if num_classes < 2:
             raise ValueError(

@@ -42,4 +42,5 @@ def toy_true_log_likelihood(x: Tensor, y: Tensor) -> Tensor:
     """Mean log-density of ``y`` under the true noise model: the ceiling a fit can reach."""
     std = toy_noise_std(x.reshape(-1).double()).clamp_min(1e-12)
     dist = torch.distributions.Normal(toy_mean(x.reshape(-1).double()), std)
-    return dist.log_prob(y.reshape(-1).double()).mean()
+    log_prob: Tensor = dist.log_prob(y.reshape(-1).double())
+    return log_prob.mean()

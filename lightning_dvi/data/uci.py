@@ -17,6 +17,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ __all__ = ["UCIDataModule", "count_uci_splits", "read_indices", "read_table"]
 _TRAIN_FILE = re.compile(r"index_train_(\d+)\.txt")
 
 
-def _loadtxt(path: Path, ndmin: int) -> np.ndarray:
+def _loadtxt(path: Path, ndmin: Literal[1, 2]) -> np.ndarray:
     # numpy warns on an empty file; callers turn emptiness into a ValueError naming the file.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

@@ -83,10 +83,10 @@ def check_net(net: object, in_features: int | None, out_features: int | None) ->
     layers = list(bayes_layers(net))
     check(bool(layers), f"net {type(net).__name__} has no BayesLinear layer")
     first, last = layers[0], layers[-1]
+    last_out = getattr(last, "out_features", None)  # a BayesConv2d has out_channels
     check(
-        out_features is None or last.out_features == out_features,
-        f"the injected net ends in {last.out_features} outputs but the likelihood needs "
-        f"{out_features}",
+        out_features is None or last_out == out_features,
+        f"the injected net ends in {last_out} outputs but the likelihood needs {out_features}",
     )
     check(
         # a conv first layer checks its channels itself, on the first batch
@@ -143,7 +143,8 @@ def instantiate_net(config: Mapping[str, Any]) -> nn.Module:
             return [build(v) for v in value]
         return value
 
-    return build(config)
+    net: nn.Module = build(config)
+    return net
 
 
 def primitive(value: Any) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TypeGuard
+from typing import TypeGuard, cast
 
 from ..gaussian import MODES, MONTE_CARLO_MODES
 
@@ -31,15 +31,15 @@ def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _finite_number(value: object) -> bool:
+def _finite_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def positive_float(name: str, value: object, allow_zero: bool = False) -> float:
     """``value`` as a float, checked finite and ``> 0`` (``>= 0`` with ``allow_zero``)."""
-    ok = _finite_number(value) and (value >= 0 if allow_zero else value > 0)  # type: ignore[operator]
+    ok = _finite_number(value) and (value >= 0 if allow_zero else value > 0)
     check(ok, f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return float(cast(float, value))  # checked above
 
 
 def positive_int(name: str, value: object) -> int:
@@ -58,9 +58,9 @@ def optional_positive_int(name: str, value: object, note: str = "") -> int | Non
 
 def fraction(name: str, value: object) -> float:
     """``value`` as a float, checked to lie in ``[0, 1]``."""
-    ok = _finite_number(value) and 0.0 <= value <= 1.0  # type: ignore[operator]
+    ok = _finite_number(value) and 0.0 <= value <= 1.0
     check(ok, f"{name} must be a fraction in [0, 1], got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return float(cast(float, value))  # checked above
 
 
 def one_of(name: str, value: object, choices: Sequence[str]) -> str:

@@ -13,7 +13,7 @@ the prior computes :math:`s^*` inside every loss evaluation and the callback onl
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
@@ -146,7 +146,7 @@ class EmpiricalBayesRefresh(Callback):
             return
         if self.should_refresh(step):
             net, prior = self._parts(pl_module)
-            prior.refresh(net)  # type: ignore[operator]
+            cast(EmpiricalBayesPrior, prior).refresh(net)  # _buffer_mode checked the type
             self.last_refresh_step = step
             self.num_refreshes += 1
 

@@ -3,7 +3,7 @@ r"""``DVIClassifier``: a Bayesian MLP for softmax classification trained by DVI 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -11,6 +11,7 @@ from torchmetrics import MetricCollection
 
 from ..likelihoods import Categorical
 from ..metrics import ClassificationMetrics
+from ..metrics.classification import ExpectedCalibrationError
 from ._base import DVIModule, PredictiveMethod, resolve_method
 from ._data import DataView
 from ._validation import positive_int
@@ -63,6 +64,9 @@ class DVIClassifier(DVIModule):
         >>> torch.allclose(probs.sum(-1), torch.ones(2))
         True
     """
+
+    likelihood: Categorical
+    predictive_temperature: Tensor  # buffer
 
     def __init__(
         self,
@@ -181,4 +185,4 @@ class DVIClassifier(DVIModule):
 
     def _curve(self, metrics: MetricCollection) -> dict[str, Tensor]:
         """Reliability-diagram bins of the ECE metric (synced across processes)."""
-        return metrics["ece"].reliability_bins()
+        return cast(ExpectedCalibrationError, metrics["ece"]).reliability_bins()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -18,6 +18,12 @@ from ..metrics.ood import (
 )
 
 __all__ = ["OODEvaluation"]
+
+
+class _Classifier(Protocol):
+    """What :class:`OODEvaluation` needs of the module (a ``DVIClassifier``)."""
+
+    def predict_proba(self, x: Tensor) -> Tensor: ...
 
 
 class OODEvaluation(Callback):
@@ -68,7 +74,7 @@ class OODEvaluation(Callback):
     @torch.no_grad()
     def _scores(self, pl_module: LightningModule, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         out = pl_module(x)
-        probs = pl_module.predict_proba(x)  # type: ignore[operator]
+        probs = cast(_Classifier, pl_module).predict_proba(x)
         samples = class_probability_samples(out, self.mi_samples)
         return probs, predictive_entropy(probs), mutual_information(samples)
 
@@ -76,11 +82,12 @@ class OODEvaluation(Callback):
         """Compute and log the metrics (every process runs the sync)."""
         if not self._inputs:
             return
-        ood_inputs = getattr(trainer.datamodule, "ood_inputs", None)  # type: ignore[attr-defined]
+        datamodule = getattr(trainer, "datamodule", None)  # set by Lightning, not declared
+        ood_inputs = getattr(datamodule, "ood_inputs", None)
         if ood_inputs is None:
             raise ValueError(
                 "OODEvaluation needs a datamodule with an `ood_inputs(kind, seed)` method, "
-                f"e.g. lightning_dvi.data.DigitsDataModule; got {type(trainer.datamodule).__name__}"  # type: ignore[attr-defined]
+                f"e.g. lightning_dvi.data.DigitsDataModule; got {type(datamodule).__name__}"
             )
         x_ood = ood_inputs(self.kind, self.seed)[trainer.global_rank :: trainer.world_size]
         x_in, y_in = torch.cat(self._inputs), torch.cat(self._targets)

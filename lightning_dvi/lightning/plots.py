@@ -8,16 +8,24 @@ plots were synced across processes by the module beforehand.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from torch import Tensor
 
 from ..data import ToyHeteroscedasticDataModule, toy_mean, toy_noise_std
 
 __all__ = ["CalibrationPlot", "PredictiveBandPlot", "ReliabilityDiagram"]
+
+
+class _Regressor(Protocol):
+    """What :class:`PredictiveBandPlot` needs of the module (a ``DVIRegressor``)."""
+
+    def predictive(self, x: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
 def _log_dir(trainer: Trainer) -> Path:
@@ -86,8 +94,10 @@ class PredictiveBandPlot(Callback):
         was_training = pl_module.training
         pl_module.eval()
         try:
-            inputs = grid.to(pl_module.device, pl_module.dtype)
-            mean, var = pl_module.predictive(inputs)  # type: ignore[operator]
+            inputs = grid.to(
+                pl_module.device, cast(torch.dtype, pl_module.dtype)
+            )  # never a str here
+            mean, var = cast(_Regressor, pl_module).predictive(inputs)  # checked above
             split = getattr(pl_module, "variance_decomposition", None)
             epistemic = split(inputs)[1].cpu().double() if callable(split) else None
         finally:

@@ -3,7 +3,7 @@ r"""``DVIRegressor``: a Bayesian MLP for regression trained by DVI, dDVI or MCVI
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -12,6 +12,7 @@ from torchmetrics import Metric, MetricCollection
 
 from ..likelihoods import HeteroscedasticGaussian, HomoscedasticGaussian
 from ..metrics import RegressionMetrics
+from ..metrics.regression import RegressionCalibrationError
 from ._base import DVIModule, PredictiveMethod, resolve_method
 from ._data import DataView, target_statistics
 from ._validation import one_of
@@ -27,6 +28,9 @@ class VarianceSplit(Metric):
     """
 
     full_state_update = False
+    aleatoric: Tensor  # metric states (add_state below)
+    epistemic: Tensor
+    count: Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,6 +130,10 @@ class DVIRegressor(DVIModule):
         (torch.Size([4]), False)
     """
 
+    likelihood: HeteroscedasticGaussian | HomoscedasticGaussian
+    target_loc: Tensor  # buffers
+    target_scale: Tensor
+
     def __init__(
         self,
         in_features: int | None = None,
@@ -160,7 +168,7 @@ class DVIRegressor(DVIModule):
     def _after_build(self) -> None:
         if self.hparams.get("likelihood") == "heteroscedastic":
             with torch.no_grad():
-                self._last_layer().bias_loc[1] = self.init_log_noise  # type: ignore[index]
+                cast(Tensor, self._last_layer().bias_loc)[1] = self.init_log_noise  # has a bias
 
     def _resolve_from_data(self, view: DataView) -> None:
         """Also resolve the target standardisation: arguments, datamodule, or training data."""
@@ -216,7 +224,7 @@ class DVIRegressor(DVIModule):
 
     # ------------------------------------------------------------------ predictive
     def _network_predictive(
-        self, x: Tensor, method: PredictiveMethod | None, num_samples: int | None
+        self, x: Tensor, method: str | None, num_samples: int | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Standardised ``(mean, var, epistemic var)`` of the predictive, each ``[B]``."""
         method = resolve_method(self.mode, method)
@@ -280,7 +288,7 @@ class DVIRegressor(DVIModule):
         y = self.targets_in_original_units(y.reshape(x.shape[0]))
         if resolve_method(self.mode, method) == "closed_form":
             mean, var = self.predictive(x, "closed_form")
-            return torch.distributions.Normal(mean, var.sqrt()).log_prob(y)
+            return cast(Tensor, torch.distributions.Normal(mean, var.sqrt()).log_prob(y))
         f = self._weight_draws(x, num_samples)
         y_std = ((y - self.target_loc) / self.target_scale).to(f.dtype)
         # the library's one MCVI score, in standardised units, then the change of variables
@@ -326,7 +334,7 @@ class DVIRegressor(DVIModule):
             mean, var, epistemic = self._original_units(*self._network_predictive(x, None, None))
         target = self.targets_in_original_units(y.reshape(mean.shape))
         metrics.update(mean, var, target)
-        split = getattr(self, f"{metrics.prefix.rstrip('/')}_split", None)
+        split = getattr(self, f"{(metrics.prefix or '').rstrip('/')}_split", None)
         if split is not None:
             split.update((var - epistemic).clamp_min(0), epistemic)
 
@@ -342,5 +350,5 @@ class DVIRegressor(DVIModule):
         super()._epoch_end(stage)
 
     def _curve(self, metrics: MetricCollection) -> dict[str, Tensor]:
-        expected, observed = metrics["calibration"].curve()
+        expected, observed = cast(RegressionCalibrationError, metrics["calibration"]).curve()
         return {"expected": expected, "observed": observed}

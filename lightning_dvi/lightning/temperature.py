@@ -15,7 +15,7 @@ model: report tempered and untempered numbers separately (docs/calibration.md).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -24,6 +24,14 @@ from torch import Tensor
 __all__ = ["TemperatureScaling", "fit_temperature", "temper_probs"]
 
 _TINY = 1e-30
+
+
+class _Calibrated(Protocol):
+    """What :class:`TemperatureScaling` needs of the module (a ``DVIClassifier``)."""
+
+    predictive_temperature: Tensor
+
+    def predictive(self, x: Tensor) -> Tensor: ...
 
 
 def temper_probs(probs: Tensor, temperature: Tensor | float) -> Tensor:
@@ -123,8 +131,9 @@ class TemperatureScaling(Callback):
 
     def _val_loader(self, trainer: Trainer) -> Any:
         loaders = trainer.val_dataloaders
-        if loaders is None and trainer.datamodule is not None:
-            loaders = trainer.datamodule.val_dataloader()
+        datamodule = getattr(trainer, "datamodule", None)  # set by Lightning, not declared
+        if loaders is None and datamodule is not None:
+            loaders = datamodule.val_dataloader()
         if isinstance(loaders, (list, tuple)):
             loaders = loaders[0] if loaders else None
         return loaders
@@ -136,26 +145,29 @@ class TemperatureScaling(Callback):
                 "TemperatureScaling needs a classifier with predictive() and a "
                 f"predictive_temperature buffer, got {type(pl_module).__name__}"
             )
+        classifier = cast(_Calibrated, pl_module)  # checked above
         loader = self._val_loader(trainer)
         if loader is None:
             raise ValueError("TemperatureScaling needs validation data (val_fraction > 0)")
         was_training = pl_module.training
         pl_module.eval()
-        pl_module.predictive_temperature.fill_(1.0)
+        classifier.predictive_temperature.fill_(1.0)
         probs, target = [], []
         with torch.no_grad():
             for batch in loader:
                 x, y = batch[0], batch[1]
-                probs.append(pl_module.predictive(x.to(pl_module.device)).cpu())  # type: ignore[operator]
+                probs.append(classifier.predictive(x.to(pl_module.device)).cpu())
                 target.append(y.cpu())
         p, y = torch.cat(probs), torch.cat(target)
         if trainer.world_size > 1:
-            p = pl_module.all_gather(p.to(pl_module.device)).reshape(-1, p.shape[-1]).cpu()
-            y = pl_module.all_gather(y.to(pl_module.device)).reshape(-1).cpu()
+            # all_gather of a tensor is a tensor
+            p = cast(Tensor, pl_module.all_gather(p.to(pl_module.device)))
+            y = cast(Tensor, pl_module.all_gather(y.to(pl_module.device)))
+            p, y = p.reshape(-1, p.shape[-1]).cpu(), y.reshape(-1).cpu()
         t = fit_temperature(p, y)
         nll = torch.nn.functional.nll_loss
         before = float(nll(p.double().clamp_min(_TINY).log(), y.long()))
         after = float(nll(temper_probs(p.double(), t).clamp_min(_TINY).log(), y.long()))
-        pl_module.predictive_temperature.fill_(t)
+        classifier.predictive_temperature.fill_(t)
         self.result = {"temperature": t, "val_nll_before": before, "val_nll_after": after}
         pl_module.train(was_training)

@@ -83,7 +83,7 @@ class Categorical(Likelihood):
 
     @staticmethod
     def _cov(out: Gaussian) -> Tensor:
-        return out.cov if out.is_full else out.var  # type: ignore[return-value]
+        return out.cov if out.cov is not None else out.var
 
     def conditional(self, f: Tensor) -> torch.distributions.Categorical:
         r""":math:`\operatorname{Cat}(\operatorname{softmax} f)` over the last dimension."""

@@ -36,7 +36,9 @@ PROBIT_LAMBDA = math.pi / 8
 CLARK_SMOOTHING_VAR = (math.log(2) * math.sqrt(2 * math.pi)) ** 2
 
 
-def normal_expected_log_prob(mean: Tensor, var: Tensor, y: Tensor, noise_var: Tensor) -> Tensor:
+def normal_expected_log_prob(
+    mean: Tensor, var: Tensor | float, y: Tensor, noise_var: Tensor
+) -> Tensor:
     r"""Expected Gaussian log-density under a Gaussian mean.
 
     .. math::

@@ -59,8 +59,8 @@ class HeteroscedasticGaussian(Likelihood):
         (a ``stack``) per tensor instead of two selects and two zero-filled scatters plus an add.
         """
         mean_m, mean_l = out.mean.unbind(-1)
-        if out.is_full:  # one unbind of the flattened 2x2 covariance
-            var_m, cov_ml, _, var_l = out.cov.flatten(-2).unbind(-1)  # type: ignore[union-attr]
+        if out.cov is not None:  # one unbind of the flattened 2x2 covariance
+            var_m, cov_ml, _, var_l = out.cov.flatten(-2).unbind(-1)
             return mean_m, var_m, mean_l, var_l, cov_ml
         var_m, var_l = out.var.unbind(-1)
         return mean_m, var_m, mean_l, var_l, None

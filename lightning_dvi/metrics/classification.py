@@ -62,8 +62,9 @@ class _MeanOfClassScores(Metric):
 
     def compute(self) -> Tensor:
         """Mean score over all points seen (NaN before any point)."""
-        total = getattr(self, f"{self._state}_sum")
-        return total / getattr(self, f"{self._state}_count").to(total)
+        total: Tensor = getattr(self, f"{self._state}_sum")
+        count: Tensor = getattr(self, f"{self._state}_count")
+        return total / count.to(total)
 
 
 class ClassificationNLL(_MeanOfClassScores):
@@ -178,11 +179,11 @@ class ClassificationMetrics(MetricCollection):
         # tolerance the check allows must not trigger that.
         return probs.clamp(0.0, 1.0)
 
-    def update(self, probs: Tensor, target: Tensor) -> None:  # type: ignore[override]
+    def update(self, probs: Tensor, target: Tensor) -> None:  # type: ignore[override]  # MetricCollection.update takes *args, **kwargs
         """Validate once, then update every member."""
         super().update(self._prepare(probs, target), target)
 
-    def forward(self, probs: Tensor, target: Tensor) -> dict[str, Any]:  # type: ignore[override]
+    def forward(self, probs: Tensor, target: Tensor) -> dict[str, Any]:
         """Validate, update every member, and return this batch's values."""
         return super().forward(self._prepare(probs, target), target)
 

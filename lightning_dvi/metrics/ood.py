@@ -75,11 +75,11 @@ def class_probability_samples(
         eps = torch.randn(
             (num_samples, *out.mean.shape), dtype=out.dtype, device=out.device, generator=generator
         )
-        if out.is_full:
+        if out.cov is not None:
             d = out.mean.shape[-1]
             jitter = 1e-6 * out.var.mean(-1, keepdim=True).clamp_min(1e-12).unsqueeze(-1)
             eye = torch.eye(d, dtype=out.dtype, device=out.device)
-            chol = torch.linalg.cholesky(out.cov + jitter * eye)  # type: ignore[operator]
+            chol = torch.linalg.cholesky(out.cov + jitter * eye)
             logits = out.mean + (chol @ eps.unsqueeze(-1)).squeeze(-1)
         else:
             logits = out.mean + out.stddev * eps
@@ -130,6 +130,8 @@ class _OODMetric(Metric):
     full_state_update = False
     is_differentiable = False
     higher_is_better = True
+    scores: list[Tensor]  # metric states (add_state below)
+    labels: list[Tensor]
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -139,8 +141,8 @@ class _OODMetric(Metric):
     def update(self, score: Tensor, is_ood: Tensor) -> None:
         """Accumulate scores ``[B]`` (higher: more likely OOD) and 0/1 OOD labels ``[B]``."""
         _check_scores(score, is_ood)
-        self.scores.append(score.detach().double())  # type: ignore[union-attr]
-        self.labels.append(is_ood.long())  # type: ignore[union-attr]
+        self.scores.append(score.detach().double())
+        self.labels.append(is_ood.long())
 
     def _area(self, score: Tensor, label: Tensor) -> Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -201,6 +203,8 @@ class AURC(Metric):
     full_state_update = False
     is_differentiable = False
     higher_is_better = False
+    confidences: list[Tensor]  # metric states (add_state below)
+    hits: list[Tensor]
 
     def __init__(self, validate_args: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -213,8 +217,8 @@ class AURC(Metric):
         if self.validate_args:
             check_probabilities(probs, target)
         confidence, predicted = probs.detach().max(-1)
-        self.confidences.append(confidence.double())  # type: ignore[union-attr]
-        self.hits.append((predicted == target).long())  # type: ignore[union-attr]
+        self.confidences.append(confidence.double())
+        self.hits.append((predicted == target).long())
 
     def curve(self) -> tuple[Tensor, Tensor]:
         """``(rejection, accuracy)`` of :func:`accuracy_rejection_curve` on the points seen."""

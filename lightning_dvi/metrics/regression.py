@@ -85,8 +85,9 @@ class _MeanOfScores(_GaussianMetric):
 
     def compute(self) -> Tensor:
         """Mean score over all points seen (NaN before any point)."""
-        total = getattr(self, f"{self._state}_sum")
-        return total / getattr(self, f"{self._state}_count").to(total)
+        total: Tensor = getattr(self, f"{self._state}_sum")
+        count: Tensor = getattr(self, f"{self._state}_count")
+        return total / count.to(total)
 
 
 class GaussianNLL(_MeanOfScores):
@@ -152,7 +153,7 @@ class RMSE(MeanSquaredError):  # noqa: N818 (the parent name ends in "Error", no
         super().__init__(squared=False, **kwargs)
         self.validate_args = validate_args
 
-    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:  # type: ignore[override]
+    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:  # type: ignore[override]  # (mean, var, target), not (preds, target)
         """Accumulate squared errors of ``mean`` against ``target``."""
         if self.validate_args:
             check_gaussian_inputs(mean, var, target)
@@ -189,6 +190,8 @@ class IntervalCoverage(_GaussianMetric):
 
     is_differentiable = False
     higher_is_better = None
+    coverage_hits: Tensor  # metric states (add_state below)
+    coverage_count: Tensor
 
     def __init__(
         self,
@@ -238,6 +241,8 @@ class RegressionCalibrationError(_GaussianMetric):
 
     is_differentiable = False
     higher_is_better = False
+    calibration_hits: Tensor  # metric states (add_state below)
+    calibration_count: Tensor
 
     def __init__(self, num_levels: int = 100, validate_args: bool = True, **kwargs: Any) -> None:
         super().__init__(validate_args=validate_args, **kwargs)
@@ -326,13 +331,13 @@ class RegressionMetrics(MetricCollection):
         )
         self.validate_args = validate_args
 
-    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:  # type: ignore[override]
+    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:  # type: ignore[override]  # MetricCollection.update takes *args, **kwargs
         """Validate once, then update every member."""
         if self.validate_args:
             check_gaussian_inputs(mean, var, target)
         super().update(mean, var, target)
 
-    def forward(self, mean: Tensor, var: Tensor, target: Tensor) -> dict[str, Any]:  # type: ignore[override]
+    def forward(self, mean: Tensor, var: Tensor, target: Tensor) -> dict[str, Any]:
         """Validate, update every member, and return this batch's values."""
         if self.validate_args:
             check_gaussian_inputs(mean, var, target)

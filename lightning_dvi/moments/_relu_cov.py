@@ -292,7 +292,7 @@ class _ReluCov(torch.autograd.Function):
     """The blocked executor: the formula on row bands of the upper triangle, mirrored."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx, cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor
     ) -> Tensor:
         osd = _bound_factors(var)
@@ -315,8 +315,8 @@ class _ReluCov(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        cov, sd, mu, cdf, var, osd = ctx.saved_tensors  # type: ignore[attr-defined]
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, ...]:
+        cov, sd, mu, cdf, var, osd = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
         g_cov = torch.zeros_like(cov, memory_format=torch.contiguous_format)
         sums = {key: torch.zeros_like(sd) for key in _PARTNERS}
         vectors = {"osd": osd, "cdf": cdf, "mu": mu}
@@ -411,7 +411,7 @@ def _run_forward(path: str, cov: Tensor, *vecs: Tensor) -> Tensor:
     n, d = cov.shape[0], cov.shape[-1]
     size = policy.chunk_size(n, d, cov.dtype, path)
     if size >= n:
-        return fwd(cov, *vecs)  # type: ignore[no-any-return]
+        return fwd(cov, *vecs)
     out = torch.empty_like(cov, memory_format=torch.contiguous_format)
     for a, b in policy.chunks(n, size):
         out[a:b] = fwd(cov[a:b], *(v[a:b] for v in vecs))
@@ -424,7 +424,7 @@ def _run_backward(path: str, grad: Tensor, cov: Tensor, *vecs: Tensor) -> tuple[
     n, d = cov.shape[0], cov.shape[-1]
     size = policy.chunk_size(n, d, cov.dtype, path)
     if size >= n:
-        return bwd(grad, cov, *vecs)  # type: ignore[no-any-return]
+        return bwd(grad, cov, *vecs)
     parts = [bwd(grad[a:b], cov[a:b], *(v[a:b] for v in vecs)) for a, b in policy.chunks(n, size)]
     return tuple(torch.cat(p) for p in zip(*parts, strict=True))
 
@@ -433,18 +433,18 @@ class _ReluCovWhole(torch.autograd.Function):
     """:func:`relu_cov_forward` with :func:`relu_cov_backward`, chunked over the batch."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx, cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor, path: str
     ) -> Tensor:
         ctx.save_for_backward(cov, sd, mu, cdf, var)
-        ctx.path = path  # type: ignore[attr-defined]
+        ctx.path = path  # type: ignore[attr-defined]  # ctx carries the path to backward
         return _run_forward(path, cov, sd, mu, cdf, var)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        saved = ctx.saved_tensors  # type: ignore[attr-defined]
-        return (*_run_backward(ctx.path, grad, *saved), None)  # type: ignore[attr-defined]
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        saved = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
+        return (*_run_backward(ctx.path, grad, *saved), None)  # type: ignore[attr-defined]  # set in forward
 
 
 def relu_cov(cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor) -> Tensor:
@@ -468,4 +468,4 @@ def relu_cov(cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor) -> T
         out = _ReluCov.apply(cov.reshape(-1, d, d), *flat)
     else:
         out = _ReluCovWhole.apply(cov.reshape(-1, d, d), *flat, path)
-    return out.reshape(*lead, d, d)  # type: ignore[no-any-return]
+    return out.reshape(*lead, d, d)  # type: ignore[no-any-return]  # Function.apply returns Any

@@ -62,8 +62,8 @@ def linear_moments(
         return Gaussian(mean, var=var, validate=False)
     if mode == "diag":
         x = x.to_diag()
-    if x.is_full:
-        mean, cov = linear_full(x.mean, x.cov, w_loc, w_var, b_loc, b_var)  # type: ignore[arg-type]
+    if x.cov is not None:
+        mean, cov = linear_full(x.mean, x.cov, w_loc, w_var, b_loc, b_var)
         return Gaussian(mean, cov=cov, validate=False)
     if mode == "full":
         mean, cov = linear_full_from_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
@@ -129,8 +129,8 @@ def activation_moments(
     """
     if mode == "diag":
         x = x.to_diag()
-    if x.is_full:
-        mean, cov = full(x.mean, x.cov)  # type: ignore[arg-type]
+    if x.cov is not None:
+        mean, cov = full(x.mean, x.cov)
         return Gaussian(mean, cov=cov, validate=False)
     mean, var = diag(x.mean, x.var)
     return Gaussian(mean, var=var, validate=False)
@@ -138,7 +138,7 @@ def activation_moments(
 
 def skip_covariance(x: Gaussian) -> Tensor:
     r""":math:`\operatorname{Cov}(a', a')` ``[..., D, D]``, the cross-covariance a skip starts from."""
-    return x.cov if x.is_full else torch.diag_embed(x.var)  # type: ignore[return-value]
+    return x.cov if x.cov is not None else torch.diag_embed(x.var)
 
 
 def residual_moments(x: Gaussian, delta: Gaussian, cross: Tensor) -> Gaussian:
@@ -155,9 +155,9 @@ def residual_moments(x: Gaussian, delta: Gaussian, cross: Tensor) -> Gaussian:
             f"Residual branch maps width {x.mean.shape[-1]} to {delta.mean.shape[-1]}; "
             "a skip connection needs equal widths"
         )
-    if x.is_full:
+    if x.cov is not None:
         delta_cov = skip_covariance(delta)
-        mean, cov = residual_full(x.mean, x.cov, delta.mean, delta_cov, cross)  # type: ignore[arg-type]
+        mean, cov = residual_full(x.mean, x.cov, delta.mean, delta_cov, cross)
         return Gaussian(mean, cov=cov, validate=False)
     mean, var = residual_diag(x.mean, x.var, delta.mean, delta.var, cross)
     return Gaussian(mean, var=var, validate=False)

@@ -118,7 +118,7 @@ def linear_diag(
         and not torch.compiler.is_exporting()
     )
     if closed_form:
-        return _LinearDiag.apply(mean, var, w_loc, w_var, b_loc, b_var)  # type: ignore[no-any-return]
+        return _LinearDiag.apply(mean, var, w_loc, w_var, b_loc, b_var)  # type: ignore[no-any-return]  # Function.apply returns Any
     return _linear_diag_formula(mean, var, w_loc, w_var, b_loc, b_var)[:2]
 
 
@@ -146,7 +146,7 @@ class _LinearDiag(torch.autograd.Function):
     """:func:`_linear_diag_formula` with the closed-form backward of the module docstring."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx,
         mean: Tensor,
         var: Tensor,
@@ -163,11 +163,9 @@ class _LinearDiag(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: FunctionCtx, g_mean: Tensor, g_var: Tensor
-    ) -> tuple[Tensor | None, ...]:
-        mean, var, w_loc, w_var, second, w_sq = ctx.saved_tensors  # type: ignore[attr-defined]
-        need = ctx.needs_input_grad  # type: ignore[attr-defined]
+    def backward(ctx: FunctionCtx, g_mean: Tensor, g_var: Tensor) -> tuple[Tensor | None, ...]:
+        mean, var, w_loc, w_var, second, w_sq = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
+        need = ctx.needs_input_grad  # type: ignore[attr-defined]  # FunctionCtx declares no needs_input_grad
         d_mean = d_var = d_w_loc = d_w_var = d_b_loc = d_b_var = None
         if need[0] or need[1]:
             through_v = g_var @ w_var  # dVar/dv via V, also half of dVar/dm / m

@@ -36,7 +36,8 @@ def normal_cdf(x: Tensor) -> Tensor:
 
     ``erfc`` keeps full relative precision in the lower tail, where ``(1 + erf)/2`` would not.
     """
-    return 0.5 * torch.special.erfc(-x * _SQRT_HALF)
+    erfc: Tensor = torch.special.erfc(-x * _SQRT_HALF)
+    return 0.5 * erfc
 
 
 def normal_pdf(x: Tensor) -> Tensor:

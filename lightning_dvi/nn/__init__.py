@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 
-BAYES_LAYER_TYPES: tuple[type[BayesModule], ...] = (BayesLinear, BayesConv2d)
+BAYES_LAYER_TYPES: tuple[type[BayesLinear], type[BayesConv2d]] = (BayesLinear, BayesConv2d)
 """The layer types that own weight posteriors (and so prior groups)."""
 
 
@@ -61,7 +61,7 @@ def bayes_layers(module: nn.Module) -> Iterator[BayesLinear | BayesConv2d]:
     """All weight layers (:class:`BayesLinear`, :class:`BayesConv2d`) in ``module``, in order."""
     for m in module.modules():
         if isinstance(m, BAYES_LAYER_TYPES):
-            yield m  # type: ignore[misc]
+            yield m
 
 
 def named_parameter_groups(module: nn.Module) -> list[tuple[str, ParameterGroup]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from .registry import register_activation
 __all__ = ["GELU", "Heaviside", "LeakyReLU", "ReLU", "SiLU", "Sigmoid", "Tanh"]
 
 _Pair = tuple[Tensor, Tensor]
+_A = TypeVar("_A", bound="_Activation")
 
 
 class _Activation(BayesModule):
@@ -25,12 +27,29 @@ class _Activation(BayesModule):
     _diag: Callable[[Tensor, Tensor], _Pair]
     _slope: Callable[[Tensor, Tensor], Tensor]
 
-    def apply(self, x: Tensor) -> Tensor:  # pragma: no cover - abstract
+    def elementwise(self, x: Tensor) -> Tensor:  # pragma: no cover - abstract
+        """The activation of a tensor (what the sampling modes run)."""
         raise NotImplementedError
+
+    @overload
+    def apply(self, fn: Tensor) -> Tensor: ...
+
+    @overload
+    def apply(self: _A, fn: Callable[[nn.Module], None]) -> _A: ...
+
+    def apply(self: _A, fn: Tensor | Callable[[nn.Module], None]) -> Tensor | _A:
+        """On a tensor, the activation of it (:meth:`elementwise`); else ``nn.Module.apply``.
+
+        ``nn.Module.apply(fn)`` walks the children of a container and calls theirs, so an
+        activation must keep that meaning for ``net.apply(init_fn)`` to work on a network.
+        """
+        if isinstance(fn, Tensor):
+            return self.elementwise(fn)
+        return super().apply(fn)
 
     def propagate(self, x: Moments, mode: str) -> Moments:
         if not isinstance(x, Gaussian):
-            return self.apply(x)
+            return self.elementwise(x)
         return M.activation_moments(x, type(self)._full, type(self)._diag, mode=mode)
 
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
@@ -57,7 +76,7 @@ class ReLU(_Activation):
     _diag = staticmethod(M.relu_diag)
     _slope = staticmethod(M.relu_slope)
 
-    def apply(self, x: Tensor) -> Tensor:
+    def elementwise(self, x: Tensor) -> Tensor:
         """ReLU of a tensor."""
         return torch.relu(x)
 
@@ -75,7 +94,7 @@ class Heaviside(_Activation):
     _diag = staticmethod(M.heaviside_diag)
     _slope = staticmethod(M.heaviside_slope)
 
-    def apply(self, x: Tensor) -> Tensor:
+    def elementwise(self, x: Tensor) -> Tensor:
         """Step function of a tensor."""
         return (x > 0).to(x.dtype)
 
@@ -95,11 +114,11 @@ class _ParamActivation(_Activation):
     def propagate(self, x: Moments, mode: str) -> Moments:
         """Tensor in, tensor out; Gaussian in, the Gaussian of the output (same storage)."""
         if not isinstance(x, Gaussian):
-            return self.apply(x)
+            return self.elementwise(x)
         if mode == "diag":
             x = x.to_diag()
-        if x.is_full:
-            mean, cov = self._moments_full(x.mean, x.cov)  # type: ignore[arg-type]
+        if x.cov is not None:
+            mean, cov = self._moments_full(x.mean, x.cov)
             return Gaussian(mean, cov=cov, validate=False)
         mean, var = self._moments_diag(x.mean, x.var)
         return Gaussian(mean, var=var, validate=False)
@@ -123,7 +142,8 @@ def _leaky_from_call(negative_slope: float = 0.01, inplace: bool = False) -> Lea
     "leaky_relu",
     torch_modules=(nn.LeakyReLU,),
     torch_functions=(F.leaky_relu,),
-    from_module=lambda m: LeakyReLU(m.negative_slope),  # type: ignore[arg-type]
+    # the registry calls from_module only with instances of torch_modules
+    from_module=lambda m: LeakyReLU(cast(nn.LeakyReLU, m).negative_slope),
     from_call=_leaky_from_call,
 )
 class LeakyReLU(_ParamActivation):
@@ -158,7 +178,7 @@ class LeakyReLU(_ParamActivation):
     def _moments_slope(self, mean: Tensor, var: Tensor) -> Tensor:
         return S.leaky_relu_slope(mean, var, self.negative_slope)
 
-    def apply(self, x: Tensor) -> Tensor:
+    def elementwise(self, x: Tensor) -> Tensor:
         """Leaky ReLU of a tensor."""
         return F.leaky_relu(x, self.negative_slope)
 
@@ -176,13 +196,16 @@ class _QuadratureActivation(_ParamActivation):
         S.quadrature_rule(self.num_nodes)  # build (and cache) the rule now, not while tracing
 
     def _moments_full(self, mean: Tensor, cov: Tensor) -> _Pair:
-        return getattr(S, f"{self._kind}_full")(mean, cov, self.num_nodes)
+        full: Callable[[Tensor, Tensor, int], _Pair] = getattr(S, f"{self._kind}_full")
+        return full(mean, cov, self.num_nodes)
 
     def _moments_diag(self, mean: Tensor, var: Tensor) -> _Pair:
-        return getattr(S, f"{self._kind}_diag")(mean, var, self.num_nodes)
+        diag: Callable[[Tensor, Tensor, int], _Pair] = getattr(S, f"{self._kind}_diag")
+        return diag(mean, var, self.num_nodes)
 
     def _moments_slope(self, mean: Tensor, var: Tensor) -> Tensor:
-        return getattr(S, f"{self._kind}_slope")(mean, var, self.num_nodes)
+        slope: Callable[[Tensor, Tensor, int], Tensor] = getattr(S, f"{self._kind}_slope")
+        return slope(mean, var, self.num_nodes)
 
     def extra_repr(self) -> str:
         """The quadrature size."""
@@ -200,7 +223,7 @@ def _gelu_from_call(approximate: str = "none") -> GELU:
     "gelu",
     torch_modules=(nn.GELU,),
     torch_functions=(F.gelu,),
-    from_module=lambda m: GELU(m.approximate),  # type: ignore[arg-type]
+    from_module=lambda m: GELU(cast(nn.GELU, m).approximate),
     from_call=_gelu_from_call,
 )
 class GELU(_QuadratureActivation):
@@ -245,7 +268,7 @@ class GELU(_QuadratureActivation):
             return S.gelu_slope(mean, var)
         return super()._moments_slope(mean, var)
 
-    def apply(self, x: Tensor) -> Tensor:
+    def elementwise(self, x: Tensor) -> Tensor:
         """GELU of a tensor."""
         return F.gelu(x, approximate=self.approximate)
 
@@ -282,7 +305,7 @@ class SiLU(_QuadratureActivation):
 
     _kind = "silu"
 
-    def apply(self, x: Tensor) -> Tensor:
+    def elementwise(self, x: Tensor) -> Tensor:
         """SiLU of a tensor."""
         return F.silu(x)
 
@@ -303,7 +326,7 @@ class Tanh(_QuadratureActivation):
 
     _kind = "tanh"
 
-    def apply(self, x: Tensor) -> Tensor:
+    def elementwise(self, x: Tensor) -> Tensor:
         """Tanh of a tensor."""
         return torch.tanh(x)
 
@@ -333,7 +356,7 @@ class Sigmoid(_QuadratureActivation):
 
     _kind = "sigmoid"
 
-    def apply(self, x: Tensor) -> Tensor:
+    def elementwise(self, x: Tensor) -> Tensor:
         """Sigmoid of a tensor."""
         return torch.sigmoid(x)
 

@@ -31,9 +31,14 @@ class BayesModule(nn.Module):
     full covariance is never formed; see :mod:`lightning_dvi.nn.conv`).
     """
 
-    image_output: bool | None = False
-    """Whether the output is an image Gaussian ``[B, C, H, W]``, kept diag in full mode
-    (``None``: elementwise, the output is whatever the input was)."""
+    @property
+    def image_output(self) -> bool | None:
+        """Whether the output is an image Gaussian ``[B, C, H, W]``, kept diag in full mode.
+
+        ``None``: elementwise, the output is whatever the input was. A subclass overrides it
+        with a class attribute (convolutions and pooling: ``True``) or a property (containers).
+        """
+        return False
 
     def forward(self, x: Moments, mode: str = "full", num_samples: int | None = None) -> Moments:
         """Propagate ``x`` through the module.

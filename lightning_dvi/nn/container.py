@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -44,25 +45,25 @@ class Sequential(BayesModule):
         self.layers = nn.ModuleList(modules)
 
     @property
-    def image_output(self) -> bool | None:  # type: ignore[override]
+    def image_output(self) -> bool | None:
         """Whether the chain returns per-pixel moments (its last non-elementwise module's)."""
-        for layer in reversed(self.layers):
+        for layer in reversed(list(self)):
             if layer.image_output is not None:
                 return layer.image_output
         return None
 
     def __iter__(self) -> Iterator[BayesModule]:
-        return iter(self.layers)  # type: ignore[arg-type]
+        return cast(Iterator[BayesModule], iter(self.layers))  # _check_modules admits no other
 
     def __len__(self) -> int:
         return len(self.layers)
 
     def __getitem__(self, idx: int) -> BayesModule:
-        return self.layers[idx]  # type: ignore[return-value]
+        return cast(BayesModule, self.layers[idx])
 
     def propagate(self, x: Moments, mode: str) -> Moments:
         """Run the layers in order."""
-        for layer in self.layers:
+        for layer in self:
             x = layer.propagate(x, mode)
         return x
 
@@ -73,8 +74,9 @@ class Sequential(BayesModule):
     def propagate_with_cross(self, cross: Tensor, x: Gaussian, mode: str) -> tuple[Tensor, Moments]:
         """The cross-covariance and the moments through the layers, in one walk."""
         h: Moments = x
-        for layer in self.layers:
-            cross, h = layer.propagate_with_cross(cross, h, mode)  # type: ignore[arg-type]
+        for layer in self:
+            # a Gaussian in a moment mode gives a Gaussian out of every layer
+            cross, h = layer.propagate_with_cross(cross, cast(Gaussian, h), mode)
         return cross, h
 
 

@@ -18,7 +18,7 @@ correlated even when the inputs are not). From there on the dense head is full D
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from torch import Tensor
 from .. import moments as M
 from ..gaussian import Gaussian
 from .base import BayesModule, Moments
-from .linear import BayesLinear, ParameterGroup, ScaleTransform, init_factorised_posterior
+from .linear import ScaleTransform, _FactorisedLayer, init_factorised_posterior
 
 __all__ = [
     "AvgPool2d",
@@ -41,11 +41,11 @@ __all__ = [
 _MC_MODES = ("sample", "local")
 
 
-def _pair(v: int | tuple[int, int], name: str) -> tuple[int, int]:
+def _pair(v: int | tuple[int, ...], name: str) -> tuple[int, int]:
     pair = (v, v) if isinstance(v, int) else tuple(int(i) for i in v)
     if len(pair) != 2 or any(isinstance(i, bool) for i in pair):
         raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
-    return pair  # type: ignore[return-value]
+    return pair[0], pair[1]
 
 
 def _is_one(v: Any) -> bool:
@@ -106,7 +106,7 @@ def _flat_samples(x: Tensor) -> tuple[Tensor, tuple[int, int]]:
     return x.reshape(s * b, *x.shape[2:]), (s, b)
 
 
-class BayesConv2d(BayesModule):
+class BayesConv2d(_FactorisedLayer):
     r"""2-D convolution with a factorised Gaussian posterior over kernels and bias.
 
     :math:`a = \operatorname{conv}(h, W) + b` with :math:`q(W_{o,c,u,v}) = \mathcal N(M, S^2)`
@@ -141,13 +141,6 @@ class BayesConv2d(BayesModule):
     """
 
     image_output = True
-    # the positivity transform and the per-step scale cache are BayesLinear's
-    _raw = BayesLinear._raw
-    _positive = BayesLinear._positive
-    _scale = BayesLinear._scale
-    weight_scale = BayesLinear.weight_scale
-    bias_scale = BayesLinear.bias_scale
-    _moments = BayesLinear._moments
 
     def __init__(
         self,
@@ -184,12 +177,6 @@ class BayesConv2d(BayesModule):
         )  # fmt: skip
         self.reset_parameters()
 
-    reset_parameters = BayesLinear.reset_parameters
-
-    def parameter_groups(self) -> list[ParameterGroup]:
-        """The kernel and the bias vector as separate prior groups."""
-        return BayesLinear.parameter_groups(self)  # type: ignore[arg-type]
-
     # ------------------------------------------------------------------ propagation
     def _check_input(self, x: Moments, mode: str) -> None:
         if x.dtype != self.weight_loc.dtype:
@@ -208,11 +195,17 @@ class BayesConv2d(BayesModule):
         """Diag moments (``full``/``diag``) or samples (``sample``/``local``) of the output."""
         self._check_input(x, mode)
         w_loc, w_var, b_loc, b_var = self._moments()
+        if w_var is None:
+            raise ValueError(
+                "BayesConv2d propagates weight moments; weight values given by a front-end "
+                "(lightning_dvi.nn.linear.given_weights with w_var=None) are not supported"
+            )
         conv = {"stride": self.stride, "padding": self.padding}
-        if mode == "sample":
-            return self._sample(x)  # type: ignore[arg-type]
-        if mode == "local":
-            flat, (s, b) = _flat_samples(x)  # type: ignore[arg-type]
+        if mode in _MC_MODES:  # BayesModule.forward hands the Monte Carlo modes a tensor
+            x = cast(Tensor, x)
+            if mode == "sample":
+                return self._sample(x)
+            flat, (s, b) = _flat_samples(x)
             mean, var = M.conv2d_deterministic(flat, w_loc, w_var, b_loc, b_var, **conv)
             out = mean + var.sqrt() * torch.randn_like(mean)
             return out.reshape(s, b, *out.shape[1:])
@@ -223,9 +216,10 @@ class BayesConv2d(BayesModule):
         eps = torch.randn(s, *self.weight_loc.shape, dtype=x.dtype, device=x.device)
         weight = self.weight_loc + self.weight_scale * eps
         bias = None
-        if self.bias_loc is not None:
+        b_scale = self.bias_scale
+        if self.bias_loc is not None and b_scale is not None:
             b_eps = torch.randn(s, self.out_channels, dtype=x.dtype, device=x.device)
-            bias = self.bias_loc + self.bias_scale * b_eps
+            bias = self.bias_loc + b_scale * b_eps
         return M.conv2d_sample(x, weight, bias, stride=self.stride, padding=self.padding)
 
     def extra_repr(self) -> str:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,7 @@ from .conv import (
     AvgPool2d,
     BayesConv2d,
     MaxPool2d,
+    _pair,
     unsupported_conv2d_options,
     unsupported_pool2d_options,
 )
@@ -121,11 +122,11 @@ def set_posterior(
     Raises:
         ValueError: on shape mismatches or negative / non-finite values.
     """
-    pairs = [("weight", weight_loc, weight_scale)]
+    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [("weight", weight_loc, weight_scale)]
     if bias_loc is not None or bias_scale is not None:
         if getattr(layer, "bias_loc", None) is None:
             raise ValueError(f"{type(layer).__name__} has no bias to set")
-        pairs.append(("bias", bias_loc, bias_scale))  # type: ignore[arg-type]
+        pairs.append(("bias", bias_loc, bias_scale))
     for name, loc, scale in pairs:
         param_loc = getattr(layer, f"{name}_loc")
         param_raw = getattr(layer, f"{name}_raw_scale")
@@ -139,7 +140,8 @@ def set_posterior(
         if not torch.isfinite(loc).all() or not torch.isfinite(scale).all() or (scale < 0).any():
             raise ValueError(f"{name}: means must be finite and scales finite and >= 0")
         param_loc.copy_(loc)
-        param_raw.copy_(_raw_from_scale(scale.to(param_raw), layer.scale_transform))
+        transform = cast(str, layer.scale_transform)  # an attribute such layers have (above)
+        param_raw.copy_(_raw_from_scale(scale.to(param_raw), transform))
 
 
 def _moped_scale(w: Tensor, options: ConversionOptions) -> Tensor:
@@ -162,7 +164,9 @@ def _convert_linear(module: nn.Module, options: ConversionOptions) -> BayesModul
     return layer
 
 
-def _copy_posterior(layer: nn.Module, module: nn.Module, options: ConversionOptions) -> None:
+def _copy_posterior(
+    layer: nn.Module, module: nn.Linear | nn.Conv2d, options: ConversionOptions
+) -> None:
     w = module.weight.detach()
     b = None if module.bias is None else module.bias.detach()
     set_posterior(
@@ -182,12 +186,13 @@ def _convert_conv2d(module: nn.Module, options: ConversionOptions) -> BayesModul
     )
     if required is not None:
         raise NotImplementedError(f"only Conv2d with {required} is supported")
+    padding = cast("int | tuple[int, ...]", module.padding)  # a str padding was refused above
     layer = BayesConv2d(
         module.in_channels,
         module.out_channels,
-        module.kernel_size,
-        stride=module.stride,
-        padding=module.padding,
+        _pair(module.kernel_size, "kernel_size"),
+        stride=_pair(module.stride, "stride"),
+        padding=_pair(padding, "padding"),
         bias=module.bias is not None,
         **options.layer_kwargs,
     ).to(device=module.weight.device, dtype=module.weight.dtype)
@@ -209,7 +214,7 @@ def _convert_pool2d(module: nn.Module, options: ConversionOptions) -> BayesModul
     if required is not None:
         raise NotImplementedError(f"only {type(module).__name__} with {required} is supported")
     cls = AvgPool2d if isinstance(module, nn.AvgPool2d) else MaxPool2d
-    return cls(module.kernel_size, module.stride)  # type: ignore[arg-type]
+    return cls(module.kernel_size, module.stride)
 
 
 @register_converter(

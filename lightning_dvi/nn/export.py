@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,16 @@ __all__ = ["PredictiveModule", "export_predictive"]
 ExportMode = Literal["diag", "full"]
 
 
+class _WrapsNetwork(Protocol):
+    """A Lightning module over a declared network (a ``DVIRegressor`` or ``DVIClassifier``)."""
+
+    net: nn.Module
+    likelihood: Likelihood
+
+
+_MODULE_BUFFERS = ("predictive_temperature", "target_loc", "target_scale")
+
+
 class PredictiveModule(nn.Module):
     """A frozen network plus likelihood head: ``forward(x)`` is the one-pass predictive.
 
@@ -59,6 +69,13 @@ class PredictiveModule(nn.Module):
         head: ``"moments"``, ``"homoscedastic"``, ``"heteroscedastic"`` or ``"categorical"``.
         mode: ``"diag"`` or ``"full"``.
     """
+
+    log_noise_variance: Tensor
+    target_loc: Tensor
+    target_scale: Tensor
+    input_loc: Tensor
+    input_scale: Tensor
+    temperature: Tensor
 
     def __init__(
         self,
@@ -97,7 +114,7 @@ class PredictiveModule(nn.Module):
             return out.mean, out.var
         if self.head == "categorical":
             probs = LF.categorical_mean_field_predictive(
-                out.mean, out.cov if out.is_full else out.var
+                out.mean, out.cov if out.cov is not None else out.var
             )
             if self.tempered:  # softmax(log p / T), as DVIClassifier's TemperatureScaling
                 probs = torch.softmax(probs.clamp_min(1e-30).log() / self.temperature, dim=-1)
@@ -196,15 +213,17 @@ def export_predictive(
     if mode not in ("diag", "full"):
         raise ValueError(f"mode must be 'diag' or 'full' for a one-pass predictive, got {mode!r}")
     temperature = 1.0
-    if hasattr(net, "net") and hasattr(net, "likelihood"):
-        likelihood = net.likelihood  # type: ignore[assignment]
-        if isinstance(getattr(net, "predictive_temperature", None), Tensor):
-            temperature = float(net.predictive_temperature)  # type: ignore[arg-type]
-        if target_loc is None and isinstance(getattr(net, "target_loc", None), Tensor):
-            target_loc = float(net.target_loc)  # type: ignore[arg-type]
-        if target_scale is None and isinstance(getattr(net, "target_scale", None), Tensor):
-            target_scale = float(net.target_scale)  # type: ignore[arg-type]
-        net = net.net  # type: ignore[assignment]
+    if hasattr(net, "net") and hasattr(net, "likelihood"):  # a DVIRegressor / DVIClassifier
+        wrapper = cast(_WrapsNetwork, net)
+        likelihood = wrapper.likelihood
+        temp, loc, scale = (getattr(net, k, None) for k in _MODULE_BUFFERS)
+        if isinstance(temp, Tensor):
+            temperature = float(temp)
+        if target_loc is None and isinstance(loc, Tensor):
+            target_loc = float(loc)
+        if target_scale is None and isinstance(scale, Tensor):
+            target_scale = float(scale)
+        net = wrapper.net
     if not isinstance(net, BayesModule):
         raise ValueError(
             f"export_predictive needs a lightning_dvi.nn network, got {type(net).__name__} "

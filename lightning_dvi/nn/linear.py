@@ -7,7 +7,7 @@ import math
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ class ParameterGroup:
     loc: Tensor
     scale: Tensor
     prior_variance: Tensor
-    module: BayesLinear
+    module: _FactorisedLayer
 
 
 # .cache: (id(layer), version, grad mode, which) -> scale, or absent;
@@ -100,8 +100,89 @@ def _inverse_softplus(x: float) -> float:
     return x + math.log(-math.expm1(-x))
 
 
+class _FactorisedLayer(BayesModule):
+    """What :class:`BayesLinear` and :class:`~lightning_dvi.nn.BayesConv2d` share.
+
+    The factorised Gaussian posterior that :func:`init_factorised_posterior` registers (its
+    attributes are declared here for the type checker), the positivity transform of the
+    scales, the per-step scale cache, the prior groups and the weight moments.
+    """
+
+    weight_loc: nn.Parameter
+    weight_raw_scale: nn.Parameter
+    bias_loc: nn.Parameter | None
+    bias_raw_scale: nn.Parameter | None
+    weight_prior_variance: Tensor
+    bias_prior_variance: Tensor | None
+    scale_transform: str
+    init_loc_std: float
+    init_scale: float
+    init_bias_scale: float
+
+    def _raw(self, scale: float) -> float:
+        return _inverse_softplus(scale) if self.scale_transform == "softplus" else math.log(scale)
+
+    def _positive(self, raw: Tensor) -> Tensor:
+        return F.softplus(raw) if self.scale_transform == "softplus" else raw.exp()
+
+    def reset_parameters(self) -> None:
+        """Re-draw the means and reset the scales to their initial values."""
+        with torch.no_grad():
+            self.weight_loc.normal_(0.0, self.init_loc_std)
+            self.weight_raw_scale.fill_(self._raw(self.init_scale))
+            if self.bias_loc is not None and self.bias_raw_scale is not None:
+                self.bias_loc.zero_()
+                self.bias_raw_scale.fill_(self._raw(self.init_bias_scale))
+
+    def _scale(self, raw: Tensor, which: str) -> Tensor:
+        cache: dict[tuple[int, int, bool, str], Tensor] | None = (
+            None if torch.compiler.is_compiling() else getattr(_local, "cache", None)
+        )
+        if cache is None:
+            return self._positive(raw)
+        key = (id(self), raw._version, torch.is_grad_enabled(), which)
+        scale = cache.get(key)
+        if scale is None:
+            scale = cache[key] = self._positive(raw)
+        return scale
+
+    @property
+    def weight_scale(self) -> Tensor:
+        """Posterior standard deviations of the weights ``[out, in]``."""
+        return self._scale(self.weight_raw_scale, "weight")
+
+    @property
+    def bias_scale(self) -> Tensor | None:
+        """Posterior standard deviations of the bias ``[out]`` (``None`` without bias)."""
+        return None if self.bias_raw_scale is None else self._scale(self.bias_raw_scale, "bias")
+
+    def parameter_groups(self) -> list[ParameterGroup]:
+        """The weight matrix and bias vector as separate prior groups (paper section 4)."""
+        groups = [
+            ParameterGroup(
+                "weight", self.weight_loc, self.weight_scale, self.weight_prior_variance, self
+            )
+        ]
+        if self.bias_loc is not None:
+            # bias_loc, bias_raw_scale and bias_prior_variance are registered together
+            b_scale, b_prior = cast(Tensor, self.bias_scale), cast(Tensor, self.bias_prior_variance)
+            groups.append(ParameterGroup("bias", self.bias_loc, b_scale, b_prior, self))
+        return groups
+
+    def _moments(self) -> WeightMoments:
+        given: Mapping[_FactorisedLayer, WeightMoments] | None = (
+            None if torch.compiler.is_compiling() else getattr(_local, "given", None)
+        )
+        if given is not None and self in given:
+            return given[self]
+        w_scale = self.weight_scale
+        b_scale = self.bias_scale
+        b_var = None if b_scale is None else b_scale * b_scale
+        return self.weight_loc, w_scale * w_scale, self.bias_loc, b_var
+
+
 def init_factorised_posterior(
-    layer: nn.Module,
+    layer: _FactorisedLayer,
     weight_shape: tuple[int, ...],
     fan_in: int,
     bias: bool,
@@ -144,7 +225,7 @@ def init_factorised_posterior(
         layer.register_buffer("bias_prior_variance", None)
 
 
-class BayesLinear(BayesModule):
+class BayesLinear(_FactorisedLayer):
     r"""Linear layer :math:`a = hW^\top + b` with :math:`q(W_{kj}) = \mathcal N(M_{kj}, S_{kj}^2)`.
 
     Posterior scales are parameterised through ``softplus`` (default) or ``exp`` of an
@@ -192,66 +273,6 @@ class BayesLinear(BayesModule):
         )  # fmt: skip
         self.reset_parameters()
 
-    # ------------------------------------------------------------------ parameters
-    def _raw(self, scale: float) -> float:
-        return _inverse_softplus(scale) if self.scale_transform == "softplus" else math.log(scale)
-
-    def _positive(self, raw: Tensor) -> Tensor:
-        return F.softplus(raw) if self.scale_transform == "softplus" else raw.exp()
-
-    def reset_parameters(self) -> None:
-        """Re-draw the means and reset the scales to their initial values."""
-        with torch.no_grad():
-            self.weight_loc.normal_(0.0, self.init_loc_std)
-            self.weight_raw_scale.fill_(self._raw(self.init_scale))
-            if self.bias_loc is not None:
-                self.bias_loc.zero_()
-                self.bias_raw_scale.fill_(self._raw(self.init_bias_scale))
-
-    def _scale(self, raw: Tensor, which: str) -> Tensor:
-        cache = None if torch.compiler.is_compiling() else getattr(_local, "cache", None)
-        if cache is None:
-            return self._positive(raw)
-        key = (id(self), raw._version, torch.is_grad_enabled(), which)
-        scale = cache.get(key)
-        if scale is None:
-            scale = cache[key] = self._positive(raw)
-        return scale
-
-    @property
-    def weight_scale(self) -> Tensor:
-        """Posterior standard deviations of the weights ``[out, in]``."""
-        return self._scale(self.weight_raw_scale, "weight")
-
-    @property
-    def bias_scale(self) -> Tensor | None:
-        """Posterior standard deviations of the bias ``[out]`` (``None`` without bias)."""
-        return None if self.bias_raw_scale is None else self._scale(self.bias_raw_scale, "bias")
-
-    def parameter_groups(self) -> list[ParameterGroup]:
-        """The weight matrix and bias vector as separate prior groups (paper section 4)."""
-        groups = [
-            ParameterGroup(
-                "weight", self.weight_loc, self.weight_scale, self.weight_prior_variance, self
-            )
-        ]
-        if self.bias_loc is not None:
-            groups.append(
-                ParameterGroup(
-                    "bias", self.bias_loc, self.bias_scale, self.bias_prior_variance, self
-                )  # type: ignore[arg-type]
-            )
-        return groups
-
-    def _moments(self) -> WeightMoments:
-        given = None if torch.compiler.is_compiling() else getattr(_local, "given", None)
-        if given is not None and self in given:
-            return given[self]
-        w_scale = self.weight_scale
-        b_scale = self.bias_scale
-        b_var = None if b_scale is None else b_scale * b_scale
-        return self.weight_loc, w_scale * w_scale, self.bias_loc, b_var
-
     # ------------------------------------------------------------------ propagation
     def _check_input(self, x: Moments, weight_dtype: torch.dtype) -> None:
         dtype = x.dtype
@@ -273,10 +294,11 @@ class BayesLinear(BayesModule):
         self._check_input(x, w_loc.dtype)
         if w_var is None:  # weight values given by a front-end (a Pyro sample): a plain affine map
             return _affine_values(x, w_loc, b_loc)
-        if mode == "sample":
-            return self._sample(x)  # type: ignore[arg-type]
-        if mode == "local":
-            mean, var = M.linear_deterministic(x, w_loc, w_var, b_loc, b_var)  # type: ignore[arg-type]
+        if mode in ("sample", "local"):  # BayesModule.forward hands these modes a tensor
+            x = cast(Tensor, x)
+            if mode == "sample":
+                return self._sample(x)
+            mean, var = M.linear_deterministic(x, w_loc, w_var, b_loc, b_var)
             return mean + var.sqrt() * torch.randn_like(mean)
         return M.linear_moments(x, w_loc, w_var, b_loc, b_var, mode=mode)
 
@@ -286,9 +308,10 @@ class BayesLinear(BayesModule):
         eps = torch.randn(s, *self.weight_loc.shape, dtype=x.dtype, device=x.device)
         weight = self.weight_loc + self.weight_scale * eps
         out = x @ weight.transpose(-1, -2)
-        if self.bias_loc is not None:
+        b_scale = self.bias_scale
+        if self.bias_loc is not None and b_scale is not None:
             b_eps = torch.randn(s, 1, self.out_features, dtype=x.dtype, device=x.device)
-            out = out + self.bias_loc + self.bias_scale * b_eps
+            out = out + self.bias_loc + b_scale * b_eps
         return out
 
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:

@@ -137,7 +137,10 @@ def grouped_gaussian_kl(
             )
             return kl, s.detach()
         return kl, variances.detach()
-    return _GroupedKL.apply(variances, float(alpha), float(beta), len(locs), *locs, *scales)
+    out: tuple[Tensor, Tensor] = _GroupedKL.apply(
+        variances, float(alpha), float(beta), len(locs), *locs, *scales
+    )
+    return out
 
 
 def _reference_grouped_kl(
@@ -187,7 +190,7 @@ class _GroupedKL(torch.autograd.Function):
     # arguments with ``inspect.signature`` (~60 us); torch.func transforms take the reference
     # path instead (see ``grouped_gaussian_kl``).
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         variances: Tensor | None,
         alpha: float,
@@ -217,7 +220,7 @@ class _GroupedKL(torch.autograd.Function):
         return kl, s
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor | None, _: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor | None, _: Tensor | None) -> tuple[Tensor | None, ...]:
         if grad is None:
             return (None,) * (4 + len(ctx.saved_tensors) - 2)
         coef, flat, *tensors = ctx.saved_tensors

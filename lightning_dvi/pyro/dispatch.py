@@ -10,7 +10,7 @@ installs, so every declared activation works in the moment pass without Pyro-sid
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.overrides import resolve_name
@@ -18,6 +18,7 @@ from torch.overrides import resolve_name
 __all__ = ["LAYER_OPS", "handler_for", "op_name", "register", "register_resolver", "unsupported"]
 
 Handler = Callable[..., Any]
+_H = TypeVar("_H", bound=Handler)
 _HANDLERS: dict[Callable[..., Any], Handler] = {}
 _RESOLVERS: list[Callable[[Callable[..., Any]], Handler | None]] = []
 _HINT = (
@@ -54,10 +55,10 @@ def op_name(func: Callable[..., Any]) -> str:
         return repr(func)
 
 
-def register(*funcs: Callable[..., Any]) -> Callable[[Handler], Handler]:
+def register(*funcs: Callable[..., Any]) -> Callable[[_H], _H]:
     """Decorator: ``handler(func, *args, **kwargs)`` answers the listed torch ops."""
 
-    def deco(handler: Handler) -> Handler:
+    def deco(handler: _H) -> _H:
         for f in funcs:
             _HANDLERS[f] = handler
         return handler

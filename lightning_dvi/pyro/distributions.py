@@ -12,7 +12,7 @@ gives the closed-form :math:`\mathbb E_q\log p(y\mid f)` of
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pyro.distributions as dist
 import torch
@@ -93,7 +93,10 @@ class LikelihoodSite(TorchDistribution):
         """Variance of the conditional."""
         return self._conditional().variance
 
-    def rsample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
+    def rsample(
+        self,
+        sample_shape: torch.Size | list[int] | tuple[int, ...] = torch.Size(),  # noqa: B008
+    ) -> Tensor:
         """Reparameterised draws of ``y``."""
         return self._conditional().rsample(sample_shape)
 
@@ -101,7 +104,9 @@ class LikelihoodSite(TorchDistribution):
         r""":math:`\log p(y\mid f)`."""
         return self._conditional().log_prob(value)
 
-    def expand(self, batch_shape: torch.Size, _instance: object = None) -> LikelihoodSite:
+    def expand(
+        self, batch_shape: torch.Size | list[int] | tuple[int, ...], _instance: object = None
+    ) -> LikelihoodSite:
         """Broadcast the outputs (moment tensors keep their covariance)."""
         shape = torch.Size(batch_shape)
         if shape == self.batch_shape:
@@ -177,14 +182,16 @@ class Categorical(dist.Categorical):
             validate_args = False  # support checks are comparisons, which moments refuse
         super().__init__(probs=probs, logits=logits, validate_args=validate_args)
 
-    def expand(self, batch_shape: torch.Size, _instance: Any = None) -> Categorical:
+    def expand(
+        self, batch_shape: torch.Size | list[int] | tuple[int, ...], _instance: Any = None
+    ) -> Categorical:
         """Broadcast the batch shape (moment logits keep their covariance)."""
         new = type(self).__new__(type(self)) if _instance is None else _instance
-        return super().expand(batch_shape, _instance=new)
+        return cast(Categorical, super().expand(batch_shape, _instance=new))
 
     def expected_log_prob(self, value: Tensor) -> Tensor:
         r"""Delta-method :math:`\mathbb E_q\log p(y\mid a)` (``log_prob`` for plain logits)."""
         logits = self.__dict__.get("logits")
         if not isinstance(logits, MomentTensor):
-            return self.log_prob(value)
+            return cast(Tensor, self.log_prob(value))
         return categorical_expected_log_prob("Categorical", logits)(value)

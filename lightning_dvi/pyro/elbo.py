@@ -2,7 +2,7 @@ r"""DeterministicELBO: the DVI objective as a ``pyro.infer.ELBO``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pyro
 import pyro.poutine as poutine
@@ -107,18 +107,18 @@ class DeterministicELBO(ELBO):
         loss = sum(
             self._particle_loss(model, guide, args, kwargs) for _ in range(self.num_particles)
         )
-        loss = loss / self.num_particles  # type: ignore[operator]
+        loss = loss / self.num_particles
         warn_if_nan(loss, "loss")
-        return loss
+        return cast(Tensor, loss)
 
     def loss(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> float:
         """The negative ELBO as a float (no gradients)."""
         with torch.no_grad():
-            return torch_item(self.differentiable_loss(model, guide, *args, **kwargs))
+            return float(torch_item(self.differentiable_loss(model, guide, *args, **kwargs)))
 
     def loss_and_grads(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> float:
         """The negative ELBO as a float; backpropagates it into the parameters."""
         loss = self.differentiable_loss(model, guide, *args, **kwargs)
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)
-        return torch_item(loss)
+        return float(torch_item(loss))

@@ -106,6 +106,7 @@ class DeterministicGuide(AutoNormal):
     def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
         # AutoNormal already refuses discrete latents (ValueError with Pyro's own advice).
         super()._setup_prototype(*args, **kwargs)
+        assert self.prototype_trace is not None  # set by AutoNormal._setup_prototype
         self.weight_sites = tuple(
             name
             for name, site in self.prototype_trace.iter_stochastic_nodes()
@@ -129,10 +130,8 @@ class DeterministicGuide(AutoNormal):
         if get_mask() is False:
             log_density: Tensor | float = 0.0
         else:
-            log_density = transform.inv.log_abs_det_jacobian(value, unconstrained)
-            log_density = sum_rightmost(
-                log_density, log_density.dim() - value.dim() + site["fn"].event_dim
-            )
+            ladj: Tensor = transform.inv.log_abs_det_jacobian(value, unconstrained)
+            log_density = sum_rightmost(ladj, ladj.dim() - value.dim() + site["fn"].event_dim)
         delta = dist.Delta(value, log_density=log_density, event_dim=site["fn"].event_dim)
         return pyro.sample(name, delta)
 
@@ -148,6 +147,7 @@ class DeterministicGuide(AutoNormal):
             self._setup_prototype(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
         values: dict[str, Tensor] = {}
+        assert self.prototype_trace is not None  # set up just above
         for name, site in self.prototype_trace.iter_stochastic_nodes():
             with ExitStack() as stack:
                 for frame in site["cond_indep_stack"]:

@@ -17,7 +17,7 @@ Because the replacement terms are ordinary sites of an ordinary trace, Pyro's ow
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from pyro.distributions import Delta, MaskedDistribution, TorchDistribution
@@ -48,7 +48,10 @@ class _SiteTerm(TorchDistribution):
         """The ELBO term of this site (a KL with minus sign, or an expected log-likelihood)."""
         return self._term(value)
 
-    def sample(self, sample_shape: torch.Size = torch.Size()) -> Tensor:  # noqa: B008
+    def sample(
+        self,
+        sample_shape: torch.Size | list[int] | tuple[int, ...] = torch.Size(),  # noqa: B008
+    ) -> Tensor:
         """Not samplable: this object exists only inside a moment pass."""
         raise RuntimeError("a DVI moment-pass site term cannot be sampled")
 
@@ -130,7 +133,7 @@ class MomentPassMessenger(Messenger):
         def neg_kl(value: Any) -> Tensor:
             kl = gaussian_kl_elementwise(q.dvi_mean, q.dvi_var, p_loc, p_var)
             kl = kl.expand(torch.broadcast_shapes(kl.shape, prior.shape()))
-            return -sum_rightmost(kl, event_dim)
+            return cast(Tensor, -sum_rightmost(kl, event_dim))
 
         msg["value"] = q
         msg["fn"] = _SiteTerm(neg_kl, prior.batch_shape, prior.event_shape)
@@ -184,7 +187,7 @@ def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
         return lambda y: torch.zeros(fn.batch_shape, dtype=y.dtype, device=y.device)
     expected = getattr(fn, "expected_log_prob", None)
     if expected is not None:  # the library's moment-aware likelihoods
-        return expected
+        return cast(Callable[[Tensor], Tensor], expected)
     if isinstance(fn, torch.distributions.Categorical) and isinstance(fn.logits, MomentTensor):
         return categorical_expected_log_prob(f"observed site {name!r}: Categorical", fn.logits)
     if isinstance(fn, torch.distributions.Normal):

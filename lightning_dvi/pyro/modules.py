@@ -16,12 +16,15 @@ used (in Pyro the guide holds the posterior).
 
 from __future__ import annotations
 
+from typing import cast
+
 import pyro
 import pyro.distributions as dist
 import torch
 from pyro.nn import PyroModule
 from torch import Tensor
 
+from ..gaussian import Gaussian
 from ..nn import BayesLinear, BayesModule
 from ..nn.linear import WeightMoments, given_weights
 from .dispatch import unsupported
@@ -101,7 +104,7 @@ class PyroBayesNet(PyroModule):
         if not moments:  # sampled weights (Predictive, Trace_ELBO): the plain network
             given = {layer: (w, None, b, None) for layer, (w, b) in weights.items()}
             with given_weights(given):
-                return self.net.propagate(x, "sample")  # type: ignore[return-value]
+                return cast(Tensor, self.net.propagate(x, "sample"))
         if len(moments) != len(values) + isinstance(x, MomentTensor):
             raise unsupported("a PyroBayesNet with some weights given as values, not moments")
         mode = moments[0].dvi_mode
@@ -109,12 +112,12 @@ class PyroBayesNet(PyroModule):
         with given_weights({layer: _moments(w, b) for layer, (w, b) in weights.items()}):
             h = x.gaussian("PyroBayesNet") if isinstance(x, MomentTensor) else x
             out = self.net.propagate(h, mode)
-        return MomentTensor.of(out, mode, sources)  # type: ignore[arg-type]
+        return MomentTensor.of(cast(Gaussian, out), mode, sources)  # moments in, moments out
 
 
 def _moments(w: Tensor, b: Tensor | None) -> WeightMoments:
-    w_m: MomentTensor = w  # type: ignore[assignment]
+    w_m = cast(MomentTensor, w)  # forward checked: every weight carries moments
     if b is None:
         return w_m.dvi_mean, w_m.dvi_var, None, None
-    b_m: MomentTensor = b  # type: ignore[assignment]
+    b_m = cast(MomentTensor, b)
     return w_m.dvi_mean, w_m.dvi_var, b_m.dvi_mean, b_m.dvi_var

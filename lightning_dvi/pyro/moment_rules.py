@@ -48,8 +48,8 @@ _SHAPE_OPS = (
     *(getattr(m, n) for m in (_T, torch) for n in ("reshape", "squeeze", "unsqueeze", "flatten")),
     *(getattr(m, n) for m in (_T, torch) for n in ("permute", "transpose")),
     *(getattr(torch, n) for n in ("t", "clone")),
-    _T.mT.__get__,  # type: ignore[attr-defined]
-    _T.T.__get__,  # type: ignore[attr-defined]
+    _T.mT.__get__,  # type: ignore[attr-defined]  # a C property, stubbed as a Tensor
+    _T.T.__get__,  # type: ignore[attr-defined]  # a C property, stubbed as a Tensor
 )
 
 
@@ -70,8 +70,12 @@ def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Mo
 
 @register(_T.expand_as, _T.reshape_as, _T.view_as)
 def _shape_as(func: Callable[..., Any], x: Any, other: Any) -> MomentTensor:
-    target = {_T.expand_as: _T.expand, _T.reshape_as: _T.reshape, _T.view_as: _T.view}[func]
-    return _shape_op(target, x, tuple(other.shape))
+    to: dict[Any, Handler] = {
+        _T.expand_as: _T.expand,
+        _T.reshape_as: _T.reshape,
+        _T.view_as: _T.view,
+    }
+    return _shape_op(to[func], x, tuple(other.shape))
 
 
 def expand_to(x: Tensor, shape: torch.Size) -> Tensor:
@@ -256,7 +260,7 @@ def _registered_activation(func: Callable[..., Any]) -> Handler | None:
         _only_moment_operand(func, x, *args, *kwargs.values())
         module = spec.build_from_call(*args, **kwargs)
         out = module.propagate(x.gaussian(op), x.dvi_mode)
-        return MomentTensor.of(out, x.dvi_mode, x.dvi_sources)
+        return MomentTensor.of(cast(Gaussian, out), x.dvi_mode, x.dvi_sources)  # Gaussian in
 
     return activation
 
@@ -297,7 +301,7 @@ def _log_softmax(
 ) -> MomentTensor:
     _last_dim(func, x, kw.pop("dim", dim))
     if x.dvi_link == "log_softmax":
-        return x
+        return cast(MomentTensor, x)
     return _link(func, x, "log_softmax")
 
 

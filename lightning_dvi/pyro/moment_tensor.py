@@ -28,7 +28,7 @@ table of :mod:`lightning_dvi.pyro.dispatch` (the package imports them).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -98,7 +98,7 @@ class MomentTensor(Tensor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass  # everything happens in __new__; Tensor.__init__ takes no arguments
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # a summary: no tensor_contents keyword
         kind = "cov" if self.dvi_cov is not None else "var"
         link = f", link={self.dvi_link!r}" if self.dvi_link else ""
         return f"MomentTensor(shape={tuple(self.shape)}, {kind}, mode={self.dvi_mode!r}{link})"
@@ -157,13 +157,13 @@ _T = Tensor
 # Queries answered from the tensor data (a detached copy of the mean), not moment rules.
 _METADATA = {
     *(getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "ndim", "layout", "is_cuda")),
-    _T.requires_grad.__get__,  # type: ignore[attr-defined]
+    _T.requires_grad.__get__,  # type: ignore[attr-defined]  # a C property, stubbed as a bool
     *(getattr(_T, n) for n in ("size", "dim", "ndimension", "numel", "nelement", "__len__")),
     *(getattr(_T, n) for n in ("__hash__", "is_floating_point", "is_complex", "get_device")),
 }
 
 
-def is_moment(x: object) -> bool:
+def is_moment(x: object) -> TypeGuard[MomentTensor]:
     return isinstance(x, MomentTensor)
 
 
@@ -189,14 +189,14 @@ def union_sources(op: str, *xs: object) -> frozenset[str]:
     seen: frozenset[str] = frozenset()
     for x in xs:
         if is_moment(x):
-            overlap = seen & x.dvi_sources  # type: ignore[union-attr]
+            overlap = seen & x.dvi_sources
             if overlap:
                 raise unsupported(
                     f"`{op}` on operands that both depend on weight site(s) {sorted(overlap)}",
                     "their correlation is not tracked (a weight used twice, or a hand-written "
                     "skip connection; use lightning_dvi.nn.Residual in a declared network)",
                 )
-            seen = seen | x.dvi_sources  # type: ignore[union-attr]
+            seen = seen | x.dvi_sources
     return seen
 
 
