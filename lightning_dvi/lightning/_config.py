@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -96,9 +96,10 @@ class KLScheduleConfig:
     anneal_steps: int = 0
     warmup_fraction: float = 0.0
     anneal_fraction: float = 0.0
+    _in_steps: KLSchedule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        KLSchedule(self.warmup_steps, self.anneal_steps)  # checks the steps
+        self._in_steps = KLSchedule(self.warmup_steps, self.anneal_steps)  # checks the steps
         warmup, anneal = self.warmup_fraction, self.anneal_fraction
         self.warmup_fraction = fraction("kl_warmup_fraction", warmup)
         self.anneal_fraction = fraction("kl_anneal_fraction", anneal)
@@ -120,7 +121,7 @@ class KLScheduleConfig:
     def schedule(self, total_steps: int | None = None) -> KLSchedule:
         """The schedule in steps; fractions need the run's ``total_steps`` (``None``: no KL ramp yet)."""
         if not self.by_fraction:
-            return KLSchedule(self.warmup_steps, self.anneal_steps)
+            return self._in_steps  # checked once, in __post_init__
         if total_steps is None:
             return KLSchedule()
         return KLSchedule(
