@@ -308,8 +308,25 @@ def cli(args: ArgsType = None, **kwargs: Any) -> DVILightningCLI:
 
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of the ``lightning-dvi`` console script (see :func:`cli`)."""
-    cli(args)
+    """Entry point of the ``lightning-dvi`` console script (see :func:`cli`).
+
+    A DDP run's process group is destroyed before the interpreter exits. Lightning registers
+    that clean-up for NCCL only; a gloo group (DDP on CPU) left to the interpreter's shutdown
+    can abort the process ("terminate called without an active exception", exit code 134)
+    after a successful run, when its worker threads are destroyed while still joinable.
+    """
+    try:
+        cli(args)
+    finally:
+        _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    """Destroy the default process group, if a DDP run created one (every rank calls this)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # pragma: no cover
