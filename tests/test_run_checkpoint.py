@@ -8,7 +8,6 @@ start of every epoch, so they fail on any version where it is not written during
 from __future__ import annotations
 
 import io
-import sys
 import time
 from pathlib import Path
 
@@ -153,12 +152,8 @@ def test_progress_log_prints_plain_lines_with_the_loss_and_key_metric(tmp_path):
     ],
     ids=["defaults", "disabled", "configured"],
 )  # fmt: skip
-def test_cli_defaults_add_a_run_checkpoint_and_progress(
-    monkeypatch, tmp_path, extra, checkpoints, progress
-):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-dvi"])
-    config = tmp_path / "bare.yaml"
+def test_cli_defaults_add_a_run_checkpoint_and_progress(cli_workdir, extra, checkpoints, progress):
+    config = cli_workdir / "bare.yaml"
     config.write_text(
         "model: {class_path: lightning_dvi.DVIRegressor, init_args: {hidden: [4]}}\n"
         "data: {class_path: lightning_dvi.data.ToyHeteroscedasticDataModule}\n"

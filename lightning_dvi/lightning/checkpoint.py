@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -28,6 +27,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from ..nn.torch_file import load_weights_only
 from ._network import check_net_config
 
 __all__ = [
@@ -241,21 +241,12 @@ def read_checkpoint(path: str | Path | IO[bytes], map_location: Any = "cpu") -> 
         ValueError: naming the file, when it holds pickled objects other than tensors and plain
             containers (loading those could run code) or is not a checkpoint.
     """
-    try:
-        if isinstance(path, (str, Path)) and "://" in str(path):  # a URL, as Lightning allows
-            with get_filesystem(str(path)).open(str(path), "rb") as handle:
-                data = torch.load(handle, map_location=map_location, weights_only=True)
-        else:
-            data = torch.load(path, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
-        raise ValueError(
-            f"refusing checkpoint {path}: torch.load(path, weights_only=True) cannot read it "
-            f"({str(err).split('.')[0].strip()}). A checkpoint is data (tensors and plain "
-            "values); one holding other pickled objects could run code when loaded, and "
-            "lightning_dvi never unpickles it"
-        ) from err
+    what, advice = f"checkpoint {path}", "Build the module in code and load a state_dict you trust."
+    if isinstance(path, (str, Path)) and "://" in str(path):  # a URL, as Lightning accepts
+        with get_filesystem(str(path)).open(str(path), "rb") as handle:
+            data = load_weights_only(handle, what, advice, map_location)
+    else:
+        data = load_weights_only(path, what, advice, map_location)
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a Lightning checkpoint (got {type(data).__name__})")
     return data

@@ -199,20 +199,44 @@ def save_torch_network(module: nn.Module, path: str | PathLike[str]) -> Path:
     return Path(path)
 
 
-def _read_weights(path: str) -> tuple[list[Any] | None, dict[str, Tensor]]:
-    """The layer list (if the file has one) and the state dict of a weights-only file."""
+def load_weights_only(source: Any, what: str, advice: str = "", map_location: Any = "cpu") -> Any:
+    """``torch.load(source, weights_only=True)``, its refusal turned into a clear ``ValueError``.
+
+    The one place a file is read: tensors, numbers, strings and plain containers load; a file
+    holding other pickled objects (which could run code) is refused, never unpickled.
+
+    Args:
+        source: a path or a binary file.
+        what: the file's description for the message, e.g. ``"checkpoint ckpt/last.ckpt"``.
+        advice: a sentence appended to the message (what to do instead).
+        map_location: as in ``torch.load``.
+
+    Raises:
+        ValueError: ``refusing <what>: torch.load(path, weights_only=True) cannot read it ...``.
+        FileNotFoundError: when there is no such file.
+    """
     try:
-        data = torch.load(path, weights_only=True, map_location="cpu")
+        return torch.load(source, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
         raise ValueError(
-            f"{path} is not a weights-only file: torch.load(path, weights_only=True) refused it "
-            f"({str(err).split('.')[0].strip()}). lightning_dvi never unpickles, since a pickled "
-            "module (torch.save(module, path)) can run code when loaded. If you wrote the file "
-            "and trust it, convert it once: module = torch.load(path, weights_only=False); "
-            "lightning_dvi.nn.save_torch_network(module, 'net.pt')"
+            f"refusing {what}: torch.load(path, weights_only=True) cannot read it "
+            f"({str(err).split('.')[0].strip()}); lightning_dvi never unpickles, since a file "
+            f"holding pickled objects other than tensors and plain values can run code when "
+            f"loaded. {advice}".rstrip()
         ) from err
+
+
+def _read_weights(path: str) -> tuple[list[Any] | None, dict[str, Tensor]]:
+    """The layer list (if the file has one) and the state dict of a weights-only file."""
+    data = load_weights_only(
+        path,
+        f"weights file {path}",
+        "If it is a pickled module (torch.save(module, path)) that you wrote and trust, convert "
+        "it once: module = torch.load(path, weights_only=False); "
+        "lightning_dvi.nn.save_torch_network(module, 'net.pt')",
+    )
     if isinstance(data, Mapping) and data.get("format") == FILE_FORMAT:
         return list(data["layers"]), dict(data["state_dict"])
     if isinstance(data, Mapping) and all(isinstance(v, Tensor) for v in data.values()):
