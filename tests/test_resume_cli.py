@@ -179,6 +179,7 @@ def test_a_killed_fit_resumes_to_the_uninterrupted_result_and_no_run_overwrites_
     ):
         for name in a:
             torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+    assert again["loops"] == full["loops"]  # the loops' progress counters
     eb = [k for k in full["callbacks"] if "EmpiricalBayes" in k]
     assert eb and all(again["callbacks"][k] == full["callbacks"][k] for k in eb)
 

@@ -102,6 +102,7 @@ class RunCheckpoint(ModelCheckpoint):
         self.step_interval = every_n_train_steps
         self.time_interval = train_time_interval
         self._explicit_dirpath = dirpath is not None
+        self.resumed_from: str | None = None  # the checkpoint this run resumed from, if any
         self._saved_step: int | None = None
         self._last_write = time.monotonic()
         self.filename_last = "last.ckpt"

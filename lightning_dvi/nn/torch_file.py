@@ -32,7 +32,13 @@ from .container import Sequential
 from .convert import _CONVERTERS, Init, from_torch
 from .registry import activation_specs
 
-__all__ = ["TorchNetwork", "describe_torch", "save_torch_network", "torch_from_description"]
+__all__ = [
+    "TorchNetwork",
+    "describe_torch",
+    "load_weights_only",
+    "save_torch_network",
+    "torch_from_description",
+]
 
 FILE_FORMAT = "lightning_dvi.torch_network"
 FILE_VERSION = 1
