@@ -19,11 +19,19 @@ the model accepts them (otherwise the link is skipped):
 
 The model may also leave these unset and read them from the data in ``setup()``.
 
+Runs, checkpoints and progress: each run writes into its own logger directory
+(``version_K``); without a ``ModelCheckpoint`` in the config a
+:class:`~lightning_dvi.callbacks.RunCheckpoint` writes ``last.ckpt`` there every epoch.
+``--ckpt_path last`` is the newest run's ``last.ckpt`` (printed); every ``--ckpt_path`` is read
+with ``weights_only=True`` and its hyper-parameters vetted before anything is built from them
+(:mod:`lightning_dvi.lightning.checkpoint`). Progress: a TQDM bar on a terminal, plain lines
+when piped or under ``CI`` (:mod:`lightning_dvi.lightning.progress`).
+
 Invalid configurations stop with jsonargparse's message naming the key and exit code 2: type
 errors while parsing, and the modules' own ``ValueError`` checks while instantiating. ``test``,
-``validate`` and ``predict`` with ``--ckpt_path last`` and no last checkpoint, and ``validate``
-or ``test`` on a data module without that split, stop with a message and exit code 1 instead of
-running an untrained model or nothing.
+``validate`` and ``predict`` with ``--ckpt_path last`` and no last checkpoint, a refused
+checkpoint, and ``validate`` or ``test`` on a data module without that split, stop with a
+message and exit code 1 instead of running an untrained model, code from a file, or nothing.
 """
 
 from __future__ import annotations
