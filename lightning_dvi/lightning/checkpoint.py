@@ -303,6 +303,18 @@ def _imported_subclass(class_path: str, base: type) -> type[LightningModule] | N
     return None
 
 
+def _saved_device_if_available(storage: Any, location: str) -> Any:
+    """Keep a tensor on the device it was saved from, or move it to the CPU if that is absent.
+
+    What Lightning's loader does by default, so a CUDA checkpoint loads onto the GPU when there
+    is one; ``None`` tells ``torch.load`` to keep the saved location.
+    """
+    absent = (location.startswith("cuda") and not torch.cuda.is_available()) or (
+        location.startswith("mps") and not torch.backends.mps.is_available()
+    )
+    return storage.cpu() if absent else None
+
+
 def load_checkpoint_data(
     cls: type[LightningModule],
     checkpoint_path: str | Path | IO[bytes],
@@ -322,7 +334,7 @@ def load_checkpoint_data(
         The class to build (``cls`` or the imported subclass the checkpoint names) and the
         sanitised checkpoint as an in-memory file.
     """
-    checkpoint = read_checkpoint(checkpoint_path, map_location or "cpu")
+    checkpoint = read_checkpoint(checkpoint_path, map_location or _saved_device_if_available)
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     if hparams_file is not None:
         if Path(hparams_file).suffix.lower() not in (".yaml", ".yml"):
