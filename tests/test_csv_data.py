@@ -66,10 +66,10 @@ def test_split_by_fractions_is_seeded_disjoint_and_standardised_with_training_st
         dataset = getattr(dm, f"{split}_dataset")
         rows = np.array(ids[split])
         np.testing.assert_allclose(_raw(dataset, dm)[:, 1].numpy(), columns["a"][rows], rtol=1e-6)
-        # targets stay raw (the regressor standardises them with target_loc/target_scale)
-        y = dataset.tensors[1].double().numpy()
-        np.testing.assert_allclose(y, columns["y"][rows], rtol=1e-6)
-        assert dataset.tensors[1].dtype == torch.float32
+        # targets stay raw, exactly the file's float64 values (the regressor standardises them
+        # with target_loc/target_scale in float64)
+        assert dataset.tensors[1].dtype == torch.float64
+        np.testing.assert_array_equal(dataset.tensors[1].numpy(), columns["y"][rows])
     # Same seed, same split; another seed, another split.
     again = CSVDataModule(str(path), target="y", val_fraction=0.2, test_fraction=0.1)
     other = CSVDataModule(str(path), target="y", val_fraction=0.2, test_fraction=0.1, seed=1)
