@@ -154,6 +154,7 @@ def _classification_file(path: Path, labels: list[object], num_rows: int = 36) -
         (["b", "c", "a"], ["a", "b", "c"]),  # was refused: non-numeric value 'a'
         ([3_000_000_000, 0], [0, 3_000_000_000]),  # was 3e9 logits
         (["007", "7", "-1"], ["-1", "007", "7"]),  # text as written: "007" is not 7
+        (["2.0", "10.0", "x"], ["10.0", "2.0", "x"]),  # text, kept as written
     ],
 )
 def test_class_labels_map_to_sorted_classes_and_come_back_in_predictions(

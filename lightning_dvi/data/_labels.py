@@ -2,9 +2,11 @@
 
 Labels are integers (any values: ``1, 2, 3``, ``-1, 1``, ``0, 3000000000``) or text
 (``"cat", "dog"``). Labels that are all integers written the plain way (``7``, ``-12``: no
-spaces, ``+`` or leading zeros), or stored as integral numbers (a Parquet or NumPy column), are
-integer labels, sorted numerically. Any other labels are text, sorted as strings and kept
-exactly as written, so ``"007"`` and ``"7"`` stay two classes and ``" 1"`` stays ``" 1"``.
+spaces, ``+``, decimals or leading zeros), or stored as integral numbers (a Parquet or NumPy
+column), are integer labels, sorted numerically. Any other labels are text, sorted as strings
+and kept exactly as written, so ``"007"`` and ``"7"`` stay two classes and ``"1.0"`` stays
+``"1.0"`` (with ``num_classes=K``, the labels-are-``0..K-1`` convention, integral numbers in
+any notation are read as integers).
 Numbers that are not all integers (``0.5``) are refused: that is a regression target.
 """
 
@@ -69,15 +71,19 @@ class LabelColumn:
         return fail(self.path, self.row_name(row), self.column, problem)
 
 
-def _integer(value: object) -> int | None:
-    """``value`` as an integer label, or None when it is not one."""
+def _integer(value: object, numeric_text: bool = False) -> int | None:
+    """``value`` as an integer label, or None when it is not one.
+
+    Text is an integer when written the plain way; with ``numeric_text`` also when it is any
+    integral number (``"3.0"``, ``"+3"``), as the ``num_classes`` convention reads labels.
+    """
+    if isinstance(value, str) and numeric_text and _NUMBER.fullmatch(value):
+        value = float(value)
     if isinstance(value, (bool, int, np.integer)):
         return int(value)
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else None
-    if isinstance(value, str) and _INTEGER.fullmatch(value):
-        return int(value)
-    return None
+    if isinstance(value, (float, np.floating)):
+        return int(value) if math.isfinite(value) and float(value).is_integer() else None
+    return int(value) if isinstance(value, str) and _INTEGER.fullmatch(value) else None
 
 
 def _fraction(value: object) -> bool:
@@ -97,10 +103,10 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float, np.number))
 
 
-def _canonical(columns: Sequence[LabelColumn]) -> list[list[Label]]:
+def _canonical(columns: Sequence[LabelColumn], numeric_text: bool) -> list[list[Label]]:
     """Per column, its distinct values as labels: all integers, or else all text as written."""
     values = [v for column in columns for v in column.distinct]
-    integers = [_integer(v) for v in values]
+    integers = [_integer(v, numeric_text) for v in values]
     if all(i is not None for i in integers):
         it = iter(integers)
         return [[next(it) for _ in column.distinct] for column in columns]  # type: ignore[misc]  # no None left
@@ -154,7 +160,7 @@ def resolve_labels(
             ``0..num_classes-1``, a fractional numeric label, an empty label; and for fewer
             than two classes.
     """
-    canonical = _canonical(columns)
+    canonical = _canonical(columns, numeric_text=num_classes is not None and labels is None)
     integer = all(isinstance(v, int) for per in canonical for v in per)
     if labels is not None:
         classes = _given(labels, integer)

@@ -96,24 +96,28 @@ class _Part:
     classes: np.ndarray | None = field(default=None)  # set once every file's labels are known
 
 
-def _fits_float32(
+def _as_float32(
     part: _Part,
     rows: np.ndarray,
-    values: np.ndarray,
+    standardized: np.ndarray,
     raw: np.ndarray,
     columns: Sequence[str],
     loc: np.ndarray,
     scale: np.ndarray,
-) -> None:
-    """Refuse a standardised value that float32 cannot hold, naming file, row and column."""
+) -> np.ndarray:
+    """``standardized [n, d]`` as float32; a value float32 cannot hold is an error naming it.
+
+    ``raw [*, d]`` holds the values as read, its row ``rows[i]`` for row ``i``.
+    """
     with np.errstate(over="ignore"):
-        overflow = np.isinf(values.astype(np.float32))
+        out = standardized.astype(np.float32)
+    overflow = np.isinf(out)
     if not overflow.any():
-        return
+        return out
     i, j = (int(k) for k in np.argwhere(overflow)[0])
     how = (
-        f"(x - {loc[j]:.6g}) / {scale[j]:.6g} = {values[i, j]:.6g} after standardising with the "
-        "training rows' mean and standard deviation"
+        f"(x - {loc[j]:.6g}) / {scale[j]:.6g} = {standardized[i, j]:.6g} after standardising "
+        "with the training rows' mean and standard deviation"
         if (loc[j], scale[j]) != (0.0, 1.0)
         else "unstandardised"
     )
@@ -121,7 +125,7 @@ def _fits_float32(
         part.path,
         part.row_name(int(rows[i])),
         columns[j],
-        f"{raw[i, j]:.6g} does not fit in float32 ({how}; the largest float32 is "
+        f"{raw[rows[i], j]:.6g} does not fit in float32 ({how}; the largest float32 is "
         f"{_FLOAT32_MAX:.6g}): rescale the column, or drop the row",
     )
 
@@ -522,18 +526,20 @@ class CSVDataModule(InMemoryDataModule):
         def dataset(part: _Part, rows: np.ndarray) -> TensorDataset | None:
             if rows.size == 0:
                 return None
-            raw = part.x[rows]
-            x = (raw - x_loc) / x_scale
-            _fits_float32(part, rows, x, raw, features, x_loc, x_scale)
-            inputs = torch.as_tensor(x, dtype=torch.float32)
+            x = part.x[rows]
+            x -= x_loc
+            x /= x_scale
+            x32 = _as_float32(part, rows, x, part.x, features, x_loc, x_scale)
+            inputs = torch.from_numpy(x32)
             if part.classes is not None:
                 return TensorDataset(inputs, torch.as_tensor(part.classes[rows]))
             if part.y is None:
                 return TensorDataset(inputs)
-            y = part.y[rows, None]
-            _fits_float32(part, rows, (y - y_loc) / y_scale, y, [self.target], y_loc, y_scale)
+            y = part.y[rows]
+            _as_float32(part, rows, (y[:, None] - y_loc) / y_scale, part.y[:, None], [self.target],
+                        y_loc, y_scale)  # fmt: skip
             # original units, float64: the regressor standardises them before any cast
-            return TensorDataset(inputs, torch.as_tensor(y[:, 0], dtype=torch.float64))
+            return TensorDataset(inputs, torch.from_numpy(y))
 
         predict_part, predict_rows = splits["predict"]
         self._predict_ids = {
