@@ -283,6 +283,18 @@ def test_plain_numbers_with_spaces_and_exponents_are_read_exactly(tmp_path):
     assert dm.train_dataset.tensors[1].tolist() == [2.0, 3.0, 4.0, 1e300]  # float64, exact
 
 
+def test_a_bom_crlf_tsv_with_blank_lines_names_lines_as_an_editor_shows_them(tmp_path):
+    path = tmp_path / "data.tsv"
+    text = "\ufeffa\tlabel\r\n\r\n1\tx\r\n2\ty\r\n\r\n{}\tz\r\n"
+    path.write_bytes(text.format("3").encode())
+    dm = CSVDataModule(str(path), target="label", task="classification", val_fraction=0)
+    assert (dm.feature_names, dm.labels, dm.num_train) == (["a"], ["x", "y", "z"], 3)
+    path.write_bytes(text.format("five").encode())
+    dm = CSVDataModule(str(path), target="label", task="classification", val_fraction=0)
+    with pytest.raises(ValueError, match=r"data.tsv, line 6, column 'a': non-numeric value 'five'"):
+        dm.setup()
+
+
 # ------------------------------------------------------------------ row 9: read speed (smoke)
 def test_the_read_benchmark_runs_and_reads_what_pandas_reads(capsys):
     sys.path.insert(0, str(REPO / "recipes"))

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-__all__ = ["SUPPORTED_SUFFIXES", "Table", "column_names", "fail", "read_columns"]
+__all__ = ["SUPPORTED_SUFFIXES", "Table", "column_names", "fail", "read_columns", "read_tabular"]
 
 TEXT_SUFFIXES = (".csv", ".tsv", ".txt")
 NUMPY_SUFFIXES = (".npy", ".npz")
@@ -415,3 +415,32 @@ def read_columns(
         _check_present(path, list(arrays), wanted)
         columns = {name: pa.array(arrays[name]) for name in dict.fromkeys(wanted)}
     return _read_arrays(path, columns, numbers, values)
+
+
+def read_tabular(
+    path: str | Path,
+    columns: Sequence[str] | None = None,
+    delimiter: str | None = None,
+    encoding: str = "utf-8",
+) -> tuple[list[str], np.ndarray, Callable[[int], str]]:
+    """Read named numeric columns of a tabular file as float64 ``[rows, len(columns)]``.
+
+    Args:
+        path: a ``.csv``/``.tsv``/``.txt``, ``.npy``, ``.npz`` or ``.parquet`` file.
+        columns: the columns to read, in order; ``None`` reads all.
+        delimiter: for text files (default ``,``; a tab for ``.tsv``).
+        encoding: for text files (default UTF-8).
+
+    Returns:
+        The column names, the table, and a function naming row ``i`` in messages
+        (``"line 7"`` for text files, ``"row 5"`` for arrays).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        ValueError: naming the file, row and column: a missing column, an empty, non-numeric
+            or non-finite cell, a ragged row, an empty file or an unsupported suffix.
+    """
+    names = column_names(path, delimiter, encoding) if columns is None else list(columns)
+    table = read_columns(path, names, delimiter=delimiter, encoding=encoding)
+    data = np.stack([table.numbers[name] for name in names], axis=1)
+    return names, data, table.row_name

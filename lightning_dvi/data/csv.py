@@ -37,40 +37,11 @@ from torch.utils.data import TensorDataset
 
 from ._base import InMemoryDataModule, fit_standardizer
 from ._labels import Label, LabelColumn, resolve_labels
-from ._read import column_names, fail, read_columns
+from ._read import column_names, fail, read_columns, read_tabular
 
-__all__ = ["CSVDataModule", "read_tabular"]
+__all__ = ["CSVDataModule", "read_tabular"]  # read_tabular: re-exported from ._read
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def read_tabular(
-    path: str | Path,
-    columns: Sequence[str] | None = None,
-    delimiter: str | None = None,
-    encoding: str = "utf-8",
-) -> tuple[list[str], np.ndarray, Callable[[int], str]]:
-    """Read named numeric columns of a tabular file as float64 ``[rows, len(columns)]``.
-
-    Args:
-        path: a ``.csv``/``.tsv``/``.txt``, ``.npy``, ``.npz`` or ``.parquet`` file.
-        columns: the columns to read, in order; ``None`` reads all.
-        delimiter: for text files (default ``,``; a tab for ``.tsv``).
-        encoding: for text files (default UTF-8).
-
-    Returns:
-        The column names, the table, and a function naming row ``i`` in messages
-        (``"line 7"`` for text files, ``"row 5"`` for arrays).
-
-    Raises:
-        FileNotFoundError: if ``path`` does not exist.
-        ValueError: naming the file, row and column: a missing column, an empty, non-numeric
-            or non-finite cell, a ragged row, an empty file or an unsupported suffix.
-    """
-    names = column_names(path, delimiter, encoding) if columns is None else list(columns)
-    table = read_columns(path, names, delimiter=delimiter, encoding=encoding)
-    data = np.stack([table.numbers[name] for name in names], axis=1)
-    return names, data, table.row_name
 
 
 class _Stats(TypedDict, total=False):
