@@ -180,7 +180,7 @@ class CSVDataModule(InMemoryDataModule):
         >>> dm.in_features, dm.num_train, dm.num_val, dm.num_test, dm.labels
         (2, 14, 2, 4, ['a', 'b'])
         >>> dm.feature_names, dm.predict_ids["id"].to_pylist()
-        (['a', 'b'], ['c0', 'c2', 'c13', 'c15'])
+        (['a', 'b'], ['c2', 'c4', 'c6', 'c19'])
     """
 
     def __init__(

@@ -213,12 +213,8 @@ class PredictionWriter(BasePredictionWriter):
                 "(were other dataloaders passed to predict?); writing the predictions without ids"
             )
             ids = {}
-        labels = None
-        if not isinstance(predictions, Mapping):
-            try:
-                labels = getattr(datamodule, "labels", None)
-            except AttributeError:
-                labels = None
+        # a regression data module raises AttributeError for labels: getattr gives None
+        labels = None if isinstance(predictions, Mapping) else getattr(datamodule, "labels", None)
         folder.mkdir(parents=True, exist_ok=True)
         for kind in self.formats:
             path = folder / f"predictions.{kind}"
