@@ -1,4 +1,4 @@
-"""Lightning callbacks: ``lightning_dvi.callbacks.EmpiricalBayesRefresh`` and the plot callbacks.
+"""Lightning callbacks: ``EmpiricalBayesRefresh``, the plot callbacks, ``PredictionWriter``, ....
 
 A stable import path for YAML configs
 (``class_path: lightning_dvi.callbacks.EmpiricalBayesRefresh``; ``EmpiricalBayes`` is its
@@ -9,6 +9,7 @@ the implementations live in :mod:`lightning_dvi.lightning`.
 from .lightning.callbacks import EmpiricalBayes, EmpiricalBayesRefresh
 from .lightning.ood import OODEvaluation
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
+from .lightning.predictions import PredictionWriter
 from .lightning.temperature import TemperatureScaling
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "EmpiricalBayes",
     "EmpiricalBayesRefresh",
     "OODEvaluation",
+    "PredictionWriter",
     "PredictiveBandPlot",
     "ReliabilityDiagram",
     "TemperatureScaling",
