@@ -1,4 +1,4 @@
-"""Lightning callbacks: ``EmpiricalBayesRefresh``, ``RunCheckpoint``, progress and plot callbacks.
+"""Lightning callbacks: empirical Bayes, checkpoints, progress, plots, predictions, OOD, temperature.
 
 A stable import path for YAML configs
 (``class_path: lightning_dvi.callbacks.EmpiricalBayesRefresh``; ``EmpiricalBayes`` is its
@@ -10,6 +10,7 @@ from .lightning.callbacks import EmpiricalBayes, EmpiricalBayesRefresh
 from .lightning.checkpoint import RunCheckpoint
 from .lightning.ood import OODEvaluation
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
+from .lightning.predictions import PredictionWriter
 from .lightning.progress import DVIProgressBar, ProgressLog
 from .lightning.temperature import TemperatureScaling
 
@@ -19,6 +20,7 @@ __all__ = [
     "EmpiricalBayes",
     "EmpiricalBayesRefresh",
     "OODEvaluation",
+    "PredictionWriter",
     "PredictiveBandPlot",
     "ProgressLog",
     "ReliabilityDiagram",

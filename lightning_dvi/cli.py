@@ -36,11 +36,11 @@ message and exit code 1 instead of running an untrained model, code from a file,
 
 from __future__ import annotations
 
-import csv
 import inspect
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import yaml
@@ -50,7 +50,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
-from torch import Tensor
 
 # Imported so their classes are known to jsonargparse by short name (``--data DigitsDataModule``).
 from . import data as _data  # noqa: F401
@@ -64,6 +63,7 @@ from .lightning.checkpoint import (
     read_checkpoint,
     vet_hyperparameters,
 )
+from .lightning.predictions import PredictionWriter, write_predictions
 from .lightning.progress import progress_callback
 
 __all__ = ["DVILightningCLI", "cli", "main", "write_predictions_csv"]
@@ -268,31 +268,33 @@ class DVILightningCLI(LightningCLI):
         self._require_batches("test", self.trainer.num_test_batches)
 
     def predict(self, **kwargs: Any) -> None:
-        """Run ``trainer.predict`` and save the predictions to ``<log_dir>/predictions.pt`` and ``.csv``.
+        """Run ``trainer.predict`` and save the predictions to ``<log_dir>/predictions.pt``, ``.csv`` and ``.parquet``.
 
-        Regression: ``{"mean", "var", "aleatoric_var", "epistemic_var"}``, each ``[N]``, in the
-        original units of y; classification: probabilities ``[N, K]``
+        Regression: ``{"mean", "var", "aleatoric_var", "epistemic_var"}``, each float64 ``[N]``,
+        in the original units of y; classification: probabilities ``[N, K]``
         (``torch.load(path, weights_only=True)`` reads either). Beside it, ``predictions.csv``
-        holds one row per example: for regression ``mean, std, lower_95, upper_95`` (the central
-        95 % interval of the Gaussian predictive), ``aleatoric_std, epistemic_std``; for
-        classification ``prob_0 .. prob_{K-1}, predicted_class, entropy`` (nats). Under DDP each
-        process saves its own share as ``predictions_rank<r>.pt`` / ``.csv``.
+        and ``predictions.parquet`` hold one row per example: first the data module's id
+        columns (``CSVDataModule(id_columns=[...])``), then for regression ``mean, std,
+        lower_95, upper_95`` (the central 95 % interval of the Gaussian predictive),
+        ``aleatoric_std, epistemic_std``; for classification ``prob_<label>`` per class (named
+        by the data's class labels), ``predicted_class`` (the label as written) and ``entropy``
+        (nats). Under DDP the processes' shares are merged into one set of files, in dataset
+        order (:class:`~lightning_dvi.lightning.predictions.PredictionWriter`).
         """
         self._require_last_checkpoint(kwargs)
-        batches = self.trainer.predict(**kwargs)
+        writer = PredictionWriter()
+        callbacks: list[Any] = self.trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, not declared on Trainer
+        callbacks.append(writer)
+        try:
+            self.trainer.predict(**kwargs)
+        finally:
+            callbacks.remove(writer)
+        # Every process reads log_dir (a collective under DDP); rank 0 wrote the files, or a
+        # spawned process did (ddp_spawn), which leaves this process's writer empty.
         log_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
-        if not batches:
-            return
-        if isinstance(batches[0], dict):
-            predictions: Any = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-        else:
-            predictions = torch.cat(cast(list[Tensor], batches))  # one tensor per batch
-        world = self.trainer.world_size
-        name = "predictions.pt" if world == 1 else f"predictions_rank{self.trainer.global_rank}.pt"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(predictions, log_dir / name)
-        write_predictions_csv(predictions, (log_dir / name).with_suffix(".csv"))
-        self._predictions_path = log_dir / name
+        written = writer.paths.get("pt", log_dir / "predictions.pt")
+        if written.is_file():
+            self._predictions_path = written
 
     # ------------------------------------------------------------------ after subcommands
     def after_fit(self) -> None:
@@ -362,47 +364,23 @@ class DVILightningCLI(LightningCLI):
         return [f"  {'true noise model test NLL':<28s} {true_nll:.4f}"]
 
 
-_Z95 = 1.959963984540054  # the 97.5 % standard normal quantile
-
-
-def write_predictions_csv(predictions: dict[str, torch.Tensor] | torch.Tensor, path: Path) -> Path:
+def write_predictions_csv(
+    predictions: dict[str, torch.Tensor] | torch.Tensor,
+    path: Path,
+    ids: Mapping[str, Sequence[Any]] | None = None,
+    labels: Sequence[Any] | None = None,
+) -> Path:
     """Write ``predict`` output as CSV, one row per example (see :meth:`DVILightningCLI.predict`).
 
     Args:
         predictions: the regressor's dict of ``[N]`` tensors, or the classifier's ``[N, K]``
             probabilities.
         path: the CSV file to write.
+        ids: id columns to write first, each with ``N`` values.
+        labels: the ``K`` class labels (default ``0..K-1``): they name the probability columns
+            and fill ``predicted_class``.
     """
-    if isinstance(predictions, dict):
-        mean = predictions["mean"].double()
-        std = predictions["var"].double().clamp_min(0).sqrt()
-        columns = {
-            "mean": mean,
-            "std": std,
-            "lower_95": mean - _Z95 * std,
-            "upper_95": mean + _Z95 * std,
-        }
-        for part in ("aleatoric", "epistemic"):
-            if f"{part}_var" in predictions:
-                columns[f"{part}_std"] = predictions[f"{part}_var"].double().clamp_min(0).sqrt()
-    else:
-        probs = predictions.double()
-        columns = {f"prob_{k}": probs[:, k] for k in range(probs.shape[1])}
-        columns["predicted_class"] = probs.argmax(-1)
-        columns["entropy"] = -(probs * probs.clamp_min(1e-300).log()).sum(-1)
-    names = list(columns)
-    rows = torch.stack([columns[n].double() for n in names], dim=1).tolist()
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(names)
-        for row in rows:
-            writer.writerow(
-                [
-                    int(v) if n == "predicted_class" else repr(v)
-                    for n, v in zip(names, row, strict=True)
-                ]
-            )
-    return path
+    return write_predictions(predictions, path, ids, labels)
 
 
 def _get_path(value: Any, *keys: str) -> str | None:
