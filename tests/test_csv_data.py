@@ -228,7 +228,8 @@ def test_cli_fit_on_the_diabetes_csv_via_the_recipe(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    checkpoint = tmp_path / "runs" / "csv_regression" / "checkpoints" / "last.ckpt"
+    run_dir = tmp_path / "runs" / "csv_regression" / "lightning_logs" / "version_0"
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
     assert checkpoint.is_file(), result.stdout[-2000:]
     assert "test/rmse" in result.stdout
     model = DVIRegressor.load_from_checkpoint(checkpoint, map_location="cpu")
