@@ -131,7 +131,8 @@ class Gaussian:
         if not all_finite(second):
             raise ValueError(f"Gaussian {name} contains NaN or Inf")
         diag = cov.diagonal(dim1=-2, dim2=-1) if cov is not None else second
-        if (diag < 0).any():
+        # a host read, skipped while torch.compile / torch.export trace (as in all_finite)
+        if not torch.compiler.is_compiling() and bool((diag < 0).any()):
             raise ValueError(f"Gaussian {name} has negative variances (not PSD)")
 
     # ------------------------------------------------------------------ accessors

@@ -17,6 +17,7 @@ from .activations import (
     relu_diag,
     relu_full,
     relu_slope,
+    soft_relu,
 )
 from .algebra import add_independent, reindex_gaussian, scale_gaussian
 from .conv import conv2d_deterministic, conv2d_diag, conv2d_sample
@@ -55,7 +56,6 @@ from .special import (
     clip_correlation,
     normal_cdf,
     normal_pdf,
-    soft_relu,
 )
 
 __all__ = [

@@ -7,7 +7,6 @@ All functions are elementwise and differentiable; ratios with removable singular
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import Tensor
@@ -18,7 +17,6 @@ __all__ = [
     "clip_correlation",
     "normal_cdf",
     "normal_pdf",
-    "soft_relu",
 ]
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -43,23 +41,6 @@ def normal_cdf(x: Tensor) -> Tensor:
 def normal_pdf(x: Tensor) -> Tensor:
     r"""Standard normal density :math:`\phi(x) = e^{-x^2/2}/\sqrt{2\pi}`."""
     return torch.exp(-0.5 * x * x - _LOG_SQRT_2PI)
-
-
-def soft_relu(x: Tensor) -> Tensor:
-    r"""Deprecated (unused): the paper's soft ReLU :math:`SR(x) = \phi(x) + x\Phi(x)`.
-
-    It is the mean of :func:`lightning_dvi.moments.relu_diag` at unit variance, which is where
-    the formula lives; removed in the next release.
-    """
-    warnings.warn(
-        "lightning_dvi.moments.soft_relu is deprecated and will be removed in the next release; "
-        "use relu_diag(x, torch.ones_like(x))[0]",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    from .activations import relu_diag
-
-    return relu_diag(x, torch.ones_like(x))[0]
 
 
 def clip_correlation(rho: Tensor, eps: float | None = None) -> Tensor:

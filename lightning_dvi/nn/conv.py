@@ -27,7 +27,7 @@ from torch import Tensor
 from .. import moments as M
 from ..gaussian import Gaussian
 from .base import BayesModule, Moments
-from .linear import ScaleTransform, _FactorisedLayer, init_factorised_posterior
+from .linear import FactorisedLayer, ScaleTransform, init_factorised_posterior
 
 __all__ = [
     "AvgPool2d",
@@ -106,7 +106,7 @@ def _flat_samples(x: Tensor) -> tuple[Tensor, tuple[int, int]]:
     return x.reshape(s * b, *x.shape[2:]), (s, b)
 
 
-class BayesConv2d(_FactorisedLayer):
+class BayesConv2d(FactorisedLayer):
     r"""2-D convolution with a factorised Gaussian posterior over kernels and bias.
 
     :math:`a = \operatorname{conv}(h, W) + b` with :math:`q(W_{o,c,u,v}) = \mathcal N(M, S^2)`
