@@ -18,7 +18,6 @@ from torch import Tensor, nn
 
 from lightning_dvi import DVIRegressor, Gaussian
 from lightning_dvi.diagnostics import compare_with_monte_carlo
-from lightning_dvi.likelihoods import HeteroscedasticGaussian
 from lightning_dvi.nn import (
     BayesLinear,
     BayesModule,
@@ -31,7 +30,7 @@ from lightning_dvi.nn import (
     parameter_groups,
     posterior_moments,
     register_activation,
-    register_converter,
+    register_layer,
 )
 from lightning_dvi.nn import registry as R
 from lightning_dvi.priors import EmpiricalBayes, GaussianPrior
@@ -40,6 +39,25 @@ from lightning_dvi.pyro.messenger import MomentPassMessenger
 
 
 # --------------------------------------------------------------- the user's code
+class TorchGain(nn.Module):
+    """The user's deterministic torch twin of :class:`BayesGain`."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+def _convert_gain(module, options):
+    layer = BayesGain(module.weight.numel())
+    with torch.no_grad():
+        layer.loc.copy_(module.weight)
+    return layer
+
+
+@register_layer("_user_gain", kind="weight", torch_modules=(TorchGain,), convert=_convert_gain)
 class BayesGain(BayesModule):
     r"""``h = a * w`` with one Gaussian gain per unit, :math:`w_i \sim \mathcal N(\mu_i, \sigma_i^2)`."""
 
@@ -71,28 +89,16 @@ class BayesGain(BayesModule):
         return Gaussian(m * mu, cov=cov + torch.diag_embed(var - cov.diagonal(0, -2, -1)))
 
 
-class TorchGain(nn.Module):
-    """The user's deterministic torch twin of :class:`BayesGain`."""
-
-    def __init__(self, features: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, features))
+class TorchNegReLU(nn.Module):
+    """The user's torch twin of :class:`NegReLU`."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * self.weight
+        return -torch.relu(x)
 
 
-@register_converter(TorchGain)
-def _convert_gain(module, options):
-    layer = BayesGain(module.weight.numel())
-    with torch.no_grad():
-        layer.loc.copy_(module.weight)
-    return layer
-
-
-@register_activation("_user_negated_relu", torch_modules=(nn.Hardswish,))
+@register_activation("_user_negated_relu", torch_modules=(TorchNegReLU,))
 class NegReLU(ReLU):
-    """``h = -relu(a)`` (standing for ``nn.Hardswish`` only to test the look-up)."""
+    """``h = -relu(a)``."""
 
     _full = staticmethod(lambda m, c: (lambda mm, cc: (-mm, cc))(*ReLU._full(m, c)))
     _diag = staticmethod(lambda m, v: (lambda mm, vv: (-mm, vv))(*ReLU._diag(m, v)))
@@ -153,15 +159,16 @@ def test_the_user_layers_train_in_a_dvi_regressor():
 
 def test_conversion_and_export_of_the_user_layers():
     torch.manual_seed(0)
-    torch_net = nn.Sequential(nn.Linear(2, 4), nn.Hardswish(), TorchGain(4), nn.Linear(4, 1))
+    torch_net = nn.Sequential(nn.Linear(2, 4), TorchNegReLU(), TorchGain(4), nn.Linear(4, 1))
     net = from_torch(torch_net, scale_fraction=0.0)
     assert [type(m).__name__ for m in net] == ["BayesLinear", "NegReLU", "BayesGain", "BayesLinear"]
     with torch.no_grad():
         net[2].raw_scale.fill_(-30.0)  # gain posterior ~ a point mass: the torch network
     x = torch.randn(5, 2)
-    want = net[3](net[2](-torch.relu(net[0](x, mode="diag").mean)), mode="diag").mean
     out = net(x, mode="diag")
-    torch.testing.assert_close(out.mean, want)
+    with torch.no_grad():
+        torch.testing.assert_close(out.mean, torch_net(x))  # the converted net is the torch one
+    assert out.var.max() < 1e-10
     for mode in ("diag", "full"):
         predictive = export_predictive(net, mode=mode)
         mean, var = predictive(x)
@@ -189,8 +196,10 @@ def test_the_pyro_pass_makes_sites_for_the_user_layer_and_matches_the_network(mo
             for g in layer.parameter_groups():
                 loc, scale = guide._get_loc_and_scale(f"net.{path}.{g.name}")
                 g.loc.copy_(loc)
-                raw = layer.raw_scale if isinstance(layer, BayesGain) else getattr(
-                    layer, f"{g.name}_raw_scale"
+                raw = (
+                    layer.raw_scale
+                    if isinstance(layer, BayesGain)
+                    else getattr(layer, f"{g.name}_raw_scale")
                 )
                 raw.copy_(scale + torch.log(-torch.expm1(-scale)))
         ref = net(x, mode=mode)
@@ -200,3 +209,5 @@ def test_the_pyro_pass_makes_sites_for_the_user_layer_and_matches_the_network(mo
 
 def test_registered_user_kinds_are_in_the_one_registry():
     assert any(s.cls is NegReLU for s in R.activation_specs())
+    assert R.spec_for_module(TorchGain(2)).cls is BayesGain
+    assert any(s.cls is BayesGain for s in R.layer_specs("weight"))

@@ -182,7 +182,7 @@ def _library_networks() -> dict[str, type[nn.Module]]:
 
     classes: list[type[nn.Module]] = [
         TorchFlatten,
-        *(spec.cls for spec in dvi_nn.activation_specs()),
+        *(spec.cls for spec in dvi_nn.layer_specs() if spec.cls is not None),
         *(
             obj
             for name in dvi_nn.__all__

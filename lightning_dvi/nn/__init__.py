@@ -24,7 +24,14 @@ from .posterior import (
     posterior_moments,
     shared_scales,
 )
-from .registry import ActivationSpec, activation_specs, register_activation
+from .registry import (
+    ActivationSpec,
+    LayerSpec,
+    activation_specs,
+    layer_specs,
+    register_activation,
+    register_layer,
+)
 from .torch_file import TorchNetwork, describe_torch, save_torch_network
 
 __all__ = [
@@ -39,6 +46,7 @@ __all__ = [
     "Flatten",
     "HasPosterior",
     "Heaviside",
+    "LayerSpec",
     "LeakyReLU",
     "MaxPool2d",
     "Moments",
@@ -60,12 +68,14 @@ __all__ = [
     "from_torch",
     "given_weights",
     "has_posterior",
+    "layer_specs",
     "mlp",
     "named_parameter_groups",
     "parameter_groups",
     "posterior_moments",
     "register_activation",
     "register_converter",
+    "register_layer",
     "save_torch_network",
     "set_posterior",
     "shared_scales",

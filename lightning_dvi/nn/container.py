@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from .. import moments as M
 from ..gaussian import Gaussian
 from .base import BayesModule, Moments, as_mode
+from .registry import register_layer
 
 __all__ = ["Residual", "Sequential"]
 
@@ -26,6 +27,7 @@ def _check_modules(owner: str, modules: tuple[nn.Module, ...]) -> None:
             )
 
 
+@register_layer("sequential", kind="container")
 class Sequential(BayesModule):
     """Chain of declared modules, run in any of the four modes.
 
@@ -80,6 +82,7 @@ class Sequential(BayesModule):
         return cross, h
 
 
+@register_layer("residual", kind="container")
 class Residual(BayesModule):
     r"""Skip connection :math:`a = a' + \delta(a')` around a branch of declared modules.
 

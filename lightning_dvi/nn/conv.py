@@ -22,12 +22,13 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from .. import moments as M
 from ..gaussian import Gaussian
 from .base import BayesModule, Moments
 from .linear import FactorisedLayer, ScaleTransform, init_factorised_posterior
+from .registry import ConversionOptions, copy_torch_posterior, register_layer
 
 __all__ = [
     "AvgPool2d",
@@ -106,6 +107,43 @@ def _flat_samples(x: Tensor) -> tuple[Tensor, tuple[int, int]]:
     return x.reshape(s * b, *x.shape[2:]), (s, b)
 
 
+def _from_torch_conv2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
+    assert isinstance(module, nn.Conv2d)  # the registry converts only its torch_modules
+    required = unsupported_conv2d_options(
+        module.groups, module.dilation, module.padding, module.padding_mode
+    )
+    if required is not None:
+        raise NotImplementedError(f"only Conv2d with {required} is supported")
+    padding = cast("int | tuple[int, ...]", module.padding)  # a str padding was refused above
+    layer = BayesConv2d(
+        module.in_channels,
+        module.out_channels,
+        _pair(module.kernel_size, "kernel_size"),
+        stride=_pair(module.stride, "stride"),
+        padding=_pair(padding, "padding"),
+        bias=module.bias is not None,
+        **options.layer_kwargs,
+    ).to(device=module.weight.device, dtype=module.weight.dtype)
+    copy_torch_posterior(layer, module, options)
+    return layer
+
+
+def _from_torch_pool2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
+    assert isinstance(module, (nn.AvgPool2d, nn.MaxPool2d))
+    required = unsupported_pool2d_options(
+        module.padding,
+        module.ceil_mode,
+        getattr(module, "dilation", 1),
+        getattr(module, "divisor_override", None),
+        getattr(module, "return_indices", False),
+    )
+    if required is not None:
+        raise NotImplementedError(f"only {type(module).__name__} with {required} is supported")
+    cls = AvgPool2d if isinstance(module, nn.AvgPool2d) else MaxPool2d
+    return cls(module.kernel_size, module.stride)
+
+
+@register_layer("conv2d", kind="weight", torch_modules=(nn.Conv2d,), convert=_from_torch_conv2d)
 class BayesConv2d(FactorisedLayer):
     r"""2-D convolution with a factorised Gaussian posterior over kernels and bias.
 
@@ -274,6 +312,9 @@ class _Pool2d(BayesModule):
         return f"kernel_size={self.kernel_size}, stride={self.stride}"
 
 
+@register_layer(
+    "avg_pool2d", kind="pooling", torch_modules=(nn.AvgPool2d,), convert=_from_torch_pool2d
+)
 class AvgPool2d(_Pool2d):
     r"""Average pooling (no padding); exact on independent Gaussian pixels.
 
@@ -297,6 +338,9 @@ class AvgPool2d(_Pool2d):
         return M.avg_pool2d_diag(mean, var, self.kernel_size, self.stride)
 
 
+@register_layer(
+    "max_pool2d", kind="pooling", torch_modules=(nn.MaxPool2d,), convert=_from_torch_pool2d
+)
 class MaxPool2d(_Pool2d):
     r"""Max pooling (no padding); moment-matched on Gaussian pixels.
 
@@ -339,6 +383,7 @@ class MaxPool2d(_Pool2d):
         )
 
 
+@register_layer("flatten", kind="shape")
 class Flatten(BayesModule):
     """Flatten images ``[B, C, H, W]`` to ``[B, C·H·W]`` (means and variances alike).
 

@@ -20,6 +20,7 @@ from .posterior import (
     posterior_moments,
     shared_scales,
 )
+from .registry import ConversionOptions, copy_torch_posterior, register_layer
 
 __all__ = [
     "BayesLinear",
@@ -156,6 +157,19 @@ def init_factorised_posterior(
         layer.register_buffer("bias_prior_variance", None)
 
 
+def _from_torch_linear(module: nn.Module, options: ConversionOptions) -> BayesModule:
+    assert isinstance(module, nn.Linear)  # the registry converts only its torch_modules
+    layer = BayesLinear(
+        module.in_features,
+        module.out_features,
+        bias=module.bias is not None,
+        **options.layer_kwargs,
+    ).to(device=module.weight.device, dtype=module.weight.dtype)
+    copy_torch_posterior(layer, module, options)
+    return layer
+
+
+@register_layer("linear", kind="weight", torch_modules=(nn.Linear,), convert=_from_torch_linear)
 class BayesLinear(FactorisedLayer):
     r"""Linear layer :math:`a = hW^\top + b` with :math:`q(W_{kj}) = \mathcal N(M_{kj}, S_{kj}^2)`.
 

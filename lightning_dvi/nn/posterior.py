@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +45,7 @@ __all__ = [
     "given_weights",
     "has_posterior",
     "posterior_moments",
+    "set_posterior",
     "shared_scales",
 ]
 
@@ -227,3 +228,50 @@ def posterior_moments(layer: HasPosterior) -> GroupMoments:
     if given is not None:
         return given
     return {g.name: (g.loc, g.scale * g.scale) for g in layer.parameter_groups()}
+
+
+def _raw_from_scale(scale: Tensor, transform: str) -> Tensor:
+    """Inverse of the layer's positive transform; a zero scale maps to ``-inf`` exactly."""
+    if transform == "exp":
+        return scale.log()
+    # softplus^{-1}(s) = s + log(-expm1(-s)); equals log(0) = -inf at s = 0
+    return scale + torch.log(-torch.expm1(-scale))
+
+
+@torch.no_grad()
+def set_posterior(
+    layer: nn.Module,
+    weight_loc: Tensor,
+    weight_scale: Tensor,
+    bias_loc: Tensor | None = None,
+    bias_scale: Tensor | None = None,
+) -> None:
+    """Write posterior means and standard deviations into a Bayesian layer in place.
+
+    Works for any layer with ``weight_loc``, ``weight_raw_scale`` (and ``bias_loc``,
+    ``bias_raw_scale``) parameters and a ``scale_transform`` attribute, such as
+    :class:`BayesLinear`. Scales must be non-negative; zero is represented exactly.
+
+    Raises:
+        ValueError: on shape mismatches or negative / non-finite values.
+    """
+    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [("weight", weight_loc, weight_scale)]
+    if bias_loc is not None or bias_scale is not None:
+        if getattr(layer, "bias_loc", None) is None:
+            raise ValueError(f"{type(layer).__name__} has no bias to set")
+        pairs.append(("bias", bias_loc, bias_scale))
+    for name, loc, scale in pairs:
+        param_loc = getattr(layer, f"{name}_loc")
+        param_raw = getattr(layer, f"{name}_raw_scale")
+        if loc is None or scale is None:
+            raise ValueError(f"{name}: give both the mean and the scale")
+        if loc.shape != param_loc.shape or scale.shape != param_loc.shape:
+            raise ValueError(
+                f"{name}: expected shape {tuple(param_loc.shape)}, got mean "
+                f"{tuple(loc.shape)} and scale {tuple(scale.shape)}"
+            )
+        if not torch.isfinite(loc).all() or not torch.isfinite(scale).all() or (scale < 0).any():
+            raise ValueError(f"{name}: means must be finite and scales finite and >= 0")
+        param_loc.copy_(loc)
+        transform = cast(str, layer.scale_transform)  # an attribute such layers have (above)
+        param_raw.copy_(_raw_from_scale(scale.to(param_raw), transform))
