@@ -211,3 +211,29 @@ def test_registered_user_kinds_are_in_the_one_registry():
     assert any(s.cls is NegReLU for s in R.activation_specs())
     assert R.spec_for_module(TorchGain(2)).cls is BayesGain
     assert any(s.cls is BayesGain for s in R.layer_specs("weight"))
+
+
+def test_a_user_likelihood_exports_through_its_own_head():
+    # export asks the likelihood (Likelihood.export_head); it has no list of likelihood types
+    from lightning_dvi.likelihoods import HomoscedasticGaussian, RegressionHead
+
+    class LogNormalMedian(HomoscedasticGaussian):
+        def export_head(self, *, target_loc=0.0, target_scale=1.0, temperature=1.0, dtype=None):
+            class Head(RegressionHead):
+                name = "median"
+
+                def standardized(self, out):
+                    return out.mean[..., 0].exp(), out.var[..., 0]
+
+            return Head(target_loc, target_scale, dtype)
+
+    net = _net()
+    x = torch.randn(3, 2, dtype=torch.float64)
+    mean, var = export_predictive(net, LogNormalMedian(), mode="full", target_scale=2.0)(x)
+    ref = net(x, mode="full")
+    torch.testing.assert_close(mean, 2.0 * ref.mean[..., 0].exp())
+    torch.testing.assert_close(var, 4.0 * ref.var[..., 0])
+    with pytest.raises(ValueError, match="no exportable predictive for Plain"):
+        from lightning_dvi.likelihoods import Likelihood
+
+        export_predictive(net, type("Plain", (Likelihood,), {})())

@@ -5,7 +5,7 @@
 """
 
 from . import functional
-from .base import Likelihood
+from .base import Likelihood, PredictiveHead, RegressionHead
 from .categorical import Categorical
 from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian
 
@@ -14,5 +14,7 @@ __all__ = [
     "HeteroscedasticGaussian",
     "HomoscedasticGaussian",
     "Likelihood",
+    "PredictiveHead",
+    "RegressionHead",
     "functional",
 ]
