@@ -40,15 +40,15 @@ BatchIndex = _IndexItem | tuple[_IndexItem, ...]
 """What :meth:`Gaussian.__getitem__` accepts: an index of the batch dimensions, as for a tensor."""
 
 
-def validate_mode(mode: str) -> str:
-    """Return ``mode`` if it is one of ``full``, ``diag``, ``sample``, ``local``.
+def validate_mode(mode: object) -> Mode:
+    """Return ``mode`` (typed :data:`Mode`) if it is one of ``full``, ``diag``, ``sample``, ``local``.
 
     Raises:
         ValueError: naming the unknown mode and the valid ones.
     """
     if mode not in _MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(_MODES)}")
-    return mode
+    return cast(Mode, mode)
 
 
 class Gaussian:

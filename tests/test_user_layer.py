@@ -13,6 +13,7 @@ import pyro
 import pytest
 import torch
 import torch.nn.functional as F
+from conformance import LayerCase, LayerConformance
 from pyro import poutine
 from torch import Tensor, nn
 
@@ -54,6 +55,8 @@ def _convert_gain(module, options):
     layer = BayesGain(module.weight.numel())
     with torch.no_grad():
         layer.loc.copy_(module.weight)
+        if options.scale_fraction == 0:  # a point mass: the torch layer itself
+            layer.raw_scale.fill_(-float("inf"))
     return layer
 
 
@@ -116,6 +119,19 @@ def _net() -> Sequential:
     ).double()
 
 
+class TestTheUserLayersConform(LayerConformance):
+    """The user's kinds through the same conformance base as the library's."""
+
+    case = LayerCase(
+        net=_net,
+        x=lambda: torch.randn(4, 2, dtype=torch.float64),
+        torch_twin=lambda: nn.Sequential(
+            nn.Linear(2, 4), TorchNegReLU(), TorchGain(4), nn.Linear(4, 2)
+        ),
+        exact_diag=False,  # the gain after a hidden layer sees correlated units
+    )
+
+
 @pytest.mark.parametrize("mode", ["full", "diag"])
 def test_user_layers_agree_with_monte_carlo(mode):
     net = _net()
@@ -162,8 +178,6 @@ def test_conversion_and_export_of_the_user_layers():
     torch_net = nn.Sequential(nn.Linear(2, 4), TorchNegReLU(), TorchGain(4), nn.Linear(4, 1))
     net = from_torch(torch_net, scale_fraction=0.0)
     assert [type(m).__name__ for m in net] == ["BayesLinear", "NegReLU", "BayesGain", "BayesLinear"]
-    with torch.no_grad():
-        net[2].raw_scale.fill_(-30.0)  # gain posterior ~ a point mass: the torch network
     x = torch.randn(5, 2)
     out = net(x, mode="diag")
     with torch.no_grad():

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from .base import BayesModule, Moments
 from .linear import FactorisedLayer, ScaleTransform, init_factorised_posterior
 from .registry import ConversionOptions, copy_torch_posterior, register_layer
@@ -88,7 +88,7 @@ def unsupported_pool2d_options(
     return None
 
 
-def _image_shape(owner: str, x: Moments, mode: str) -> tuple[int, ...]:
+def _image_shape(owner: str, x: Moments, mode: Mode) -> tuple[int, ...]:
     """Check that ``x`` is an image batch and return the user-facing shape ``[B, C, H, W]``."""
     if isinstance(x, Gaussian) and x.is_full:
         raise ValueError(
@@ -216,7 +216,7 @@ class BayesConv2d(FactorisedLayer):
         self.reset_parameters()
 
     # ------------------------------------------------------------------ propagation
-    def _check_input(self, x: Moments, mode: str) -> None:
+    def _check_input(self, x: Moments, mode: Mode) -> None:
         if x.dtype != self.weight_loc.dtype:
             raise ValueError(
                 f"BayesConv2d parameters are {self.weight_loc.dtype} but the input is "
@@ -229,7 +229,7 @@ class BayesConv2d(FactorisedLayer):
                 f"(input shape {shape}, read as [B, C, H, W])"
             )
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Diag moments (``full``/``diag``) or samples (``sample``/``local``) of the output."""
         self._check_input(x, mode)
         w_loc, w_var, b_loc, b_var = self._moments()
@@ -290,7 +290,7 @@ class _Pool2d(BayesModule):
     def _moments(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover
         raise NotImplementedError
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Pool a tensor (any mode) or per-pixel moments (``full``/``diag``)."""
         shape = _image_shape(self._name, x, mode)
         if shape[2] < self.kernel_size[0] or shape[3] < self.kernel_size[1]:
@@ -395,7 +395,7 @@ class Flatten(BayesModule):
         torch.Size([2, 48])
     """
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Reshape the last three dimensions into one."""
         _image_shape("Flatten", x, mode)
         if isinstance(x, Tensor):

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from .base import BayesModule, Moments
 from .container import Sequential
 from .posterior import set_posterior
@@ -95,7 +95,7 @@ class TorchFlatten(BayesModule):
         end = self.end_dim + offset if self.end_dim >= 0 else self.end_dim
         return start, end
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Flatten the tensor (or the diag Gaussian's mean and variance)."""
         if isinstance(x, Gaussian):
             if x.is_full:
@@ -107,7 +107,7 @@ class TorchFlatten(BayesModule):
         start, end = self._dims(1 if mode in ("sample", "local") else 0)
         return x.flatten(start, end)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         """Identity on flat inputs (Residual branches carry ``[B, D]`` moments)."""
         if x.mean.dim() != 2:
             raise ValueError("Flatten inside a Residual block needs a flat [B, D] input")

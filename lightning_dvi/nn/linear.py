@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from .base import BayesModule, Moments
 from .posterior import (
     ParameterGroup,
@@ -233,7 +233,7 @@ class BayesLinear(FactorisedLayer):
                 f"(input shape {tuple(x.shape)})"
             )
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Moments (``full``/``diag``) or samples (``sample``/``local``) of the layer output."""
         w_loc, w_var, b_loc, b_var = self._moments()
         self._check_input(x, w_loc.dtype)
@@ -259,7 +259,7 @@ class BayesLinear(FactorisedLayer):
             out = out + self.bias_loc + b_scale * b_eps
         return out
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         """``Cov(r, hW^T + b) = Cov(r, h) M^T`` (weights independent of ``r``)."""
         return M.cross_through_linear(cross, self._moments()[0])
 
