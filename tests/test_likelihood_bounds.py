@@ -30,7 +30,8 @@ def _quad(f, m: float, s: float) -> float:
     c = 1 / (s * math.sqrt(2 * math.pi))
     g = lambda x: f(x) * c * math.exp(-0.5 * ((x - m) / s) ** 2)  # noqa: E731
     return sum(
-        integrate.quad(g, a, b, epsabs=1e-14, epsrel=1e-13, limit=400)[0] for a, b in itertools.pairwise(pts)
+        integrate.quad(g, a, b, epsabs=1e-14, epsrel=1e-13, limit=400)[0]
+        for a, b in itertools.pairwise(pts)
     )
 
 

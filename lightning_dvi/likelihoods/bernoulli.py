@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..gaussian import Gaussian
 from . import functional as F
-from .base import Likelihood, _all_finite
+from .base import Likelihood
 
 __all__ = ["Bernoulli"]
 
@@ -41,16 +41,7 @@ class Bernoulli(Likelihood):
     num_outputs = 1
 
     def _check_values(self, y: Tensor) -> Tensor:
-        if y.is_complex():
-            raise ValueError(f"Bernoulli: labels must be 0 or 1, got dtype {y.dtype}")
-        y = y.to(torch.get_default_dtype()) if not y.dtype.is_floating_point else y
-        if torch.compiler.is_compiling():  # value checks are host reads: done by the caller
-            return y
-        if not _all_finite(y):
-            raise ValueError("Bernoulli: labels contain NaN or Inf")
-        if y.numel() and not bool(((y == 0) | (y == 1)).all()):
-            raise ValueError("Bernoulli: labels must be 0 or 1")
-        return y
+        return self._check_discrete(y, lambda t: (t == 0) | (t == 1), "labels must be 0 or 1")
 
     def conditional(self, f: Tensor) -> torch.distributions.Bernoulli:
         r""":math:`\operatorname{Bern}(\sigma(f))` with ``f = f[..., 0]``."""

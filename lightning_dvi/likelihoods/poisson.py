@@ -11,7 +11,7 @@ from torch.distributions import constraints
 
 from ..gaussian import Gaussian
 from . import functional as F
-from .base import Likelihood, _all_finite
+from .base import Likelihood
 
 __all__ = ["Poisson", "PoissonLogNormal"]
 
@@ -145,19 +145,13 @@ class Poisson(Likelihood):
     num_outputs = 1
 
     def _check_values(self, y: Tensor) -> Tensor:
-        if y.dtype == torch.bool or y.is_complex():
-            raise ValueError(f"Poisson: counts must be non-negative integers, got dtype {y.dtype}")
-        y = y.to(torch.get_default_dtype()) if not y.dtype.is_floating_point else y
-        if torch.compiler.is_compiling():  # value checks are host reads: done by the caller
-            return y
-        if not _all_finite(y):
-            raise ValueError("Poisson: counts contain NaN or Inf")
-        if y.numel() and not bool(((y >= 0) & (y == y.round())).all()):
-            raise ValueError(
-                "Poisson: counts must be non-negative integers (targets in their own units: "
-                "a DVIRegressor with likelihood='poisson' needs standardize_targets=False)"
-            )
-        return y
+        what = (
+            "counts must be non-negative integers (targets in their own units: a DVIRegressor "
+            "with likelihood='poisson' needs standardize_targets=False)"
+        )
+        if y.dtype == torch.bool:
+            raise ValueError(f"Poisson: {what}, got dtype {y.dtype}")
+        return self._check_discrete(y, lambda t: (t >= 0) & (t == t.round()), what)
 
     def conditional(self, f: Tensor) -> torch.distributions.Poisson:
         r""":math:`\operatorname{Poisson}(e^f)` with ``f = f[..., 0]``."""
