@@ -3,7 +3,8 @@
 The model is the Pyro tutorial BNN classifier, unchanged between the two runs: two
 ``PyroModule[nn.Linear]`` layers (hidden width 64) with ``PyroSample(Normal(0, 1))`` weights,
 ReLU, and ``pyro.sample("obs", <likelihood>, obs=y)`` inside ``pyro.plate("data", N)``. Data:
-scikit-learn's digits (10 classes) or breast-cancer (2 classes) set, standardised with the
+scikit-learn's digits (10 classes), breast-cancer (2 classes) or digits-parity (2 classes: odd
+digit or not) set, standardised with the
 training statistics, a 78/22 split with ``--seed``. ``--likelihood`` picks the observation:
 ``categorical`` (``dist.Categorical(logits=f)``) or, for two classes, ``bernoulli``
 (``dist.Bernoulli(logits=f.squeeze(-1))``, one output).
@@ -64,7 +65,9 @@ def load(name: str, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from sklearn.datasets import load_breast_cancer, load_digits
     from sklearn.model_selection import train_test_split
 
-    x, y = (load_digits if name == "digits" else load_breast_cancer)(return_X_y=True)
+    x, y = (load_breast_cancer if name == "cancer" else load_digits)(return_X_y=True)
+    if name == "parity":
+        y = y % 2
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.22, random_state=seed)
     mean, std = x_tr.mean(0), x_tr.std(0)
     std[std == 0] = 1.0
@@ -124,7 +127,7 @@ def evaluate(
 def main(argv: list[str] | None = None) -> None:
     """Train both guides on the same model, data and seed; print one table row each."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", choices=("digits", "cancer"), default="digits")
+    parser.add_argument("--data", choices=("digits", "cancer", "parity"), default="digits")
     parser.add_argument("--likelihood", choices=("categorical", "bernoulli"), default="categorical")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--lr", type=float, default=1e-2)

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import log_softmax_draws, logit_grid
 from scipy import integrate
 
 from lightning_dvi import DVIClassifier, Gaussian
@@ -113,35 +114,12 @@ def test_policies_give_the_same_numbers(monkeypatch) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-15)
 
 
-def _grid():
-    gen = torch.Generator().manual_seed(2)
-    for k in (2, 3, 10):
-        for v in (1e-3, 1e-1, 10.0, 1e3):
-            for gap in (0.0, 2.0, 10.0):
-                u = torch.rand(k, generator=gen, dtype=F64)
-                mean = gap * (u - u.min()) / (u.max() - u.min())
-                diag = v * (0.2 + 1.6 * torch.rand(k, generator=gen, dtype=F64))
-                yield k, v, mean, diag, torch.diag(diag)
-                a = torch.randn(k, k, generator=gen, dtype=F64)
-                full = a @ a.T
-                yield (
-                    k,
-                    v,
-                    mean,
-                    v * full / full.diagonal().mean(),
-                    v * full / full.diagonal().mean(),
-                )
-
-
 @pytest.fixture(scope="module")
 def monte_carlo():
     gen = torch.Generator().manual_seed(3)
     rows = []
-    for k, v, mean, cov, full in _grid():
-        chol = torch.linalg.cholesky(full + 1e-12 * torch.eye(k, dtype=F64))
-        log_sm = torch.log_softmax(
-            mean + torch.randn(20_000, k, generator=gen, dtype=F64) @ chol.T, -1
-        )
+    for k, v, mean, cov, full in logit_grid(2, (1e-3, 1e-1, 10.0, 1e3), (0.0, 2.0, 10.0)):
+        log_sm = log_softmax_draws(mean, full, 20_000, gen)
         rows.append((k, v, mean, cov, log_sm.mean(0), log_sm.std(0) / 20_000**0.5))
     return rows
 
