@@ -18,10 +18,13 @@ The built-in heads:
   ``var = Σ_mm + e^λ`` (``[B]`` each).
 * :class:`~lightning_dvi.likelihoods.HeteroscedasticGaussian`: ``mean = ⟨m⟩``,
   ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``.
-* :class:`~lightning_dvi.likelihoods.Categorical` (``method="delta"`` or ``"clark"``): the
-  closed-form class probabilities ``[B, K]`` of
+* :class:`~lightning_dvi.likelihoods.Categorical` (any method but ``"mc"``): the closed-form
+  class probabilities ``[B, K]`` of
   :func:`~lightning_dvi.likelihoods.functional.categorical_mean_field_predictive` (the library's
   predictive), tempered by a classifier's ``predictive_temperature`` when it is not 1.
+
+``Bernoulli`` and ``Poisson`` have no exported head yet (the base class's ``ValueError`` says
+so).
 
 Regression moments are mapped to the original units with ``target_loc``/``target_scale``
 (``mean * scale + loc``, ``var * scale²``), read from a ``DVIRegressor`` when one is passed.
