@@ -232,14 +232,14 @@ def test_a_user_likelihood_exports_through_its_own_head():
     from lightning_dvi.likelihoods import HomoscedasticGaussian, RegressionHead
 
     class LogNormalMedian(HomoscedasticGaussian):
-        def export_head(self, *, target_loc=0.0, target_scale=1.0, temperature=1.0, dtype=None):
+        def export_head(self, options):
             class Head(RegressionHead):
                 name = "median"
 
                 def standardized(self, out):
                     return out.mean[..., 0].exp(), out.var[..., 0]
 
-            return Head(target_loc, target_scale, dtype)
+            return Head(options)
 
     net = _net()
     x = torch.randn(3, 2, dtype=torch.float64)

@@ -5,7 +5,7 @@
 """
 
 from . import functional, logistic_normal
-from .base import Likelihood, PredictiveHead, RegressionHead
+from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 from .bernoulli import Bernoulli
 from .categorical import Categorical
 from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian
@@ -14,6 +14,7 @@ from .poisson import Poisson, PoissonLogNormal
 __all__ = [
     "Bernoulli",
     "Categorical",
+    "ExportOptions",
     "HeteroscedasticGaussian",
     "HomoscedasticGaussian",
     "Likelihood",

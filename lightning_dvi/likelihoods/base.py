@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -11,7 +12,24 @@ from torch import Tensor, nn
 from ..gaussian import Gaussian
 from ..gaussian import all_finite as _all_finite
 
-__all__ = ["Likelihood", "PredictiveHead", "RegressionHead"]
+__all__ = ["ExportOptions", "Likelihood", "PredictiveHead", "RegressionHead"]
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What an exported predictive is asked for (:meth:`Likelihood.export_head`).
+
+    Attributes:
+        target_loc: regression targets' mean (original units).
+        target_scale: regression targets' std.
+        temperature: a classifier's predictive temperature (1: untempered).
+        dtype: the network's dtype (the head's buffers use it).
+    """
+
+    target_loc: float = 0.0
+    target_scale: float = 1.0
+    temperature: float = 1.0
+    dtype: torch.dtype = torch.float32
 
 
 class PredictiveHead(nn.Module):
@@ -48,10 +66,11 @@ class RegressionHead(PredictiveHead):
     target_loc: Tensor
     target_scale: Tensor
 
-    def __init__(self, target_loc: float, target_scale: float, dtype: torch.dtype) -> None:
+    def __init__(self, options: ExportOptions) -> None:
         super().__init__()
-        self.register_buffer("target_loc", torch.tensor(float(target_loc), dtype=dtype))
-        self.register_buffer("target_scale", torch.tensor(float(target_scale), dtype=dtype))
+        loc, scale, dtype = options.target_loc, options.target_scale, options.dtype
+        self.register_buffer("target_loc", torch.tensor(float(loc), dtype=dtype))
+        self.register_buffer("target_scale", torch.tensor(float(scale), dtype=dtype))
 
     def standardized(self, out: Gaussian) -> tuple[Tensor, Tensor]:  # pragma: no cover
         """Predictive ``(mean, var)`` of the standardised target, ``[B]`` each."""
@@ -136,24 +155,14 @@ class Likelihood(nn.Module):
         """The (approximate) posterior predictive distribution, batch shape ``[B]``."""
         raise NotImplementedError
 
-    def export_head(
-        self,
-        *,
-        target_loc: float = 0.0,
-        target_scale: float = 1.0,
-        temperature: float = 1.0,
-        dtype: torch.dtype = torch.float32,
-    ) -> PredictiveHead:
+    def export_head(self, options: ExportOptions) -> PredictiveHead:
         """The deterministic, traceable predictive this likelihood exports.
 
         Each likelihood owns its exported predictive as it owns :meth:`predictive`; the
         exporter (:func:`~lightning_dvi.nn.export_predictive`) only asks for it.
 
         Args:
-            target_loc: regression targets' mean (original units).
-            target_scale: regression targets' std.
-            temperature: a classifier's predictive temperature (1: untempered).
-            dtype: the network's dtype (the head's buffers use it).
+            options: target scaling, temperature and dtype (:class:`ExportOptions`).
 
         Raises:
             ValueError: if the likelihood has no deterministic predictive to export.

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..gaussian import Gaussian
 from . import functional as F
-from .base import Likelihood, PredictiveHead, _all_finite
+from .base import ExportOptions, Likelihood, PredictiveHead, _all_finite
 
 __all__ = ["Categorical"]
 
@@ -135,17 +135,10 @@ class Categorical(Likelihood):
         """``torch.distributions.Categorical`` over the :meth:`predictive_probs`."""
         return torch.distributions.Categorical(probs=self.predictive_probs(out))
 
-    def export_head(
-        self,
-        *,
-        target_loc: float = 0.0,
-        target_scale: float = 1.0,
-        temperature: float = 1.0,
-        dtype: torch.dtype = torch.float32,
-    ) -> PredictiveHead:
+    def export_head(self, options: ExportOptions) -> PredictiveHead:
         r"""The closed-form class probabilities ``[B, K]`` of :meth:`predictive_probs`.
 
-        Tempered, :math:`\operatorname{softmax}(\log p / T)`, when ``temperature`` is not 1
+        Tempered, :math:`\operatorname{softmax}(\log p / T)`, when ``options.temperature`` is not 1
         (as ``DVIClassifier``'s temperature scaling).
 
         Raises:
@@ -157,7 +150,7 @@ class Categorical(Likelihood):
                 "a deterministic method: method='bound' (the default), method='clark' or "
                 "method='delta'"
             )
-        return _CategoricalHead(temperature, dtype)
+        return _CategoricalHead(options.temperature, options.dtype)
 
     def extra_repr(self) -> str:
         """Class count and integration method."""

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..gaussian import Gaussian
 from . import functional as F
-from .base import Likelihood, PredictiveHead, RegressionHead
+from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 
 __all__ = ["HeteroscedasticGaussian", "HomoscedasticGaussian"]
 
@@ -88,16 +88,9 @@ class HeteroscedasticGaussian(Likelihood):
         mean, var = F.heteroscedastic_predictive_moments(mean_m, var_m, mean_l, var_l)
         return torch.distributions.Normal(mean, var.sqrt())
 
-    def export_head(
-        self,
-        *,
-        target_loc: float = 0.0,
-        target_scale: float = 1.0,
-        temperature: float = 1.0,
-        dtype: torch.dtype = torch.float32,
-    ) -> PredictiveHead:
+    def export_head(self, options: ExportOptions) -> PredictiveHead:
         r"""``mean = ⟨m⟩``, ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``, in the original units of ``y``."""
-        return _HeteroscedasticHead(target_loc, target_scale, dtype)
+        return _HeteroscedasticHead(options)
 
 
 class _HeteroscedasticHead(RegressionHead):
@@ -162,18 +155,9 @@ class HomoscedasticGaussian(Likelihood):
         var = out.var[..., 0] + self._log_var(out.mean).exp()
         return torch.distributions.Normal(out.mean[..., 0], var.sqrt())
 
-    def export_head(
-        self,
-        *,
-        target_loc: float = 0.0,
-        target_scale: float = 1.0,
-        temperature: float = 1.0,
-        dtype: torch.dtype = torch.float32,
-    ) -> PredictiveHead:
+    def export_head(self, options: ExportOptions) -> PredictiveHead:
         r"""``mean = m``, ``var = Σ_mm + e^λ`` (λ frozen at its current value), original units."""
-        return _HomoscedasticHead(
-            float(self.log_variance.detach()), target_loc, target_scale, dtype
-        )
+        return _HomoscedasticHead(float(self.log_variance.detach()), options)
 
     def extra_repr(self) -> str:
         """The current log noise variance."""
@@ -184,11 +168,10 @@ class _HomoscedasticHead(RegressionHead):
     name = "homoscedastic"
     log_noise_variance: Tensor
 
-    def __init__(
-        self, log_noise_variance: float, target_loc: float, target_scale: float, dtype: torch.dtype
-    ) -> None:
-        super().__init__(target_loc, target_scale, dtype)
-        self.register_buffer("log_noise_variance", torch.tensor(log_noise_variance, dtype=dtype))
+    def __init__(self, log_noise_variance: float, options: ExportOptions) -> None:
+        super().__init__(options)
+        noise = torch.tensor(log_noise_variance, dtype=options.dtype)
+        self.register_buffer("log_noise_variance", noise)
 
     def standardized(self, out: Gaussian) -> tuple[Tensor, Tensor]:
         return out.mean[..., 0], out.var[..., 0] + self.log_noise_variance.exp()

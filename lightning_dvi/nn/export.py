@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ..gaussian import Gaussian
-from ..likelihoods import Likelihood, PredictiveHead
+from ..likelihoods import ExportOptions, Likelihood, PredictiveHead
 from .base import BayesModule
 
 __all__ = ["PredictiveModule", "export_predictive"]
@@ -224,10 +224,12 @@ def export_predictive(
         _MomentsHead()
         if likelihood is None
         else likelihood.export_head(
-            target_loc=0.0 if target_loc is None else float(target_loc),
-            target_scale=1.0 if target_scale is None else float(target_scale),
-            temperature=temperature,
-            dtype=dtype,
+            ExportOptions(
+                target_loc=0.0 if target_loc is None else float(target_loc),
+                target_scale=1.0 if target_scale is None else float(target_scale),
+                temperature=temperature,
+                dtype=dtype,
+            )
         )
     )
     module = PredictiveModule(frozen, head, mode, input_loc, input_scale)
