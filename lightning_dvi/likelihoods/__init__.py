@@ -4,7 +4,7 @@
 :class:`~lightning_dvi.Gaussian` outputs and ``torch.distributions`` predictives.
 """
 
-from . import functional
+from . import functional, predictive
 from .base import Likelihood
 from .categorical import Categorical
 from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian
@@ -15,4 +15,5 @@ __all__ = [
     "HomoscedasticGaussian",
     "Likelihood",
     "functional",
+    "predictive",
 ]

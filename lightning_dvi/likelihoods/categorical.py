@@ -8,6 +8,7 @@ from torch import Tensor
 from ..gaussian import Gaussian
 from . import functional as F
 from .base import Likelihood, _all_finite
+from .predictive import categorical_predictive
 
 __all__ = ["Categorical"]
 
@@ -109,7 +110,7 @@ class Categorical(Likelihood):
         r""":math:`\mathbb E\operatorname{softmax}(a)`, ``[B, K]``, by ``method``."""
         self.validate_output(out)
         if self.method != "mc":
-            return F.categorical_mean_field_predictive(out.mean, self._cov(out))
+            return categorical_predictive(out.mean, self._cov(out))
         s = self.mc_samples if mc_samples is None else mc_samples
         return torch.softmax(out.sample((s,)), dim=-1).mean(0)
 
