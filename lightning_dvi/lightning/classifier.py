@@ -45,13 +45,15 @@ class DVIClassifier(DVIModule):
             links ``data.num_classes``).
         hidden: hidden-layer widths.
         likelihood_method: how the expected log-likelihood integrates over the logit
-            Gaussian: ``"clark"`` (default; closed form valid for any logit variance,
-            :func:`~lightning_dvi.likelihoods.functional.categorical_clark_expected_log_prob`),
-            ``"delta"`` (the paper's second-order delta method, appendix B.4) or ``"mc"``
-            (DVI-MC: Monte Carlo over the logits only). The delta method's penalty on the
-            logit variance vanishes on confidently classified points, so with long training
-            the KL inflates the logit variances without check and the predictive becomes
-            under-confident (docs/calibration.md); hence the default.
+            Gaussian: ``"bound"`` (default; a lower bound that is never above the true expected
+            log-likelihood and tight at trained parameters,
+            :func:`~lightning_dvi.likelihoods.functional.categorical_bound_expected_log_prob`),
+            ``"clark"`` (smoothed-max closed form, an approximation), ``"delta"`` (the paper's
+            second-order delta method, appendix B.4) or ``"mc"`` (DVI-MC: Monte Carlo over the
+            logits only). ``"clark"`` and ``"delta"`` are for analysis: both can sit above the
+            true value, and the delta method's penalty on the logit variance vanishes on
+            confidently classified points, so with long training the KL inflates the logit
+            variances without check (docs/calibration.md).
         likelihood_mc_samples: logit draws for ``likelihood_method="mc"``.
         ece_bins: confidence bins of the expected calibration error and reliability diagram.
         **kwargs: the shared arguments of :class:`~lightning_dvi.lightning._base.DVIModule`
@@ -73,7 +75,7 @@ class DVIClassifier(DVIModule):
         in_features: int | None = None,
         num_classes: int | None = None,
         hidden: list[int] = [64],  # noqa: B006 (jsonargparse and the CLI help show it)
-        likelihood_method: Literal["clark", "delta", "mc"] = "clark",
+        likelihood_method: Literal["bound", "clark", "delta", "mc"] = "bound",
         likelihood_mc_samples: int = 32,
         ece_bins: int = 15,
         **kwargs: Any,
@@ -144,8 +146,8 @@ class DVIClassifier(DVIModule):
         Args:
             x: inputs ``[B, D]``.
             method: ``"closed_form"``: the logit Gaussian through :meth:`Categorical.predictive_probs
-                <lightning_dvi.likelihoods.Categorical.predictive_probs>` (the delta method of
-                appendix B.4, or Monte Carlo over logit draws with ``likelihood_method="mc"``;
+                <lightning_dvi.likelihoods.Categorical.predictive_probs>` (the pairwise mean-field
+                closed form, or Monte Carlo over logit draws with ``likelihood_method="mc"``;
                 in ``full`` mode for a model trained in ``sample``/``local`` mode). ``"mc"``: the
                 average :math:`\frac1S\sum_s\operatorname{softmax}(a_s)` over ``num_samples``
                 draws of the **weights** (pre-activation draws in ``local`` mode). Default:

@@ -4,7 +4,7 @@
 :class:`~lightning_dvi.Gaussian` outputs and ``torch.distributions`` predictives.
 """
 
-from . import functional, predictive
+from . import functional, logistic_normal, predictive
 from .base import Likelihood
 from .categorical import Categorical
 from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian
@@ -15,5 +15,6 @@ __all__ = [
     "HomoscedasticGaussian",
     "Likelihood",
     "functional",
+    "logistic_normal",
     "predictive",
 ]
