@@ -34,6 +34,15 @@ def test_collapse_conditions() -> None:
     assert collapse.is_collapsed(0.8 * log10, 0.9, None, 10)  # no probe rows: not required
 
 
+def test_a_falling_entropy_is_a_network_still_learning() -> None:
+    log10 = math.log(10)
+    assert not collapse.persists([2.0, 2.0], 10)  # too few checks
+    assert collapse.persists([2.0, 2.0, 2.1], 10)  # flat or rising: collapsed
+    assert collapse.persists([2.0, 1.95, 2.0 - 0.04 * log10], 10)
+    assert not collapse.persists([2.0, 1.8, 1.6], 10)  # falling: still learning
+    assert collapse.persists([1.0, 2.0, 1.6, 1.9, 1.95], 10)  # only the last PATIENCE count
+
+
 def test_probe_rows_of_datasets() -> None:
     x, y = torch.arange(2000.0).view(1000, 2), torch.arange(1000) % 3
     px, py = collapse.probe_rows(TensorDataset(x, y), rows=10)
@@ -77,7 +86,7 @@ def _fit(tmp_path, **kwargs):  # type: ignore[no-untyped-def]
 
 
 def test_empirical_bayes_collapse_is_warned_about_once_with_the_fix(tmp_path) -> None:
-    metrics, messages = _fit(tmp_path, prior="empirical_bayes")
+    metrics, messages = _fit(tmp_path, prior="empirical_bayes", kl_weight=1.0)  # the old defaults
     assert len(messages) == 1
     assert "prior='gaussian'" in messages[0] and "empirical-Bayes" in messages[0]
     assert float(metrics["val/entropy_ratio"]) > collapse.ENTROPY_RATIO

@@ -2,19 +2,24 @@ r"""``DVIClassifier``: a Bayesian MLP for softmax classification trained by DVI 
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Literal, cast
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torchmetrics import MetricCollection
+from torchmetrics import MeanMetric, MetricCollection
 
+from ..gaussian import Mode
 from ..likelihoods import Categorical
 from ..metrics import ClassificationMetrics
 from ..metrics.classification import ExpectedCalibrationError
-from ._base import DVIModule, PredictiveMethod, resolve_method
+from ..priors import EmpiricalBayes
+from ._base import DVIModule, PredictiveMethod, PriorName, resolve_method
 from ._data import DataView
 from ._validation import positive_int
+from .collapse import collapse_message, fano_entropy_bound, is_collapsed, persists, probe_rows
 from .temperature import temper_probs
 
 __all__ = ["DVIClassifier"]
@@ -78,12 +83,23 @@ class DVIClassifier(DVIModule):
         likelihood_method: Literal["bound", "clark", "delta", "mc"] = "bound",
         likelihood_mc_samples: int = 32,
         ece_bins: int = 15,
+        mode: Mode = "diag",
+        prior: PriorName = "gaussian",
+        kl_weight: float = 0.1,
         **kwargs: Any,
     ) -> None:
         if num_classes is None:  # otherwise _set_num_classes checks them, once
             Categorical(2, likelihood_method, likelihood_mc_samples)
         positive_int("ece_bins", ece_bins)
-        super().__init__(in_features=in_features, hidden=hidden, out_features=num_classes, **kwargs)
+        super().__init__(
+            in_features=in_features,
+            hidden=hidden,
+            out_features=num_classes,
+            mode=mode,
+            prior=prior,
+            kl_weight=kl_weight,
+            **kwargs,
+        )
         self.likelihood_method = likelihood_method
         self.likelihood_mc_samples = likelihood_mc_samples
         self.ece_bins = ece_bins
@@ -96,6 +112,12 @@ class DVIClassifier(DVIModule):
         # Post-hoc temperature of the predictive (1: the Bayesian predictive itself); set by
         # lightning_dvi.callbacks.TemperatureScaling, kept in checkpoints.
         self.register_buffer("predictive_temperature", torch.ones(()))
+        # Collapse detection (lightning_dvi.lightning.collapse): the validation predictive's
+        # mean entropy, and training rows on which the posterior-mean network is scored.
+        self.val_entropy = MeanMetric()
+        self._probe: tuple[Tensor, Tensor] | None = None
+        self._collapsed_entropies: list[float] = []  # of the consecutive collapsed checks
+        self._collapse_warned = False
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Checkpoints written before the temperature buffer existed load with temperature 1."""
@@ -136,6 +158,9 @@ class DVIClassifier(DVIModule):
             self._set_num_classes(int(num_classes))
             self.hparams["num_classes"] = self.num_classes
         super()._resolve_from_data(view)
+        if view.stage == "fit":
+            self._probe = probe_rows(view.dataset())
+            self._collapsed_entropies, self._collapse_warned = [], False
 
     @torch.no_grad()
     def predictive(
@@ -183,7 +208,74 @@ class DVIClassifier(DVIModule):
         return self.predictive(x)
 
     def _update_metrics(self, metrics: MetricCollection, x: Tensor, y: Tensor) -> None:
-        metrics.update(self.predictive(x), y.long())
+        probs = self.predictive(x)
+        metrics.update(probs, y.long())
+        if metrics is self.val_metrics:
+            self.val_entropy.update(-(probs * probs.clamp_min(1e-30).log()).sum(-1))
+
+    def _epoch_end(self, stage: str) -> None:
+        if stage == "val" and self.val_entropy.update_called and not self.trainer.sanity_checking:
+            self._check_collapse(float(self.val_entropy.compute()))
+        self.val_entropy.reset()
+        super()._epoch_end(stage)
+
+    @torch.no_grad()
+    def train_accuracy(self) -> float | None:
+        """Accuracy of the posterior-mean logits on up to 512 evenly spaced training rows.
+
+        ``None`` before ``fit`` has seen a map-style training dataset. The rows are read once,
+        in ``setup("fit")``; ``diag`` propagation gives the mean logits in every mode.
+        """
+        if self._probe is None or not self.network_built:
+            return None
+        x, y = (t.to(self.device) for t in self._probe)
+        out = self.net(x, mode="diag")
+        return float((out.mean.argmax(-1) == y.long()).float().mean())
+
+    def _check_collapse(self, entropy: float) -> None:
+        """Log the collapse diagnostics; warn once per fit when the predictive stays collapsed."""
+        k = int(self.num_classes or 2)
+        val_accuracy = float(self.val_metrics["acc"].compute())
+        train_accuracy = self.train_accuracy()
+        values = {
+            "val/entropy_ratio": entropy / math.log(k),
+            "val/entropy_excess": entropy - fano_entropy_bound(val_accuracy, k),
+        }
+        if train_accuracy is not None:
+            values["train/accuracy"] = train_accuracy
+        self.log_dict(values, sync_dist=True)  # identical on every process already
+        if is_collapsed(entropy, val_accuracy, train_accuracy, k):
+            self._collapsed_entropies.append(entropy)
+        else:
+            self._collapsed_entropies.clear()
+        if self._collapse_warned or not persists(self._collapsed_entropies, k):
+            return
+        self._collapse_warned = True
+        rank_zero_warn(
+            collapse_message(
+                type(self).__name__,
+                entropy,
+                val_accuracy,
+                train_accuracy,
+                k,
+                self.current_epoch,
+                self._collapse_advice(),
+            )
+        )
+
+    def _collapse_advice(self) -> str:
+        """The likely cause of a collapse under this module's prior, and the argument to change."""
+        if isinstance(self.prior, EmpiricalBayes):
+            return (
+                "Likely cause: the empirical-Bayes prior, whose variance follows the weights' own "
+                "mean square down, so the KL keeps shrinking the weights; use prior='gaussian' "
+                "(the default)."
+            )
+        return (
+            f"Likely cause: too much KL for {self.num_data} training rows, which lets the "
+            "posterior variances grow until the logits' noise swamps their means; lower "
+            f"kl_weight (now {self.kl_weight:g}, e.g. 0.1) or prior_variance."
+        )
 
     def _curve(self, metrics: MetricCollection) -> dict[str, Tensor]:
         """Reliability-diagram bins of the ECE metric (synced across processes)."""
