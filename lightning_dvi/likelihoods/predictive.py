@@ -40,7 +40,7 @@ ARGMAX_NOISE_VAR = math.pi**2 / 6
 #: :math:`O(K^4)` per example); larger ones the quadrature path (:math:`O(nK^2)`).
 MENDELL_ELSTON_MAX_CLASSES = 32
 #: Gauss-Hermite nodes of the quadratures over one logit.
-QUADRATURE_NODES = 16
+QUADRATURE_NODES = 8
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 _NODES: dict[int, tuple[Tensor, Tensor]] = {}
 
