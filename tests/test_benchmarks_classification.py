@@ -127,7 +127,7 @@ def test_laplace_tends_to_the_map_network_under_a_tight_prior(small: Classificat
     chosen = baselines.fit_last_layer_laplace(small, base, prior_precisions=(1.0, 1e9))
     assert chosen.details["prior_precision"] in (1.0, 1e9)
     assert chosen.train_seconds >= base.train_seconds
-    with pytest.raises(ValueError, match="nn.Sequential"):
+    with pytest.raises(ValueError, match=r"nn\.Sequential"):
         baselines.fit_last_layer_laplace(
             small, baselines.Fitted(lambda x: x, 0.0, 0, net=nn.ReLU())
         )

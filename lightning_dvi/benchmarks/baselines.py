@@ -220,7 +220,7 @@ def _split_last_linear(net: nn.Module) -> tuple[nn.Module, nn.Linear]:
 def fit_last_layer_laplace(
     split: ClassificationSplit,
     base: Fitted,
-    prior_precisions: Sequence[float] = tuple(10.0**k for k in range(-2, 5)),
+    prior_precisions: Sequence[float] = (1e-2, 1e-1, 1.0, 10.0, 1e2, 1e3, 1e4),
     num_samples: int = 1000,
 ) -> Fitted:
     """Last-layer Laplace (GGN, full Hessian) on a trained plain network (``base.net``).

@@ -93,15 +93,14 @@ def _stratified(y: np.ndarray, size: int, seed: int, pool: np.ndarray) -> tuple[
 
 
 def _tensors(
-    name: str, x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray]
+    name: str, x: np.ndarray, y: np.ndarray, parts: tuple[np.ndarray, np.ndarray, np.ndarray]
 ) -> ClassificationSplit:
-    tensors: list[Tensor] = []
-    for rows in parts:
-        tensors += [
-            torch.tensor(x[rows], dtype=torch.float32),
-            torch.tensor(y[rows], dtype=torch.long),
-        ]
-    return ClassificationSplit(name, *tensors, num_classes=int(y.max()) + 1)
+    """``(train, val, test)`` rows of ``x``, ``y`` as float32 inputs and int64 labels."""
+    (x_tr, y_tr), (x_va, y_va), (x_te, y_te) = (
+        (torch.tensor(x[rows], dtype=torch.float32), torch.tensor(y[rows], dtype=torch.long))
+        for rows in parts
+    )
+    return ClassificationSplit(name, x_tr, y_tr, x_va, y_va, x_te, y_te, int(y.max()) + 1)
 
 
 def digits_split(
