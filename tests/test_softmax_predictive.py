@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import logit_grid
 
 from lightning_dvi import Gaussian
 from lightning_dvi.likelihoods import Categorical
@@ -27,29 +28,13 @@ TV_TARGET, TV_BOUND, TV_BOUND_SMALL_V, TV_BOUND_BINARY = 0.15, 0.04, 0.01, 0.01
 RANK_MARGIN = 0.02
 
 
-def _grid():
-    """``(K, v, mean, cov_for_the_api, full_cov)``: classes, variances, gaps, diag and full."""
-    gen = torch.Generator().manual_seed(0)
-    for k in (2, 3, 10):
-        for v in VARIANCES:
-            for gap in GAPS:
-                u = torch.rand(k, generator=gen, dtype=F64)
-                mean = gap * (u - u.min()) / (u.max() - u.min())
-                diag = v * (0.2 + 1.6 * torch.rand(k, generator=gen, dtype=F64))
-                yield k, v, mean, diag, torch.diag(diag)
-                a = torch.randn(k, k, generator=gen, dtype=F64)
-                full = a @ a.T
-                full = v * full / full.diagonal().mean()
-                yield k, v, mean, full, full
-
-
 @pytest.fixture(scope="module")
 def oracle():
     """``(K, v, mean, cov, Monte Carlo predictive)`` for every grid point (float64)."""
     gen = torch.Generator().manual_seed(1)
     base = {k: torch.randn(DRAWS, k, generator=gen, dtype=F64) for k in (2, 3, 10)}
     rows = []
-    for k, v, mean, cov, full in _grid():
+    for k, v, mean, cov, full in logit_grid(VARIANCES, GAPS):
         chol = torch.linalg.cholesky(full + 1e-12 * torch.eye(k, dtype=F64))
         draws = torch.addmm(mean, base[k], chol.T)  # one set of draws per K, shared
         rows.append((k, v, mean, cov, torch.softmax(draws, -1).mean(0)))
@@ -180,6 +165,19 @@ def test_gradients_are_finite_for_any_variance(dtype) -> None:
             loss = P.categorical_predictive(mean, c).log()[..., 0].sum()
             g_mean, g_cov = torch.autograd.grad(loss, (mean, c))
             assert torch.isfinite(g_mean).all() and torch.isfinite(g_cov).all()
+
+
+def test_gradients_flow_after_a_first_call_under_inference_mode(monkeypatch) -> None:
+    # Lightning validates under inference mode; the cached quadrature nodes built there must
+    # still be usable by the next training step's backward pass.
+    monkeypatch.setattr(P, "_NODES", {})
+    mean = torch.randn(4, 3, dtype=F64)
+    var = torch.rand(4, 3, dtype=F64)
+    with torch.inference_mode():
+        P.categorical_predictive(mean, var)
+    mean.requires_grad_(), var.requires_grad_()
+    grads = torch.autograd.grad(P.categorical_predictive(mean, var).log().sum(), (mean, var))
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 def test_the_likelihood_and_its_export_use_this_predictive() -> None:

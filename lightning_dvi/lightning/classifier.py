@@ -29,14 +29,17 @@ class DVIClassifier(DVIModule):
     r"""Classification with a Bayesian MLP whose logits are Gaussian; predicts class probabilities.
 
     Predictive. ``full``/``diag``: :meth:`Categorical.predictive_probs
-    <lightning_dvi.likelihoods.Categorical.predictive_probs>` on the logit Gaussian (the
-    pairwise mean-field probit closed form, or Monte Carlo over logits with
-    ``likelihood_method="mc"``).
+    <lightning_dvi.likelihoods.Categorical.predictive_probs>` on the logit Gaussian
+    (:func:`~lightning_dvi.likelihoods.predictive.categorical_predictive`, deterministic, or
+    Monte Carlo over logits with ``likelihood_method="mc"``).
     ``sample``/``local``: the average of :math:`\operatorname{softmax}(a_s)` over
     ``num_samples`` network samples.
 
     Metrics (``val/`` and ``test/``): accuracy, NLL, Brier score and ECE
-    (:class:`~lightning_dvi.metrics.ClassificationMetrics`), synced across processes.
+    (:class:`~lightning_dvi.metrics.ClassificationMetrics`), synced across processes. Collapse
+    diagnostics every validation epoch (``val/entropy_ratio``, ``val/entropy_excess``,
+    ``train/accuracy``) and a warning when the predictive stays collapsed
+    (:mod:`lightning_dvi.lightning.collapse`).
 
     Shapes from the data. ``in_features``, ``num_classes`` and ``num_data`` left unset are read
     in ``setup()`` from ``trainer.datamodule`` (``in_features``, ``num_classes``,
@@ -61,8 +64,19 @@ class DVIClassifier(DVIModule):
             variances without check (docs/calibration.md).
         likelihood_mc_samples: logit draws for ``likelihood_method="mc"``.
         ece_bins: confidence bins of the expected calibration error and reliability diagram.
+        mode: ``"diag"`` (default, dDVI), ``"full"``, ``"sample"`` or ``"local"``. dDVI is as
+            well calibrated as DVI on the benchmarks at a fraction of the cost, whose full
+            covariances grow as width cubed (docs/calibration.md).
+        prior: ``"gaussian"`` (default: a fixed :math:`\mathcal N(0, s)`, ``prior_variance``
+            :math:`s = 1`) or ``"empirical_bayes"``. The empirical-Bayes prior variance follows
+            the weights' mean square down, and its KL then shrinks the weights until the
+            predictive collapses toward uniform (measured in docs/calibration.md).
+        kl_weight: the constant :math:`\lambda` on the KL of the training loss; default 0.1,
+            a tempered posterior: the untempered ELBO (``kl_weight=1``) is under-confident by
+            1-4 points of confidence on every data set measured (docs/calibration.md).
+            Validation and test log the untempered ELBO.
         **kwargs: the shared arguments of :class:`~lightning_dvi.lightning._base.DVIModule`
-            (``mode``, ``prior``, ``lr``, the KL schedule, ``net``, ...; see
+            (``prior_variance``, ``lr``, the KL schedule, ``init_scale``, ``net``, ...; see
             :class:`~lightning_dvi.DVIRegressor`).
 
     Examples:

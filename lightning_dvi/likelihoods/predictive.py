@@ -51,7 +51,7 @@ def gauss_hermite(n: int) -> tuple[Tensor, Tensor]:
     Golub-Welsch: the nodes are the eigenvalues of the Jacobi matrix of the probabilists'
     Hermite polynomials (off-diagonal :math:`\sqrt k`), the weights the squared first
     components of its eigenvectors. Exact for polynomials of degree :math:`< 2n`. float64,
-    cached per ``n``.
+    cached per ``n`` (built outside inference mode, so usable under autograd afterwards).
 
     Examples:
         >>> z, log_w = gauss_hermite(8)
@@ -59,10 +59,13 @@ def gauss_hermite(n: int) -> tuple[Tensor, Tensor]:
         3.0
     """
     if n not in _NODES:
-        off = torch.arange(1, n, dtype=torch.float64).sqrt()
-        jacobi = torch.diag(off, 1) + torch.diag(off, -1)
-        nodes, vectors = torch.linalg.eigh(jacobi)
-        _NODES[n] = nodes, 2 * vectors[0].abs().log()
+        # Normal tensors even when first called under inference mode (Lightning's validate and
+        # predict): an inference tensor cannot be saved for a later backward pass.
+        with torch.inference_mode(False):
+            off = torch.arange(1, n, dtype=torch.float64).sqrt()
+            jacobi = torch.diag(off, 1) + torch.diag(off, -1)
+            nodes, vectors = torch.linalg.eigh(jacobi)
+            _NODES[n] = nodes, 2 * vectors[0].abs().log()
     return _NODES[n]
 
 
