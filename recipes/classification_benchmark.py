@@ -3,7 +3,7 @@ r"""Digits (and synthetic) classification: DVIClassifier's defaults next to plai
 Usage::
 
     python recipes/classification_benchmark.py --protocol mlp [--seeds 3] [--rows plain,defaults]
-        [--epochs N] [--json results.json]
+        [--epochs N] [--json results.json] [--interleave]
 
 Every row of a protocol trains on the same split with the same budget (Adam, learning rate,
 batch 128, epochs; the weights of the epoch with the lowest validation NLL) and reports mean ±
@@ -72,6 +72,14 @@ SWEEP = [
 ]
 
 
+def _row(name: str, arch: str, hidden: tuple[int, ...]) -> Row:
+    """The named row on the protocol's architecture (the true defaults keep their own shape)."""
+    row = ROWS[name]
+    if name in ("true_defaults", "plain_64"):
+        return row
+    return Row(row.kind, arch, hidden, row.settings)  # type: ignore[arg-type]  # arch: a PROTOCOLS literal
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--protocol", choices=[*PROTOCOLS, "defaults"], default="mlp")
@@ -79,6 +87,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per row")
     parser.add_argument("--epochs", type=int, default=None, help="override the budget's epochs")
     parser.add_argument("--json", default=None, help="write every run here")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run the rows seed by seed, alternating their order (for CPU-time comparisons)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", ".*does not have many workers.*|.*LeafSpec.*")
@@ -98,12 +111,17 @@ def main() -> None:
         split = make()
         if args.epochs:
             budget = Budget(args.epochs, budget.lr, budget.batch_size)
+        rows = {name: _row(name, arch, hidden) for name in names}
+        keys = {name: f"{name} ({case})" if args.protocol == "defaults" else name for name in names}
+        if args.interleave:  # seed by seed, the rows' order reversed every other seed
+            for seed in range(args.seeds):
+                for name in names if seed % 2 == 0 else names[::-1]:
+                    run = run_row(split, rows[name], budget, seed)
+                    results.setdefault(keys[name], []).append(run)
+                    print(f"{case} {name} seed {seed}: {run['train_s']:.2f} CPU s", flush=True)
+            continue
         for name in names:
-            row = ROWS[name]
-            if name not in ("true_defaults", "plain_64"):
-                row = Row(row.kind, arch, hidden, row.settings)
-            runs = [run_row(split, row, budget, seed) for seed in range(args.seeds)]
-            results[f"{name} ({case})" if args.protocol == "defaults" else name] = runs
+            results[keys[name]] = [run_row(split, rows[name], budget, s) for s in range(args.seeds)]
             print(f"{case} {name}: done", flush=True)
     print(f"\n{args.protocol}: {args.seeds} seed(s)\n{markdown_table(results)}")
     if args.json:

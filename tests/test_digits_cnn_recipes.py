@@ -112,7 +112,7 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch, capsys):
     bench = _benchmark_module()
     out = tmp_path / "results.json"
     argv = ["bench", "--protocol", "cnn", "--rows", "plain,defaults", "--seeds", "1"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--epochs", "1", "--json", str(out)])
+    monkeypatch.setattr(sys, "argv", [*argv, "--epochs", "1", "--json", str(out), "--interleave"])
     threads = torch.get_num_threads()
     try:
         bench.main()

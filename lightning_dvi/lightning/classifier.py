@@ -185,8 +185,8 @@ class DVIClassifier(DVIModule):
         Args:
             x: inputs ``[B, D]``.
             method: ``"closed_form"``: the logit Gaussian through :meth:`Categorical.predictive_probs
-                <lightning_dvi.likelihoods.Categorical.predictive_probs>` (the pairwise mean-field
-                closed form, or Monte Carlo over logit draws with ``likelihood_method="mc"``;
+                <lightning_dvi.likelihoods.Categorical.predictive_probs>` (the deterministic
+                :func:`~lightning_dvi.likelihoods.predictive.categorical_predictive`, or Monte Carlo over logit draws with ``likelihood_method="mc"``;
                 in ``full`` mode for a model trained in ``sample``/``local`` mode). ``"mc"``: the
                 average :math:`\frac1S\sum_s\operatorname{softmax}(a_s)` over ``num_samples``
                 draws of the **weights** (pre-activation draws in ``local`` mode). Default:
