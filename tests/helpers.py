@@ -34,19 +34,13 @@ def posterior_net(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     return net
 
 
-def logit_grid(
-    variances: tuple[float, ...], gaps: tuple[float, ...], classes: tuple[int, ...] = (2, 3, 10)
-) -> Any:
-    """``(K, v, mean, cov_for_the_api, full_cov)`` test points for categorical integrals (float64).
-
-    For every class count, variance scale and mean gap: means spread over ``[0, gap]``, then a
-    random diagonal covariance (``v`` times U(0.2, 1.8)) and a random correlated full one
-    (``v A Aᵀ`` normalised to mean diagonal ``v``). Seeded: the same points every call.
-    """
+def logit_grid(seed: int, scales: tuple[float, ...], gaps: tuple[float, ...]) -> Any:
+    """``(K, v, mean, cov_for_the_api, full_cov)`` over classes 2/3/10, logit variance scales,
+    mean gaps and covariance kinds (a diag one, then a full one), float64, seeded."""
     f64 = torch.float64
-    gen = torch.Generator().manual_seed(0)
-    for k in classes:
-        for v in variances:
+    gen = torch.Generator().manual_seed(seed)
+    for k in (2, 3, 10):
+        for v in scales:
             for gap in gaps:
                 u = torch.rand(k, generator=gen, dtype=f64)
                 mean = gap * (u - u.min()) / (u.max() - u.min())
@@ -56,3 +50,13 @@ def logit_grid(
                 full = a @ a.T
                 full = v * full / full.diagonal().mean()
                 yield k, v, mean, full, full
+
+
+def log_softmax_draws(
+    mean: torch.Tensor, full: torch.Tensor, draws: int, gen: torch.Generator
+) -> torch.Tensor:
+    """``log softmax(a)`` for ``draws`` draws ``a ~ N(mean, full)``, ``[draws, K]``."""
+    k = mean.shape[-1]
+    chol = torch.linalg.cholesky(full + 1e-12 * torch.eye(k, dtype=full.dtype))
+    noise = torch.randn(draws, k, generator=gen, dtype=full.dtype)
+    return torch.log_softmax(mean + noise @ chol.T, -1)

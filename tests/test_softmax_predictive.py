@@ -34,7 +34,7 @@ def oracle():
     gen = torch.Generator().manual_seed(1)
     base = {k: torch.randn(DRAWS, k, generator=gen, dtype=F64) for k in (2, 3, 10)}
     rows = []
-    for k, v, mean, cov, full in logit_grid(VARIANCES, GAPS):
+    for k, v, mean, cov, full in logit_grid(0, VARIANCES, GAPS):
         chol = torch.linalg.cholesky(full + 1e-12 * torch.eye(k, dtype=F64))
         draws = torch.addmm(mean, base[k], chol.T)  # one set of draws per K, shared
         rows.append((k, v, mean, cov, torch.softmax(draws, -1).mean(0)))

@@ -12,13 +12,13 @@ from torch import Tensor
 from torchmetrics import MeanMetric, MetricCollection
 
 from ..gaussian import Mode
-from ..likelihoods import Categorical
+from ..likelihoods import Bernoulli, Categorical
 from ..metrics import ClassificationMetrics
 from ..metrics.classification import ExpectedCalibrationError
 from ..priors import EmpiricalBayes
 from ._base import DVIModule, PredictiveMethod, PriorName, resolve_method
 from ._data import DataView
-from ._validation import positive_int
+from ._validation import one_of, positive_int
 from .collapse import collapse_message, fano_entropy_bound, is_collapsed, persists, probe_rows
 from .temperature import temper_probs
 
@@ -63,6 +63,11 @@ class DVIClassifier(DVIModule):
             confidently classified points, so with long training the KL inflates the logit
             variances without check (docs/calibration.md).
         likelihood_mc_samples: logit draws for ``likelihood_method="mc"``.
+        likelihood: ``"categorical"`` (default; ``num_classes`` logits) or ``"bernoulli"``
+            (two classes from a single logit, :class:`~lightning_dvi.likelihoods.Bernoulli`:
+            the network has one output; ``num_classes`` must be 2 or unset, labels 0/1;
+            ``likelihood_method`` does not apply). Predictions and metrics are the same
+            ``[B, 2]`` class probabilities either way.
         ece_bins: confidence bins of the expected calibration error and reliability diagram.
         mode: ``"diag"`` (default, dDVI), ``"full"``, ``"sample"`` or ``"local"``. dDVI is as
             well calibrated as DVI on the benchmarks at a fraction of the cost, whose full
@@ -86,7 +91,7 @@ class DVIClassifier(DVIModule):
         True
     """
 
-    likelihood: Categorical
+    likelihood: Categorical | Bernoulli
     predictive_temperature: Tensor  # buffer
 
     def __init__(
@@ -100,15 +105,25 @@ class DVIClassifier(DVIModule):
         mode: Mode = "diag",
         prior: PriorName = "gaussian",
         kl_weight: float = 0.1,
+        likelihood: Literal["categorical", "bernoulli"] = "categorical",
         **kwargs: Any,
     ) -> None:
-        if num_classes is None:  # otherwise _set_num_classes checks them, once
+        one_of("likelihood", likelihood, ("categorical", "bernoulli"))
+        self._binary = likelihood == "bernoulli"
+        if self._binary and num_classes not in (None, 2):
+            raise ValueError(
+                "DVIClassifier: likelihood='bernoulli' is two classes from one logit; "
+                f"num_classes must be 2 or unset, got {num_classes!r}"
+            )
+        if num_classes is None and not self._binary:  # else _set_num_classes checks them, once
             Categorical(2, likelihood_method, likelihood_mc_samples)
         positive_int("ece_bins", ece_bins)
+        num_classes = 2 if self._binary else num_classes
+        outputs = 1 if self._binary else num_classes
         super().__init__(
             in_features=in_features,
             hidden=hidden,
-            out_features=num_classes,
+            out_features=outputs,
             mode=mode,
             prior=prior,
             kl_weight=kl_weight,
@@ -142,10 +157,14 @@ class DVIClassifier(DVIModule):
 
     def _set_num_classes(self, num_classes: int) -> None:
         """Create the likelihood and metrics for ``num_classes`` classes."""
-        self.likelihood = Categorical(
-            num_classes, self.likelihood_method, self.likelihood_mc_samples
-        )
-        self.num_classes = self.out_features = num_classes
+        if self._binary:
+            self.likelihood = Bernoulli()
+        else:
+            self.likelihood = Categorical(
+                num_classes, self.likelihood_method, self.likelihood_mc_samples
+            )
+        self.num_classes = num_classes
+        self.out_features = self.likelihood.num_outputs
         self.val_metrics = ClassificationMetrics(num_classes, prefix="val/", n_bins=self.ece_bins)
         self.test_metrics = ClassificationMetrics(num_classes, prefix="test/", n_bins=self.ece_bins)
 
@@ -202,7 +221,7 @@ class DVIClassifier(DVIModule):
             out = self.net(x, mode=self.mode if self.mode in ("full", "diag") else "full")
             probs = self.likelihood.predictive_probs(out)
         else:
-            probs = torch.softmax(self._weight_draws(x, num_samples), dim=-1).mean(0)
+            probs = self.likelihood.class_probs(self._weight_draws(x, num_samples)).mean(0)
         if bool(self.predictive_temperature != 1):
             probs = temper_probs(probs, self.predictive_temperature)
         return probs
@@ -244,7 +263,8 @@ class DVIClassifier(DVIModule):
             return None
         x, y = (t.to(self.device) for t in self._probe)
         out = self.net(x, mode="diag")
-        return float((out.mean.argmax(-1) == y.long()).float().mean())
+        predicted = self.likelihood.class_probs(out.mean).argmax(-1)  # one logit if Bernoulli
+        return float((predicted == y.long()).float().mean())
 
     def _check_collapse(self, entropy: float) -> None:
         """Log the collapse diagnostics; warn once per fit when the predictive stays collapsed."""

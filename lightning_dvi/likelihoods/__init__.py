@@ -6,14 +6,19 @@
 
 from . import functional, logistic_normal, predictive
 from .base import Likelihood
+from .bernoulli import Bernoulli
 from .categorical import Categorical
 from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian
+from .poisson import Poisson, PoissonLogNormal
 
 __all__ = [
+    "Bernoulli",
     "Categorical",
     "HeteroscedasticGaussian",
     "HomoscedasticGaussian",
     "Likelihood",
+    "Poisson",
+    "PoissonLogNormal",
     "functional",
     "logistic_normal",
     "predictive",

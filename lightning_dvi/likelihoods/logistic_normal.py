@@ -69,6 +69,20 @@ _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 #: Variance above which the accelerated series replaces the cheap (Jensen / Taylor) bounds.
 SERIES_VARIANCE = 0.1
+#: Variance above which the asymptotic expansion replaces the series (its remainder bound is
+#: then below 7e-5 nats).
+ASYMPTOTIC_VARIANCE = 25.0
+# eta(2j + 2) = (1 - 2^{-2j-1}) zeta(2j + 2), j = 0..4: the moments
+# int t^{2j} log(1 + e^{-|t|}) dt = 2 (2j)! eta(2j + 2).
+_ETA = (
+    math.pi**2 / 12,
+    7 * math.pi**4 / 720,
+    31 * math.pi**6 / 30240,
+    127 * math.pi**8 / 1209600,
+    73 * math.pi**10 / 6842880,
+)
+# sup of phi^(8) = He_8(0) phi(0) = 105 / sqrt(2 pi): the remainder of the expansion.
+_PHI8_MAX = 105.0 / math.sqrt(2.0 * math.pi)
 #: Upper bound on ``sigma'''`` (attained where ``sigma = (3 - sqrt 3)/6``): the Taylor remainder.
 _SIGMOID_D3_MAX = 1.0 / 24.0
 # |a| beyond which e^{-a^2/2} is below every dtype's resolution of the other terms.
@@ -197,31 +211,68 @@ def _where_needed(need: Tensor, fn: Callable[..., Tensor], args: tuple[Tensor, .
     """``where(need, fn(*args), args[-1])``: the execution policy of the costly branches.
 
     ``need`` masks the leading dimensions of every argument; the last argument is the value
-    where nothing more is needed. On CPU ``fn`` runs on the needed rows only (a gather and a
-    differentiable scatter); on other devices on all rows, with no data-dependent shapes and no
-    host synchronisation. Both give the same numbers.
+    where nothing more is needed; ``fn`` must be finite (with finite gradients) everywhere.
+    On CPU ``fn`` runs on the needed rows only (a gather and a differentiable scatter) when they
+    are fewer than half, else on all rows and is selected; on other devices always the latter,
+    with no data-dependent shapes and no host synchronisation. All give the same numbers.
     """
     fallback = args[-1]
-    if fallback.device.type != "cpu" or torch.compiler.is_compiling():
-        return torch.where(need, fn(*args), fallback)
-    if not bool(need.any()):
-        return fallback
-    return fallback.masked_scatter(need, fn(*(x[need] for x in args)))
+    if fallback.device.type == "cpu" and not torch.compiler.is_compiling():
+        count = int(need.sum())
+        if count == 0:
+            return fallback
+        if 2 * count < need.numel():
+            return fallback.masked_scatter(need, fn(*(x[need] for x in args)))
+    return torch.where(need, fn(*args), fallback)
 
 
 def _series_or_cheap(mean: Tensor, var: Tensor, cheap: Tensor) -> Tensor:
     return torch.minimum(_softplus_series_bound(mean, var), cheap)
 
 
+def _asymptotic_or_cheap(mean: Tensor, var: Tensor, cheap: Tensor) -> Tensor:
+    r"""For large variances: :math:`\mathbb E\operatorname{relu}(x)` plus an expansion of the rest.
+
+    With :math:`r(t) = \log(1 + e^{-|t|})` (even, integrable),
+    :math:`\mathbb E\,r(x) = \frac1s\int r(t)\,\phi(\frac{t - m}{s})\,dt`; Taylor-expanding
+    :math:`\phi` around :math:`-a` in :math:`t/s` (odd terms vanish against the even
+    :math:`r`) with the Lagrange remainder of order 8 gives the upper bound
+
+    .. math::
+        \mathbb E\,r(x) \le \frac{2\phi(a)}{s}\sum_{j=0}^{3}
+            \frac{\operatorname{He}_{2j}(a)\,\eta(2j+2)}{s^{2j}}
+            + \frac{2\sup\phi^{(8)}\,\eta(10)}{s^9},
+
+    :math:`\eta` the Dirichlet eta function, :math:`\sup\phi^{(8)} = 105/\sqrt{2\pi}`:
+    above :data:`ASYMPTOTIC_VARIANCE` the excess is below :math:`7\cdot10^{-5}` (measured
+    against quadrature; the remainder term itself is the bound on it).
+    """
+    var = var.clamp_min(ASYMPTOTIC_VARIANCE)  # finite where it is not used (see _where_needed)
+    s = var.sqrt()
+    a = mean / s
+    a2 = a * a
+    phi = _flushed_exp(-0.5 * a2) * (1.0 / math.sqrt(2.0 * math.pi))
+    inv_s2 = 1.0 / var
+    hermite = (a2 * (a2 * (a2 - 15.0) + 45.0) - 15.0) * _ETA[3]  # He_6 eta(8), Horner in 1/s^2
+    hermite = hermite * inv_s2 + (a2 * (a2 - 6.0) + 3.0) * _ETA[2]
+    hermite = hermite * inv_s2 + (a2 - 1.0) * _ETA[1]
+    hermite = hermite * inv_s2 + _ETA[0]
+    remainder = (2.0 * _PHI8_MAX * _ETA[4]) * inv_s2**4 / s
+    relu = mean * torch.special.ndtr(a) + s * phi
+    return torch.minimum(relu + 2.0 * phi * hermite / s + remainder, cheap)
+
+
 def softplus_normal_bound(mean: Tensor, var: Tensor | float) -> Tensor:
     r"""Upper bound on :math:`\mathbb E\operatorname{softplus}(x)`, :math:`x\sim\mathcal N(m, v)`.
 
     The minimum of Jensen's :math:`\operatorname{softplus}(m + v/2)`, the fourth-order Taylor
-    bound :math:`\operatorname{softplus}(m) + \sigma'(m)v/2 + v^2/192` and (for
-    :math:`v >` :data:`SERIES_VARIANCE`) the accelerated series of the module docstring. Every
-    branch is an upper bound, so the result is one; its relative excess over the exact integral
-    is at most :math:`3\cdot10^{-4}` (at most :math:`8\cdot10^{-5}` where the series runs),
-    measured against ``scipy.integrate.quad`` in float64.
+    bound :math:`\operatorname{softplus}(m) + \sigma'(m)v/2 + v^2/192` and, for
+    :math:`v >` :data:`SERIES_VARIANCE`, the accelerated series of the module docstring (up to
+    :data:`ASYMPTOTIC_VARIANCE`) or the asymptotic expansion of
+    :func:`_asymptotic_or_cheap` (above it). Every branch is an upper bound, so the result is
+    one; its relative excess over the exact integral is at most :math:`4\cdot10^{-4}` (at most
+    :math:`8\cdot10^{-5}` where the series runs, :math:`7\cdot10^{-5}` nats absolute above
+    :data:`ASYMPTOTIC_VARIANCE`), measured against ``scipy.integrate.quad`` in float64.
 
     Args:
         mean: :math:`m`, any shape.
@@ -238,7 +289,9 @@ def softplus_normal_bound(mean: Tensor, var: Tensor | float) -> Tensor:
     v = torch.as_tensor(var, dtype=mean.dtype, device=mean.device).clamp_min(0)
     mean, v = torch.broadcast_tensors(mean, v)
     cheap = _cheap_softplus_bound(mean, v)
-    bound = _where_needed(v > SERIES_VARIANCE, _series_or_cheap, (mean, v, cheap))
+    wide = v > ASYMPTOTIC_VARIANCE
+    bound = _where_needed((v > SERIES_VARIANCE) & ~wide, _series_or_cheap, (mean, v, cheap))
+    bound = _where_needed(wide, _asymptotic_or_cheap, (mean, v, bound))
     # Values below tiny/eps (1e-31 in float32) are flushed to zero, so neither they nor their
     # gradients are ever subnormal (the bound is positive; the absolute change is below it).
     finfo = torch.finfo(bound.dtype)
@@ -362,9 +415,10 @@ def categorical_bound_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) ->
        :math:`\ge \mu_y - \frac1t\log\sum_k e^{t\mu_k + t^2C_{kk}/2}`; exact at :math:`C = 0`
        (ties at initialisation), and with small :math:`t` it grows like :math:`\sqrt v`, not
        :math:`v/2`.
-    3. **Tempered Jensen on differences**: the same for :math:`\log\operatorname{softmax}(a)_y
-       = -\operatorname{logsumexp}(d)` (:math:`d_y = 0`): :math:`\ge -\frac1t\log(1 +
-       \sum_{k\ne y} e^{t(\mu_k - \mu_y) + t^2 V_{ky}/2})`.
+    3. **Jensen on differences**: the same for :math:`\log\operatorname{softmax}(a)_y
+       = -\operatorname{logsumexp}(d)` (:math:`d_y = 0`) at :math:`t = 1`: :math:`\ge -\log(1 +
+       \sum_{k\ne y} e^{\mu_k - \mu_y + V_{ky}/2})` (tempering it gains less than one nat,
+       and only around :math:`v = 10`, measured).
 
     Measured against Monte Carlo (docs/likelihoods_and_priors.md; ``recipes/categorical_closed_forms.py``):
     never above it by more than its standard error, for logit variances :math:`10^{-3}` to
@@ -395,5 +449,5 @@ def categorical_bound_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) ->
     pairs = softplus_normal_bound(diff, diff_var)
     one_vs_each = -(pairs * other).sum(-1)
     plain = _jensen(mean_y, mean, var.clamp_min(0))
-    pairwise = _jensen(torch.zeros_like(mean_y), diff, diff_var)
+    pairwise = -torch.logsumexp(diff + 0.5 * diff_var, -1)  # t = 1: tempering adds < 1 nat
     return torch.maximum(one_vs_each, torch.maximum(plain, pairwise))
