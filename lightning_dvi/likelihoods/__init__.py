@@ -4,7 +4,7 @@
 :class:`~lightning_dvi.Gaussian` outputs and ``torch.distributions`` predictives.
 """
 
-from . import functional, logistic_normal
+from . import functional, logistic_normal, predictive
 from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 from .bernoulli import Bernoulli
 from .categorical import Categorical
@@ -24,4 +24,5 @@ __all__ = [
     "RegressionHead",
     "functional",
     "logistic_normal",
+    "predictive",
 ]

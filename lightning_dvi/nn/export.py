@@ -18,9 +18,9 @@ The built-in heads:
   ``var = Σ_mm + e^λ`` (``[B]`` each).
 * :class:`~lightning_dvi.likelihoods.HeteroscedasticGaussian`: ``mean = ⟨m⟩``,
   ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``.
-* :class:`~lightning_dvi.likelihoods.Categorical` (any method but ``"mc"``): the closed-form
-  class probabilities ``[B, K]`` of
-  :func:`~lightning_dvi.likelihoods.functional.categorical_mean_field_predictive` (the library's
+* :class:`~lightning_dvi.likelihoods.Categorical` (any method but ``"mc"``): the
+  closed-form class probabilities ``[B, K]`` of
+  :func:`~lightning_dvi.likelihoods.predictive.categorical_predictive` (the library's
   predictive), tempered by a classifier's ``predictive_temperature`` when it is not 1.
 
 ``Bernoulli`` and ``Poisson`` have no exported head yet (the base class's ``ValueError`` says
