@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from .activations import GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh
+from .activations import ELU, GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
 from .base import BayesModule, Moments
 from .builders import CNN, cnn, mlp
 from .container import Residual, Sequential
@@ -19,6 +19,7 @@ from .registry import ActivationSpec, activation_specs, register_activation
 __all__ = [
     "BAYES_LAYER_TYPES",
     "CNN",
+    "ELU",
     "GELU",
     "ActivationSpec",
     "AvgPool2d",
@@ -37,6 +38,7 @@ __all__ = [
     "Sequential",
     "SiLU",
     "Sigmoid",
+    "Softplus",
     "Tanh",
     "TorchNetwork",
     "activation_specs",
