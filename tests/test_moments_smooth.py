@@ -276,6 +276,10 @@ def test_gelu_tanh_module_is_handled_and_bad_variant_rejected():
         SiLU(num_nodes=1)
     with pytest.raises(ValueError, match="negative_slope"):
         LeakyReLU(float("nan"))
+    with pytest.raises(ValueError, match="alpha"):
+        ELU(float("nan"))
+    with pytest.raises(ValueError, match="beta"):
+        Softplus(beta=0.0)
 
 
 def _net(act, width=16, seed=0):
@@ -378,3 +382,79 @@ def test_finite_values_and_gradients_at_edges(g, name):
     loss = out_mean.sum() + out_cov.sum() + d_var.sum() + sl.sum()
     g_mean, g_cov = torch.autograd.grad(loss, (mean, cov))
     assert torch.isfinite(g_mean).all() and torch.isfinite(g_cov).all(), name
+
+
+# ------------------------------------------------------------- closed-form backward passes
+# means and spreads that reach both rules and both signs (the reflection)
+_GC_MEAN = [-6.0, -1.2, -0.3, 0.0, 0.4, 2.5, 7.0, -3.0, 1.0]
+_GC_VAR = [0.04, 0.3, 1e-4, 0.5, 2.0, 0.09, 9.0, 6.0, 30.0]
+
+
+@pytest.mark.parametrize("name", list(FUNCS))
+def test_closed_form_gradients_match_finite_differences(name):
+    """Stein's-lemma gradients are those of the exact moments; the quadrature's own finite
+    differences differ from them by its error near the rule switch (up to ~2e-3), a wrong
+    formula by O(1)."""
+    *_, diag, full, slope = FUNCS[name]
+    mean = torch.tensor(_GC_MEAN, dtype=torch.float64, requires_grad=True)
+    var = torch.tensor(_GC_VAR, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(diag, (mean, var), atol=1e-6, rtol=5e-3)
+    assert torch.autograd.gradcheck(slope, (mean, var), atol=1e-6, rtol=5e-3)
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(2, 4, 4, generator=gen, dtype=torch.float64)
+    cov = (a @ a.mT / 4 + 0.2 * torch.eye(4, dtype=torch.float64)).requires_grad_()
+    m = torch.randn(2, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def full_sym(m, c):  # the covariance is symmetric: perturb it symmetrically
+        return full(m, 0.5 * (c + c.mT))
+
+    assert torch.autograd.gradcheck(full_sym, (m, cov), atol=1e-6, rtol=5e-3)
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "silu", "gelu", "softplus", "tanh"])
+def test_cpu_partition_and_whole_tensor_paths_agree(name):
+    """The policy's two executions of one formula: per-unit rule (CPU) and where-selected."""
+    from lightning_dvi.moments import kernel_backend
+
+    *_, diag, _, slope = FUNCS[name]
+    gen = torch.Generator().manual_seed(2)
+    mean = 3 * torch.randn(200, generator=gen, dtype=torch.float64)
+    var = torch.exp(4 * torch.rand(200, generator=gen, dtype=torch.float64) - 3)
+    with kernel_backend("blocked"):
+        ref = (*diag(mean, var), slope(mean, var))
+    with kernel_backend("whole"):
+        got = (*diag(mean, var), slope(mean, var))
+    for r, g in zip(ref, got, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-10)
+
+
+def test_scratch_pool_is_reused_and_bounded():
+    from lightning_dvi.moments import _quadrature as Q
+
+    mean, var = torch.randn(300), torch.rand(300) * 0.1
+    S.sigmoid_diag(mean, var)
+    pool = dict(Q._POOL.buffers)
+    S.sigmoid_diag(mean, var)
+    assert {k: v.data_ptr() for k, v in Q._POOL.buffers.items()} == {
+        k: v.data_ptr() for k, v in pool.items()
+    }
+    assert all(v.numel() <= Q.POOL_LIMIT for v in Q._POOL.buffers.values())
+
+
+@pytest.mark.parametrize(
+    "kernel", [S.SIGMOID_KERNEL, S.SILU_KERNEL, S.SOFTPLUS_KERNEL, S.GELU_KERNEL]
+)
+def test_float32_spread_at_the_rounded_switch_terminates(kernel):
+    """A float32 variance equal to the switch's square rounded (1.2^2 for GELU) is narrow in
+    float32 but above the switch in float64: the CPU split once recursed without end on it."""
+    from lightning_dvi.moments import kernel_backend
+    from lightning_dvi.moments._quadrature import smooth_moments
+
+    sd = torch.tensor([kernel.switch, 0.5 * kernel.switch, 2 * kernel.switch], dtype=torch.float64)
+    var = (sd * sd).float()
+    mean = torch.tensor([-1.0, 0.5, 2.0])
+    with kernel_backend("blocked"):
+        got = smooth_moments(kernel, mean, var)
+        ref = smooth_moments(kernel, mean.double(), var.double())
+    torch.testing.assert_close(got[0].double(), ref[0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got[1].double(), ref[1], rtol=1e-4, atol=1e-6)

@@ -324,11 +324,13 @@ def _stats(kernel: Kernel, m: Tensor, v: Tensor, order: int, buckets: _Buckets) 
         return torch.where(v > cap, wide, narrow)
     # a CPU: the fewest nodes the batch's largest narrow spread needs (a host read, free here),
     # and the wide rule only for the units above the switch
-    top = float(v.max()) if v.numel() else 0.0
-    if top <= cap:
-        nodes = next(n for b, n in buckets if top <= b * b)
-        return _narrow_stats(kernel, m, v, order, _tables(kernel, nodes, dtype, device))
+    # one comparison, in the tensor's dtype, decides both the split and the recursion's end
+    # (a float32 spread equal to the rounded cap is narrow, though float(v) > cap in float64)
     wide = v > cap
+    if not bool(wide.any()):
+        top = float(v.max()) if v.numel() else 0.0
+        nodes = next((n for b, n in buckets if top <= b * b), buckets[-1][1])
+        return _narrow_stats(kernel, m, v, order, _tables(kernel, nodes, dtype, device))
     out = m.new_empty(5 + order, m.numel())
     idx = wide.nonzero().squeeze(-1)
     out[:, idx] = _wide_stats(m[idx], v[idx], order, _tables(kernel, buckets[-1][1], dtype, device))

@@ -57,8 +57,9 @@ INV_2PI = 1.0 / (2.0 * math.pi)
 def floors(dtype: torch.dtype) -> tuple[float, float, float, float]:
     """Variance floor, smallest safe exp(-x^2), Dekker split factor, floor of P."""
     if dtype == torch.float64:
-        return 1e-30, 1e-300, 134217729.0, 1e-200  # split 2^27 + 1
-    return 1e-24, 1e-35, 4097.0, 1e-30  # split 2^12 + 1
+        return 1e-30, 1e-285, 134217729.0, 1e-200  # split 2^27 + 1
+    # exp(-x^2) >= 1e-28: phi(a) times the Mills-ratio factors (>= 1/a^3) stays normal
+    return 1e-24, 1e-28, 4097.0, 1e-30  # split 2^12 + 1
 
 
 def big(dtype: torch.dtype) -> float:
@@ -112,7 +113,9 @@ class _ReluDiag(torch.autograd.Function):
         out_mean = F.threshold((relu + pu).mul_(sd), cut, 0.0, inplace=True)
         pw = pdf * w
         pos = (mu * big(mu.dtype)).clamp_(0, 1)  # 1 for mu > 0, 0 for mu <= 0
-        out_var = torch.lerp(pw, 1 - pw, pos).sub_(pu * torch.add(pu, relu, alpha=2))
+        # (phi u)^2 only matters where it is above ~eps * phi w: below, it would be subnormal
+        pu_sq = F.threshold(pu, 1e-18 if mean.dtype == torch.float32 else 1e-150, 0.0)
+        out_var = torch.lerp(pw, 1 - pw, pos).sub_(pu_sq * torch.add(pu, relu, alpha=2))
         out_var = F.threshold(out_var.mul_(var_c), cut, 0.0, inplace=True)
         cdf = F.threshold(torch.lerp(half, 1 - half, pos), cut, 0.0, inplace=True)
         ctx.save_for_backward(cdf, F.threshold(pdf.div_(sd), cut, 0.0, inplace=True), out_mean, var)

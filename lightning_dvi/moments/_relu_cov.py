@@ -440,10 +440,10 @@ def _run_forward(path: str, gain: float, cov: Tensor, *vecs: Tensor) -> Tensor:
     n, d = cov.shape[0], cov.shape[-1]
     size = policy.chunk_size(n, d, cov.dtype, path)
     if size >= n:
-        return fwd(cov, *vecs, gain=gain)
+        return fwd(cov, *vecs, gain)
     out = torch.empty_like(cov, memory_format=torch.contiguous_format)
     for a, b in policy.chunks(n, size):
-        out[a:b] = fwd(cov[a:b], *(v[a:b] for v in vecs), gain=gain)
+        out[a:b] = fwd(cov[a:b], *(v[a:b] for v in vecs), gain)
     return out
 
 
@@ -455,9 +455,9 @@ def _run_backward(
     n, d = cov.shape[0], cov.shape[-1]
     size = policy.chunk_size(n, d, cov.dtype, path)
     if size >= n:
-        return bwd(grad, cov, *vecs, gain=gain)
+        return bwd(grad, cov, *vecs, gain)
     parts = [
-        bwd(grad[a:b], cov[a:b], *(v[a:b] for v in vecs), gain=gain)
+        bwd(grad[a:b], cov[a:b], *(v[a:b] for v in vecs), gain)
         for a, b in policy.chunks(n, size)
     ]
     return tuple(torch.cat(p) for p in zip(*parts, strict=True))
