@@ -1,4 +1,4 @@
-"""Lightning callbacks: ``lightning_dvi.callbacks.EmpiricalBayesRefresh`` and the plot callbacks.
+"""Lightning callbacks: empirical Bayes, checkpoints, progress, plots, predictions, OOD, temperature.
 
 A stable import path for YAML configs
 (``class_path: lightning_dvi.callbacks.EmpiricalBayesRefresh``; ``EmpiricalBayes`` is its
@@ -7,16 +7,23 @@ the implementations live in :mod:`lightning_dvi.lightning`.
 """
 
 from .lightning.callbacks import EmpiricalBayes, EmpiricalBayesRefresh
+from .lightning.checkpoint import RunCheckpoint
 from .lightning.ood import OODEvaluation
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
+from .lightning.predictions import PredictionWriter
+from .lightning.progress import DVIProgressBar, ProgressLog
 from .lightning.temperature import TemperatureScaling
 
 __all__ = [
     "CalibrationPlot",
+    "DVIProgressBar",
     "EmpiricalBayes",
     "EmpiricalBayesRefresh",
     "OODEvaluation",
+    "PredictionWriter",
     "PredictiveBandPlot",
+    "ProgressLog",
     "ReliabilityDiagram",
+    "RunCheckpoint",
     "TemperatureScaling",
 ]

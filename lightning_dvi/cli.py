@@ -19,28 +19,37 @@ the model accepts them (otherwise the link is skipped):
 
 The model may also leave these unset and read them from the data in ``setup()``.
 
+Runs, checkpoints and progress: each run writes into its own logger directory
+(``version_K``); without a ``ModelCheckpoint`` in the config a
+:class:`~lightning_dvi.callbacks.RunCheckpoint` writes ``last.ckpt`` there every epoch.
+``--ckpt_path last`` is the newest run's ``last.ckpt`` (printed); every ``--ckpt_path`` is read
+with ``weights_only=True`` and its hyper-parameters vetted before anything is built from them
+(:mod:`lightning_dvi.lightning.checkpoint`). Progress: a TQDM bar on a terminal, plain lines
+when piped or under ``CI`` (:mod:`lightning_dvi.lightning.progress`).
+
 Invalid configurations stop with jsonargparse's message naming the key and exit code 2: type
 errors while parsing, and the modules' own ``ValueError`` checks while instantiating. ``test``,
-``validate`` and ``predict`` with ``--ckpt_path last`` and no last checkpoint, and ``validate``
-or ``test`` on a data module without that split, stop with a message and exit code 1 instead of
-running an untrained model or nothing.
+``validate`` and ``predict`` with ``--ckpt_path last`` and no last checkpoint, a refused
+checkpoint, and ``validate`` or ``test`` on a data module without that split, stop with a
+message and exit code 1 instead of running an untrained model, code from a file, or nothing.
 """
 
 from __future__ import annotations
 
-import csv
+import inspect
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import yaml
 from jsonargparse.typing import PositiveInt
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
-from torch import Tensor
 
 # Imported so their classes are known to jsonargparse by short name (``--data DigitsDataModule``).
 from . import data as _data  # noqa: F401
@@ -48,6 +57,14 @@ from .callbacks import CalibrationPlot, EmpiricalBayes, PredictiveBandPlot, Reli
 from .data import ToyHeteroscedasticDataModule, toy_true_log_likelihood
 from .lightning import DVIClassifier, DVIRegressor  # noqa: F401
 from .lightning._base import DVIModule
+from .lightning.checkpoint import (
+    RunCheckpoint,
+    find_last_checkpoint,
+    read_checkpoint,
+    vet_hyperparameters,
+)
+from .lightning.predictions import PredictionWriter, write_predictions
+from .lightning.progress import progress_callback
 
 __all__ = ["DVILightningCLI", "cli", "main", "write_predictions_csv"]
 
@@ -107,7 +124,72 @@ class DVILightningCLI(LightningCLI):
         net_config = self._model_config().get("net")
         model = getattr(self, "model", None)
         if isinstance(net_config, dict) and "class_path" in net_config and model is not None:
+            architecture = getattr(model.net, "architecture", None)
+            if callable(architecture):  # a TorchNetwork: its layer list, not the file's path
+                net_config = {"class_path": net_config["class_path"], "init_args": architecture()}
             model.hparams["net"] = net_config
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, with a resumable checkpoint and progress reporting unless configured.
+
+        Without a ``ModelCheckpoint`` in ``trainer.callbacks`` (and ``enable_checkpointing``
+        not false) a :class:`~lightning_dvi.callbacks.RunCheckpoint` writes ``last.ckpt``
+        every epoch into the run's own directory. Without a progress-bar callback (and
+        ``enable_progress_bar`` not false): Lightning's TQDM bar with the loss and key metric
+        when standard error is a terminal, plain periodic lines otherwise or under ``CI``.
+        """
+        config = self._get(self.config_init, "trainer", default={})
+        given = config.get("callbacks")
+        callbacks = list(given) if isinstance(given, (list, tuple)) else [given] if given else []
+        added: list[Callback] = []
+        if config.get("enable_checkpointing") is not False and not any(
+            isinstance(c, ModelCheckpoint) for c in callbacks
+        ):
+            added.append(RunCheckpoint())
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks
+        ):
+            added.append(progress_callback())
+        if added:
+            kwargs["callbacks"] = callbacks + added
+        return super().instantiate_trainer(**kwargs)
+
+    def _parse_ckpt_path(self) -> None:
+        """Vet a ``--ckpt_path`` file before LightningCLI merges its hyper-parameters.
+
+        LightningCLI (2.4+) reads the checkpoint's hyper-parameters into the model's
+        configuration, where jsonargparse would import the class paths they name; here they are
+        read with ``weights_only=True`` and checked first: the model class must be one already
+        imported, and the network one this library allows or the one the user's own config names.
+        """
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if path and path != "last" and Path(path).is_file():
+            model = self.config[subcommand].get("model")
+            own_net = _get_path(model, "init_args", "net", "class_path")
+            self._vetted_checkpoint(str(subcommand), path, own_net)
+        parse = getattr(super(), "_parse_ckpt_path", None)  # LightningCLI >= 2.4
+        if parse is not None:
+            parse()
+
+    @staticmethod
+    def _vetted_checkpoint(subcommand: str, path: str, own_net: str | None) -> dict[str, Any]:
+        """The checkpoint at ``path``, read as data, its hyper-parameters vetted; else exit 1.
+
+        The model class it names must be one already imported, and its network one this
+        library allows or the one the user's own configuration names (``own_net``).
+        """
+        try:
+            checkpoint = read_checkpoint(path)
+            vet_hyperparameters(
+                checkpoint.get("hyper_parameters") or {},
+                DVIModule,
+                f"checkpoint {path}",
+                (own_net,) if own_net else (),
+            )
+        except (ValueError, FileNotFoundError) as err:
+            raise SystemExit(f"lightning-dvi {subcommand}: {err}") from err
+        return checkpoint
 
     def _model_config(self) -> dict[str, Any]:
         config = getattr(self, "config_dump", None)
@@ -119,19 +201,45 @@ class DVILightningCLI(LightningCLI):
         return model.get("init_args", model) if isinstance(model, dict) else {}
 
     def _require_last_checkpoint(self, kwargs: dict[str, Any]) -> None:
-        """``--ckpt_path last`` must name an existing checkpoint (Lightning only warns)."""
-        if kwargs.get("ckpt_path") != "last":
+        """Resolve and vet ``ckpt_path`` in ``kwargs`` before the trainer loads it.
+
+        ``last`` becomes the newest run's ``last.ckpt``
+        (:func:`~lightning_dvi.lightning.checkpoint.find_last_checkpoint`; an error when there is
+        none, where Lightning only warns), printed so the user sees which run is resumed. The
+        file is read with ``weights_only=True`` first (a file that is not plain data is refused),
+        and the trainer is asked to load it the same way.
+        """
+        path = kwargs.get("ckpt_path")
+        if path is None:
             return
-        candidates: set[str] = set()
-        for callback in self.trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint):
-                candidates |= callback._find_last_checkpoints(self.trainer)
-        if not any(Path(path).is_file() for path in candidates):
-            raise SystemExit(
-                f"lightning-dvi {self.subcommand}: --ckpt_path last, but there is no last "
-                "checkpoint (no last.ckpt where the config's ModelCheckpoint saves); run `fit` "
-                "first or pass --ckpt_path PATH"
+        which = ""
+        if path == "last":
+            which = "the newest run's checkpoint, "
+            found = find_last_checkpoint(self.trainer)
+            if found is None:
+                raise SystemExit(
+                    f"lightning-dvi {self.subcommand}: --ckpt_path last, but there is no last "
+                    "checkpoint (no last.ckpt in any run directory of this config's logger or "
+                    "ModelCheckpoint); run `fit` first or pass --ckpt_path PATH"
+                )
+            path = kwargs["ckpt_path"] = str(found)
+        own_net = self._model_config().get("net")
+        checkpoint = self._vetted_checkpoint(
+            str(self.subcommand),
+            path,
+            own_net.get("class_path") if isinstance(own_net, dict) else None,
+        )
+        self._resumed = (path, checkpoint.get("epoch"), checkpoint.get("global_step"))
+        if self.trainer.is_global_zero:
+            verb = "resuming" if self.subcommand == "fit" else "loading"
+            print(
+                f"lightning-dvi {self.subcommand}: {verb} {which}{path} (epoch "
+                f"{self._resumed[1]}, global step {self._resumed[2]})",
+                flush=True,
             )
+        method = getattr(self.trainer, str(self.subcommand))
+        if "weights_only" in inspect.signature(method).parameters:  # Lightning >= 2.5
+            kwargs["weights_only"] = True
 
     def _require_batches(self, stage: str, counts: list[int | float] | int) -> None:
         total = sum(counts) if isinstance(counts, list) else counts
@@ -141,6 +249,11 @@ class DVILightningCLI(LightningCLI):
                 f"nothing was evaluated (e.g. a split fraction of 0, such as "
                 f"data.val_fraction=0 for validation); give it a {stage} split"
             )
+
+    def fit(self, **kwargs: Any) -> None:
+        """Run ``trainer.fit``; ``--ckpt_path last`` resumes the newest run (and says which)."""
+        self._require_last_checkpoint(kwargs)
+        self.trainer.fit(**kwargs)
 
     def validate(self, **kwargs: Any) -> None:
         """Run ``trainer.validate``; fail when there is no checkpoint to load or no validation data."""
@@ -155,31 +268,33 @@ class DVILightningCLI(LightningCLI):
         self._require_batches("test", self.trainer.num_test_batches)
 
     def predict(self, **kwargs: Any) -> None:
-        """Run ``trainer.predict`` and save the predictions to ``<log_dir>/predictions.pt`` and ``.csv``.
+        """Run ``trainer.predict`` and save the predictions to ``<log_dir>/predictions.pt``, ``.csv`` and ``.parquet``.
 
-        Regression: ``{"mean", "var", "aleatoric_var", "epistemic_var"}``, each ``[N]``, in the
-        original units of y; classification: probabilities ``[N, K]``
+        Regression: ``{"mean", "var", "aleatoric_var", "epistemic_var"}``, each float64 ``[N]``,
+        in the original units of y; classification: probabilities ``[N, K]``
         (``torch.load(path, weights_only=True)`` reads either). Beside it, ``predictions.csv``
-        holds one row per example: for regression ``mean, std, lower_95, upper_95`` (the central
-        95 % interval of the Gaussian predictive), ``aleatoric_std, epistemic_std``; for
-        classification ``prob_0 .. prob_{K-1}, predicted_class, entropy`` (nats). Under DDP each
-        process saves its own share as ``predictions_rank<r>.pt`` / ``.csv``.
+        and ``predictions.parquet`` hold one row per example: first the data module's id
+        columns (``CSVDataModule(id_columns=[...])``), then for regression ``mean, std,
+        lower_95, upper_95`` (the central 95 % interval of the Gaussian predictive),
+        ``aleatoric_std, epistemic_std``; for classification ``prob_<label>`` per class (named
+        by the data's class labels), ``predicted_class`` (the label as written) and ``entropy``
+        (nats). Under DDP the processes' shares are merged into one set of files, in dataset
+        order (:class:`~lightning_dvi.lightning.predictions.PredictionWriter`).
         """
         self._require_last_checkpoint(kwargs)
-        batches = self.trainer.predict(**kwargs)
+        writer = PredictionWriter()
+        callbacks: list[Any] = self.trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, not declared on Trainer
+        callbacks.append(writer)
+        try:
+            self.trainer.predict(**kwargs)
+        finally:
+            callbacks.remove(writer)
+        # Every process reads log_dir (a collective under DDP); rank 0 wrote the files, or a
+        # spawned process did (ddp_spawn), which leaves this process's writer empty.
         log_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
-        if not batches:
-            return
-        if isinstance(batches[0], dict):
-            predictions: Any = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-        else:
-            predictions = torch.cat(cast(list[Tensor], batches))  # one tensor per batch
-        world = self.trainer.world_size
-        name = "predictions.pt" if world == 1 else f"predictions_rank{self.trainer.global_rank}.pt"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(predictions, log_dir / name)
-        write_predictions_csv(predictions, (log_dir / name).with_suffix(".csv"))
-        self._predictions_path = log_dir / name
+        written = writer.paths.get("pt", log_dir / "predictions.pt")
+        if written.is_file():
+            self._predictions_path = written
 
     # ------------------------------------------------------------------ after subcommands
     def after_fit(self) -> None:
@@ -227,6 +342,9 @@ class DVILightningCLI(LightningCLI):
         if getattr(self, "_predictions_path", None) is not None:
             lines.append(f"predictions: {self._predictions_path}")
             lines.append(f"predictions: {self._predictions_path.with_suffix('.csv')}")
+        resumed = getattr(self, "_resumed", None)
+        if resumed is not None and self.subcommand == "fit":
+            lines.append(f"resumed:     {resumed[0]} (epoch {resumed[1]}, step {resumed[2]})")
         callbacks = getattr(trainer, "callbacks", [])  # set by Lightning, not declared on Trainer
         for callback in callbacks if self.subcommand == "fit" else []:
             if isinstance(callback, ModelCheckpoint) and callback.last_model_path:
@@ -246,47 +364,32 @@ class DVILightningCLI(LightningCLI):
         return [f"  {'true noise model test NLL':<28s} {true_nll:.4f}"]
 
 
-_Z95 = 1.959963984540054  # the 97.5 % standard normal quantile
-
-
-def write_predictions_csv(predictions: dict[str, torch.Tensor] | torch.Tensor, path: Path) -> Path:
+def write_predictions_csv(
+    predictions: dict[str, torch.Tensor] | torch.Tensor,
+    path: Path,
+    ids: Mapping[str, Sequence[Any]] | None = None,
+    labels: Sequence[Any] | None = None,
+) -> Path:
     """Write ``predict`` output as CSV, one row per example (see :meth:`DVILightningCLI.predict`).
 
     Args:
         predictions: the regressor's dict of ``[N]`` tensors, or the classifier's ``[N, K]``
             probabilities.
         path: the CSV file to write.
+        ids: id columns to write first, each with ``N`` values.
+        labels: the ``K`` class labels (default ``0..K-1``): they name the probability columns
+            and fill ``predicted_class``.
     """
-    if isinstance(predictions, dict):
-        mean = predictions["mean"].double()
-        std = predictions["var"].double().clamp_min(0).sqrt()
-        columns = {
-            "mean": mean,
-            "std": std,
-            "lower_95": mean - _Z95 * std,
-            "upper_95": mean + _Z95 * std,
-        }
-        for part in ("aleatoric", "epistemic"):
-            if f"{part}_var" in predictions:
-                columns[f"{part}_std"] = predictions[f"{part}_var"].double().clamp_min(0).sqrt()
-    else:
-        probs = predictions.double()
-        columns = {f"prob_{k}": probs[:, k] for k in range(probs.shape[1])}
-        columns["predicted_class"] = probs.argmax(-1)
-        columns["entropy"] = -(probs * probs.clamp_min(1e-300).log()).sum(-1)
-    names = list(columns)
-    rows = torch.stack([columns[n].double() for n in names], dim=1).tolist()
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(names)
-        for row in rows:
-            writer.writerow(
-                [
-                    int(v) if n == "predicted_class" else repr(v)
-                    for n, v in zip(names, row, strict=True)
-                ]
-            )
-    return path
+    return write_predictions(predictions, path, ids, labels)
+
+
+def _get_path(value: Any, *keys: str) -> str | None:
+    """``value[k1][k2]...`` through dicts and jsonargparse namespaces, or ``None``."""
+    for key in keys:
+        if value is None:
+            return None
+        value = value.get(key) if hasattr(value, "get") else getattr(value, key, None)
+    return None if value is None else str(value)
 
 
 def cli(args: ArgsType = None, **kwargs: Any) -> DVILightningCLI:

@@ -34,3 +34,17 @@ def pyro_state():
     pyro.set_rng_seed(0)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def cli_workdir(tmp_path, monkeypatch):
+    """For in-process ``lightning_dvi.cli.cli`` runs: recipes write ``runs/`` under ``tmp_path``,
+    pytest's own argv does not look like CLI arguments, and the recipes' ``num_threads`` is undone.
+    """
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dvi"])
+    threads = torch.get_num_threads()
+    yield tmp_path
+    torch.set_num_threads(threads)

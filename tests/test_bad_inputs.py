@@ -236,7 +236,56 @@ CATALOGUE = [
         "csv_label_not_integer",
         lambda t: _csv(t, "a,b,y\n1,2,0\n4,5,1.5\n", task="classification"),
         ValueError,
-        "data.csv, line 3, column 'y': class label 1.5 is not an integer >= 0",
+        "data.csv, line 3, column 'y': class label 1.5 is not an integer: class labels are "
+        "integers or text",
+    ),
+    (
+        "csv_label_not_listed",
+        lambda t: _csv(t, "a,b,y\n1,2,a\n4,5,d\n", task="classification", labels=["a", "b"]),
+        ValueError,
+        "data.csv, line 3, column 'y': class label 'd' is not one of labels=['a', 'b']",
+    ),
+    (
+        "csv_python_literal",
+        lambda t: _csv(t, "a,b,y\n1,2,3\n1_000,5,6\n"),
+        ValueError,
+        "data.csv, line 3, column 'a': non-numeric value '1_000'",
+    ),
+    (
+        "csv_float32_overflow",
+        lambda t: _csv(t, "a,b,y\n1,2,3\n4,1e39,6\n", standardize=False),
+        ValueError,
+        "data.csv, line 3, column 'b': 1e+39 does not fit in float32",
+    ),
+    (
+        "csv_encoding",
+        lambda t: (
+            (t / "data.csv").write_bytes(b"a,b,y\n1,2,3\n4,5,6\ncaf\xe9,7,8\n"),
+            CSVDataModule(str(t / "data.csv"), target="y", id_columns=["a"]).num_train,
+        ),
+        ValueError,
+        "data.csv, line 4: not valid utf-8 text",
+    ),
+    (
+        "csv_unknown_encoding",
+        lambda t: _csv(t, CSV_GOOD, encoding="klingon"),
+        ValueError,
+        "encoding: unknown text encoding 'klingon'",
+    ),
+    (
+        "csv_missing_id_column",
+        lambda t: _csv(t, CSV_GOOD, id_columns=["customer_id"]),
+        ValueError,
+        "data.csv: no column 'customer_id' (columns in the file: a, b, y)",
+    ),
+    (
+        "parquet_unreadable",
+        lambda t: (
+            (t / "d.parquet").write_bytes(b"PAR1 not really"),
+            CSVDataModule(str(t / "d.parquet"), target="y").num_train,
+        ),
+        ValueError,
+        "d.parquet is not a readable Parquet file",
     ),
     (
         "csv_label_out_of_range",

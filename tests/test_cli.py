@@ -73,8 +73,8 @@ def test_toy_recipe_end_to_end_and_resume(capsys):
     log_dir = Path(first.trainer.log_dir)
     for name in ("metrics.csv", "config.yaml", "predictive_band.png", "calibration_test.png"):
         assert (log_dir / name).is_file(), name
-    last = Path("runs/toy_heteroscedastic/checkpoints/last.ckpt")
-    assert last.is_file() and f"checkpoint:  {last.resolve()}" in out
+    last = log_dir / "checkpoints" / "last.ckpt"  # in the run's own directory
+    assert last.is_file() and f"checkpoint:  {last}" in out
     assert first.trainer.global_step == 4
 
     resumed = cli(
@@ -90,6 +90,7 @@ def test_toy_recipe_end_to_end_and_resume(capsys):
         ]
     )
     assert resumed.trainer.global_step == 6
+    assert f"resuming the newest run's checkpoint, {last.resolve()}" in capsys.readouterr().out
 
     tested = cli(["test", "--config", str(TOY), "--ckpt_path", str(last)])
     assert "test/nll" in tested.trainer.callback_metrics

@@ -14,6 +14,7 @@ import yaml
 from lightning_dvi import DVIClassifier, DVIRegressor
 from lightning_dvi.cli import cli, write_predictions_csv
 from lightning_dvi.lightning._base import DVIModule
+from lightning_dvi.nn import describe_torch, save_torch_network
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "recipes" / "toy_heteroscedastic.yaml"
@@ -36,7 +37,7 @@ def _rows(path):
 
 def test_predict_writes_a_csv_matching_predictive(capsys):
     cli(["fit", "--config", str(TOY), *QUICK, "--test_after_fit", "false"])
-    last = Path("runs/toy_heteroscedastic/checkpoints/last.ckpt")
+    last = Path("runs/toy_heteroscedastic/lightning_logs/version_0/checkpoints/last.ckpt")
     run = cli(["predict", "--config", str(TOY), "--ckpt_path", str(last)])
     path = Path(run.trainer.log_dir) / "predictions.csv"
     assert f"predictions: {path.resolve()}" in capsys.readouterr().out.replace(
@@ -125,15 +126,19 @@ def test_cli_trains_a_converted_torch_network_and_reloads_it(tmp_path):
     torch_net = torch.nn.Sequential(
         torch.nn.Linear(1, 16), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 2)
     )
-    torch.save(torch_net, tmp_path / "mlp.pt")
+    save_torch_network(torch_net, tmp_path / "mlp.pt")  # layer list + state_dict, no pickle
     net = {
         "class_path": "lightning_dvi.nn.TorchNetwork",
         "init_args": {"path": str(tmp_path / "mlp.pt"), "scale_fraction": 0.05},
     }
     run = _fit_toy_with_net(tmp_path, net)
     assert [type(m).__name__ for m in run.model.net] == ["BayesLinear", "GELU", "BayesLinear"]
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["hyper_parameters"]["net"]
+    assert saved["init_args"] == {"layers": describe_torch(torch_net), "init": "fresh"}
+    (tmp_path / "mlp.pt").unlink()  # the checkpoint describes the network itself
     loaded = DVIRegressor.load_from_checkpoint(tmp_path / "last.ckpt")  # no net= needed
-    torch.testing.assert_close(loaded.net[0].weight_loc, run.model.net[0].weight_loc)
+    for a, b in zip(loaded.net.parameters(), run.model.net.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("model", [DVIRegressor, DVIClassifier])

@@ -66,10 +66,10 @@ def test_split_by_fractions_is_seeded_disjoint_and_standardised_with_training_st
         dataset = getattr(dm, f"{split}_dataset")
         rows = np.array(ids[split])
         np.testing.assert_allclose(_raw(dataset, dm)[:, 1].numpy(), columns["a"][rows], rtol=1e-6)
-        # targets stay raw (the regressor standardises them with target_loc/target_scale)
-        y = dataset.tensors[1].double().numpy()
-        np.testing.assert_allclose(y, columns["y"][rows], rtol=1e-6)
-        assert dataset.tensors[1].dtype == torch.float32
+        # targets stay raw, exactly the file's float64 values (the regressor standardises them
+        # with target_loc/target_scale in float64)
+        assert dataset.tensors[1].dtype == torch.float64
+        np.testing.assert_array_equal(dataset.tensors[1].numpy(), columns["y"][rows])
     # Same seed, same split; another seed, another split.
     again = CSVDataModule(str(path), target="y", val_fraction=0.2, test_fraction=0.1)
     other = CSVDataModule(str(path), target="y", val_fraction=0.2, test_fraction=0.1, seed=1)
@@ -161,19 +161,25 @@ def test_numpy_files(tmp_path):
     assert names == ["y", "a"] and values.shape == (30, 2) and row_name(3) == "row 3"
 
 
-def test_parquet_reads_with_pandas_or_says_what_to_install(tmp_path):
+def test_parquet_columns_keep_their_types_and_nulls_are_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     path = tmp_path / "data.parquet"
-    try:
-        import pandas as pd
-        import pyarrow  # noqa: F401
-    except ImportError:
-        path.write_bytes(b"PAR1")
-        with pytest.raises(ImportError, match=r"pandas and pyarrow.*lightning_dvi\[parquet\]"):
-            _ = CSVDataModule(str(path), target="y").in_features
-        return
-    pd.DataFrame({"x": [1.0, 2.0, 3.0], "y": [2.0, 4.0, 7.0]}).to_parquet(path)
-    dm = CSVDataModule(str(path), target="y", val_fraction=0, standardize=False)
-    assert dm.train_dataset.tensors[0].flatten().tolist() == [1.0, 2.0, 3.0]
+    table = {"x": [1.0, 2.0, 3.0], "n": [1, 2, 3], "y": [2.0, 4.0, 7.0], "k": ["a", "b", "a"]}
+    pq.write_table(pa.table(table), path)
+    dm = CSVDataModule(str(path), target="y", val_fraction=0, standardize=False, drop_columns=["k"])
+    assert dm.feature_names == ["x", "n"]
+    assert dm.train_dataset.tensors[0].tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    clf = CSVDataModule(str(path), target="k", task="classification", features=["x"],
+                        val_fraction=0)  # fmt: skip
+    assert clf.labels == ["a", "b"] and clf.train_dataset.tensors[1].tolist() == [0, 1, 0]
+    pq.write_table(pa.table({"x": [1.0, None, 3.0], "y": [1.0, 2.0, 3.0]}), path)
+    with pytest.raises(ValueError, match=r"data.parquet, row 1, column 'x': missing value"):
+        CSVDataModule(str(path), target="y", val_fraction=0).setup()
+    pq.write_table(pa.table({"x": ["1.5", "two"], "y": [1.0, 2.0]}), path)
+    with pytest.raises(ValueError, match=r"row 1, column 'x': non-numeric value 'two'"):
+        CSVDataModule(str(path), target="y", val_fraction=0).setup()
 
 
 def test_predict_path_without_target(tmp_path):
@@ -222,7 +228,8 @@ def test_cli_fit_on_the_diabetes_csv_via_the_recipe(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    checkpoint = tmp_path / "runs" / "csv_regression" / "checkpoints" / "last.ckpt"
+    run_dir = tmp_path / "runs" / "csv_regression" / "lightning_logs" / "version_0"
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
     assert checkpoint.is_file(), result.stdout[-2000:]
     assert "test/rmse" in result.stdout
     model = DVIRegressor.load_from_checkpoint(checkpoint, map_location="cpu")

@@ -92,12 +92,13 @@ def test_the_elbo_sees_standardised_targets_and_metrics_raw_ones():
     model = DVIRegressor(in_features=1, hidden=[4], target_loc=100.0, target_scale=10.0)
     y = torch.tensor([90.0, 110.0])
     torch.testing.assert_close(model._network_targets(y), torch.tensor([-1.0, 1.0]))
-    torch.testing.assert_close(model.targets_in_original_units(y), y)
+    torch.testing.assert_close(model.targets_in_original_units(y), y.double())
     pre = DVIRegressor(in_features=1, hidden=[4], target_loc=100.0, target_scale=10.0,
                        standardize_targets=False)  # fmt: skip
     torch.testing.assert_close(pre._network_targets(y), y)
     torch.testing.assert_close(
-        pre.targets_in_original_units(torch.tensor([1.0])), torch.tensor([110.0])
+        pre.targets_in_original_units(torch.tensor([1.0])),
+        torch.tensor([110.0], dtype=torch.float64),
     )
 
 

@@ -88,11 +88,18 @@ def fit_standardizer(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Column means and standard deviations (``ddof=0``) of ``values [N, D]``, in float64.
 
     Constant columns (std at round-off level relative to their mean) get scale 1, so they
-    standardise to zero instead of dividing by ~0.
+    standardise to zero instead of dividing by ~0. A column whose sums overflow float64 (values
+    near 1e300) is summed in units of its largest magnitude instead.
     """
     values = np.asarray(values, dtype=np.float64)
-    loc = values.mean(axis=0)
-    scale = values.std(axis=0)
+    with np.errstate(over="ignore"):
+        loc = values.mean(axis=0)
+        scale = values.std(axis=0)
+    overflow = ~(np.isfinite(loc) & np.isfinite(scale)) & np.isfinite(values).all(axis=0)
+    if overflow.any():
+        size = np.abs(values[:, overflow]).max(axis=0)
+        unit = values[:, overflow] / size
+        loc[overflow], scale[overflow] = size * unit.mean(axis=0), size * unit.std(axis=0)
     constant = scale <= 1e-12 * np.maximum(1.0, np.abs(loc))
     return loc, np.where(constant, 1.0, scale)
 

@@ -1,313 +1,133 @@
-"""LightningDataModule for the user's own tabular files: CSV, NumPy (``.npy``/``.npz``), Parquet.
+"""LightningDataModule for the user's own tabular files: CSV/TSV, Parquet, NumPy (``.npy``/``.npz``).
 
-A table has named columns; one (or more) of them is the target, the others (or those listed) are
-the inputs. The data come either from one file split by fractions with a seed, or from separate
-training / validation / test files (a split without its own file is carved from ``path``).
-Inputs, and regression targets, are standardised with the statistics of the training rows.
+A table has named columns: one is the target, some may be ids (carried into the predictions)
+or dropped, the others (or those listed) are the inputs. The data come either from one file
+split by fractions with a seed, or from separate training / validation / test files (a split
+without its own file is carved from ``path``).
 
 Supported files, chosen by suffix:
 
 * ``.csv``, ``.tsv``, ``.txt``: a header row of column names, then one row per example
-  (``delimiter`` defaults to ``,``, and to a tab for ``.tsv``);
+  (``delimiter`` defaults to ``,``, and to a tab for ``.tsv``; ``encoding`` to UTF-8), read by
+  ``pyarrow.csv``;
+* ``.parquet``/``.pq``: read by ``pyarrow.parquet``;
 * ``.npy``: a 2-D numeric array; its columns are named ``"0"``, ``"1"``, ...;
 * ``.npz``: either equal-length 1-D arrays, each a column named by its key
-  (``np.savez(path, age=..., y=...)``), or a single 2-D array with columns ``"0"``, ``"1"``, ...;
-* ``.parquet``/``.pq``: read with pandas (needs ``pandas`` and ``pyarrow``:
-  ``pip install lightning_dvi[parquet]``).
+  (``np.savez(path, age=..., y=...)``), or a single 2-D array with columns ``"0"``, ``"1"``, ...
 
-Every value of a used column must be a finite number; a bad file fails with a ``ValueError``
-naming the file, the row (the 1-based line of a text file, the 0-based row of an array) and the
-column.
+Numbers are kept as written: parsed strictly (see :mod:`lightning_dvi.data._read`), held in
+float64 until they are standardised, and checked to fit in float32 afterwards. A bad file fails
+with a ``ValueError`` naming the file, the row (the 1-based line of a text file, the 0-based row
+of an array) and the column.
 """
 
 from __future__ import annotations
 
-import csv
+import codecs
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 import numpy as np
+import pyarrow as pa
 import torch
 from torch.utils.data import TensorDataset
 
 from ._base import InMemoryDataModule, fit_standardizer
+from ._labels import Label, LabelColumn, resolve_labels
+from ._read import column_names, fail, read_columns, read_tabular
 
-__all__ = ["CSVDataModule", "read_tabular"]
+__all__ = ["CSVDataModule", "read_tabular"]  # read_tabular: re-exported from ._read
 
-_TEXT = (".csv", ".tsv", ".txt")
-_PARQUET = (".parquet", ".pq")
-SUPPORTED_SUFFIXES = (*_TEXT, ".npy", ".npz", *_PARQUET)
-
-
-@dataclass(frozen=True)
-class _Columns:
-    """Named float64 columns read from one file, with a way to name a row in messages."""
-
-    path: Path
-    names: list[str]
-    values: dict[str, np.ndarray]
-    row_name: Callable[[int], str]
-    num_rows: int
-
-
-def _fail(path: Path, row: str, column: str, problem: str) -> ValueError:
-    return ValueError(f"{path}, {row}, column {column!r}: {problem}")
-
-
-def _check_columns(path: Path, available: Sequence[str], wanted: Sequence[str]) -> None:
-    missing = [c for c in wanted if c not in available]
-    if missing:
-        raise ValueError(
-            f"{path}: no column {missing[0]!r} (columns in the file: {', '.join(available)})"
-        )
-
-
-def _read_text(path: Path, wanted: Sequence[str] | None, delimiter: str | None) -> _Columns:
-    if delimiter is None:
-        delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
-    with path.open(newline="", encoding="utf-8-sig") as handle:
-        reader = csv.reader(handle, delimiter=delimiter)
-        header: list[str] | None = None
-        for cells in reader:
-            if cells and any(c.strip() for c in cells):
-                header = [c.strip() for c in cells]
-                break
-        if header is None:
-            raise ValueError(f"{path} is empty: expected a header row of column names")
-        header_line = reader.line_num
-        blank = [i + 1 for i, name in enumerate(header) if not name]
-        if blank:
-            raise ValueError(f"{path}, line {header_line}: header cell {blank[0]} is empty")
-        seen: set[str] = set()
-        for name in header:
-            if name in seen:
-                raise ValueError(f"{path}, line {header_line}: column {name!r} appears twice")
-            seen.add(name)
-        names = list(header) if wanted is None else list(wanted)
-        _check_columns(path, header, names)
-        positions = [header.index(name) for name in names]
-        rows: list[list[float]] = []
-        lines: list[int] = []
-        for cells in reader:
-            if not cells or not any(c.strip() for c in cells):
-                continue  # blank lines (e.g. a trailing newline)
-            line = reader.line_num
-            if len(cells) != len(header):
-                raise ValueError(
-                    f"{path}, line {line}: {len(cells)} cells, but the header has "
-                    f"{len(header)} columns"
-                )
-            row = []
-            for name, position in zip(names, positions, strict=True):
-                text = cells[position].strip()
-                if not text:
-                    raise _fail(path, f"line {line}", name, "empty cell")
-                try:
-                    value = float(text)
-                except ValueError:
-                    raise _fail(
-                        path,
-                        f"line {line}",
-                        name,
-                        f"non-numeric value {text!r}",
-                    ) from None
-                if not math.isfinite(value):
-                    raise _fail(path, f"line {line}", name, f"{text} (not a finite number)")
-                row.append(value)
-            rows.append(row)
-            lines.append(line)
-    if not rows:
-        raise ValueError(f"{path} has a header but no data rows")
-    table = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(names))
-    return _Columns(
-        path=path,
-        names=names,
-        values={name: table[:, j] for j, name in enumerate(names)},
-        row_name=lambda i: f"line {lines[i]}",
-        num_rows=len(rows),
-    )
-
-
-def _from_arrays(
-    path: Path, arrays: dict[str, np.ndarray], wanted: Sequence[str] | None, check: bool = True
-) -> _Columns:
-    names = list(arrays)
-    lengths = {name: len(a) for name, a in arrays.items()}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"{path}: columns of different lengths {lengths}")
-    num_rows = next(iter(lengths.values()))
-    if num_rows == 0:
-        raise ValueError(f"{path} holds no rows")
-    chosen = names if wanted is None else list(wanted)
-    _check_columns(path, names, chosen)
-    if not check:
-        return _Columns(path, chosen, {}, lambda i: f"row {i}", num_rows)
-    values = {}
-    for name in chosen:
-        column = arrays[name]
-        if column.dtype.kind not in "biuf":
-            # Name the first entry that is not a number.
-            for i, item in enumerate(column.tolist()):
-                try:
-                    float(item)
-                except (TypeError, ValueError):
-                    raise _fail(path, f"row {i}", name, f"non-numeric value {item!r}") from None
-        column = np.asarray(column, dtype=np.float64)
-        bad = np.flatnonzero(~np.isfinite(column))
-        if bad.size:
-            i = int(bad[0])
-            raise _fail(path, f"row {i}", name, f"{column[i]} (not a finite number)")
-        values[name] = column
-    return _Columns(path, chosen, values, lambda i: f"row {i}", num_rows)
-
-
-def _read_numpy(path: Path, wanted: Sequence[str] | None, check: bool = True) -> _Columns:
-    if path.suffix.lower() == ".npy":
-        array = np.load(path, allow_pickle=False)
-        if array.ndim != 2:
-            raise ValueError(
-                f"{path}: expected a 2-D array [rows, columns], got shape {array.shape}"
-            )
-        return _from_arrays(
-            path, {str(j): array[:, j] for j in range(array.shape[1])}, wanted, check
-        )
-    with np.load(path, allow_pickle=False) as archive:
-        arrays = {key: archive[key] for key in archive.files}
-    if not arrays:
-        raise ValueError(f"{path} is empty: no arrays")
-    if len(arrays) == 1 and next(iter(arrays.values())).ndim == 2:
-        array = next(iter(arrays.values()))
-        return _from_arrays(
-            path, {str(j): array[:, j] for j in range(array.shape[1])}, wanted, check
-        )
-    shapes = {key: a.shape for key, a in arrays.items() if a.ndim != 1}
-    if shapes:
-        raise ValueError(
-            f"{path}: expected one 2-D array or 1-D arrays (one per column), got shapes {shapes}"
-        )
-    return _from_arrays(path, arrays, wanted, check)
-
-
-def _read_parquet(path: Path, wanted: Sequence[str] | None, check: bool = True) -> _Columns:
-    try:
-        import pandas as pd
-    except ImportError:
-        raise ImportError(
-            f"reading {path} needs pandas and pyarrow: pip install 'lightning_dvi[parquet]'"
-        ) from None
-    try:
-        frame = pd.read_parquet(path)
-    except ImportError as err:
-        raise ImportError(
-            f"reading {path} needs pyarrow: pip install 'lightning_dvi[parquet]' ({err})"
-        ) from None
-    arrays = {str(name): frame[name].to_numpy() for name in frame.columns}
-    return _from_arrays(path, arrays, wanted, check)
-
-
-def read_tabular(
-    path: str | Path, columns: Sequence[str] | None = None, delimiter: str | None = None
-) -> tuple[list[str], np.ndarray, Callable[[int], str]]:
-    """Read named numeric columns of a tabular file as float64 ``[rows, len(columns)]``.
-
-    Args:
-        path: a ``.csv``/``.tsv``/``.txt``, ``.npy``, ``.npz`` or ``.parquet`` file.
-        columns: the columns to read, in order; ``None`` reads all.
-        delimiter: for text files (default ``,``; a tab for ``.tsv``).
-
-    Returns:
-        The column names, the table, and a function naming row ``i`` in messages
-        (``"line 7"`` for text files, ``"row 5"`` for arrays).
-
-    Raises:
-        FileNotFoundError: if ``path`` does not exist.
-        ValueError: naming the file, row and column: a missing column, an empty or non-finite
-            cell, a non-numeric value, a ragged row, an empty file or an unsupported suffix.
-        ImportError: for Parquet without pandas/pyarrow.
-    """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix in _TEXT:
-        table = _read_text(path, columns, delimiter)
-    elif suffix in (".npy", ".npz"):
-        table = _read_numpy(path, columns)
-    elif suffix in _PARQUET:
-        table = _read_parquet(path, columns)
-    else:
-        raise ValueError(
-            f"{path}: unsupported file type {suffix or '(no suffix)'!r}; expected one of "
-            f"{', '.join(SUPPORTED_SUFFIXES)}"
-        )
-    data = np.stack([table.values[name] for name in table.names], axis=1)
-    return table.names, data, table.row_name
-
-
-def _column_names(path: Path, delimiter: str | None) -> list[str]:
-    """The column names of a file, without parsing its values."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix in _TEXT:
-        if delimiter is None:
-            delimiter = "\t" if suffix == ".tsv" else ","
-        with path.open(newline="", encoding="utf-8-sig") as handle:
-            for cells in csv.reader(handle, delimiter=delimiter):
-                if cells and any(c.strip() for c in cells):
-                    return [c.strip() for c in cells]
-        raise ValueError(f"{path} is empty: expected a header row of column names")
-    # Arrays and Parquet: read the (binary) file; values are checked later, per used column.
-    if suffix in (".npy", ".npz"):
-        return _read_numpy(path, None, check=False).names
-    if suffix in _PARQUET:
-        return _read_parquet(path, None, check=False).names
-    return read_tabular(path, None, delimiter)[0]  # raises for an unsupported suffix
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class _Stats(TypedDict, total=False):
-    """What the training split fixes: standardiser and targets' moments, or ``K``."""
+    """What the training split fixes: the standardisers, or the class labels."""
 
     x_loc: np.ndarray
     x_scale: np.ndarray
     target_loc: float
     target_scale: float
-    num_classes: int
+    labels: list[Label]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Part:
-    """The rows of one file: inputs, targets, and how to name row ``i``."""
+    """The rows of one file: float64 inputs, targets (regression) or labels, ids."""
 
     path: Path
     x: np.ndarray
     y: np.ndarray | None
+    labels: LabelColumn | None
+    ids: dict[str, pa.Array]
     row_name: Callable[[int], str]
+    classes: np.ndarray | None = field(default=None)  # set once every file's labels are known
+
+
+def _as_float32(
+    part: _Part,
+    rows: np.ndarray,
+    standardized: np.ndarray,
+    raw: np.ndarray,
+    columns: Sequence[str],
+    loc: np.ndarray,
+    scale: np.ndarray,
+) -> np.ndarray:
+    """``standardized [n, d]`` as float32; a value float32 cannot hold is an error naming it.
+
+    ``raw [*, d]`` holds the values as read, its row ``rows[i]`` for row ``i``.
+    """
+    with np.errstate(over="ignore"):
+        out = standardized.astype(np.float32)
+    overflow = np.isinf(out)
+    if not overflow.any():
+        return out
+    i, j = (int(k) for k in np.argwhere(overflow)[0])
+    how = (
+        f"(x - {loc[j]:.6g}) / {scale[j]:.6g} = {standardized[i, j]:.6g} after standardising "
+        "with the training rows' mean and standard deviation"
+        if (loc[j], scale[j]) != (0.0, 1.0)
+        else "unstandardised"
+    )
+    raise fail(
+        part.path,
+        part.row_name(int(rows[i])),
+        columns[j],
+        f"{raw[rows[i], j]:.6g} does not fit in float32 ({how}; the largest float32 is "
+        f"{_FLOAT32_MAX:.6g}): rescale the column, or drop the row",
+    )
 
 
 class CSVDataModule(InMemoryDataModule):
-    r"""The user's own tabular data: regression or classification from CSV, NumPy or Parquet files.
+    r"""The user's own tabular data: regression or classification from CSV, Parquet or NumPy files.
 
-    Columns are chosen by name: ``target`` (one column; for regression its values are the
-    targets, for classification integer class labels ``0..K-1``) and ``features`` (default: every
-    other column). Splits come from separate files (``val_path``, ``test_path``) or, for a split
-    without its own file, from ``path`` by a seeded random permutation: a ``test_fraction`` and a
-    ``val_fraction`` of the rows of ``path`` (``round(fraction * rows)``, at least one row when
-    the fraction is positive).
+    Columns are chosen by name: ``target`` (one column: the regression targets, or the class
+    labels), ``id_columns`` (carried into the predictions, never inputs), ``drop_columns``
+    (ignored) and ``features`` (default: every other column). Splits come from separate files
+    (``val_path``, ``test_path``) or, for a split without its own file, from ``path`` by a
+    seeded random permutation: a ``test_fraction`` and a ``val_fraction`` of the rows of
+    ``path`` (``round(fraction * rows)``, at least one row when the fraction is positive).
 
-    Inputs are standardised, ``x' = (x - x_loc) / x_scale``, with the mean and standard
-    deviation (``ddof=0``) of the training rows. Regression targets stay in their original units;
-    their training mean and standard deviation are exposed as ``target_loc``/``target_scale``,
-    with which :class:`~lightning_dvi.DVIRegressor` standardises them
-    (``y' = (y - target_loc) / target_scale``), so predictions and test metrics come back in the
-    original units. Constant training columns get scale 1. Batches are
-    ``(x [B, D] float32, y [B])``: float32 targets for regression, int64 labels for
-    classification. ``predict_dataloader`` yields the rows of ``predict_path`` (its target column
-    may be absent) or else the test split.
+    Inputs are standardised in float64, ``x' = (x - x_loc) / x_scale``, with the mean and
+    standard deviation (``ddof=0``) of the training rows, then cast to float32; a value that
+    float32 cannot hold after that is an error naming its file, row and column. Regression
+    targets stay in their original units, as float64: their training mean and standard
+    deviation are exposed as ``target_loc``/``target_scale``, with which
+    :class:`~lightning_dvi.DVIRegressor` standardises them in float64 before the cast
+    (``y' = (y - target_loc) / target_scale``), so predictions and test metrics come back in
+    the original units, against the file's values. Constant training columns get scale 1.
+
+    Class labels are integers (any, e.g. ``1, 2, 3`` or ``0, 3000000000``) or text; they map to
+    classes ``0..K-1`` by sorted value (``labels`` fixes the order instead). The mapping,
+    :attr:`labels`, is a hyper-parameter of the data module, so checkpoints carry it, and
+    ``lightning-dvi predict`` writes predictions with the original labels.
+
+    Batches are ``(x [B, D] float32, y [B])``: float64 targets for regression, int64 classes
+    for classification. ``predict_dataloader`` yields the rows of ``predict_path`` (its target
+    column may be absent) or else the test split; :attr:`predict_ids` holds their ids.
 
     The attributes the CLI links to the model (``in_features``, ``num_train`` -> ``num_data``,
     ``target_loc``/``target_scale`` for regression, ``num_classes`` for classification) are
@@ -317,7 +137,8 @@ class CSVDataModule(InMemoryDataModule):
         path: the data file, or the training file when ``val_path``/``test_path`` are given.
         target: the target column's name (an integer names a column of a header-less ``.npy``
             array: ``0`` is ``"0"``). A one-element list is accepted.
-        features: input column names, in order; ``None`` takes every column except the target.
+        features: input column names, in order; ``None`` takes every column except the target,
+            the id columns and the dropped columns.
         task: ``"regression"`` or ``"classification"``.
         val_path: a separate validation file with the same columns; else ``val_fraction``.
         test_path: a separate test file with the same columns; else ``test_fraction``.
@@ -326,30 +147,40 @@ class CSVDataModule(InMemoryDataModule):
             no ``val_path``; 0 disables validation.
         test_fraction: fraction of the rows of ``path`` held out for testing when there is no
             ``test_path``; 0 disables testing.
-        num_classes: classification only: the number of classes ``K`` (default: the largest
-            label in the files plus one).
+        num_classes: classification with integer labels ``0..num_classes-1`` (a class may be
+            absent from the files); default: the labels found in the files.
         standardize: standardise inputs (and regression targets) with training statistics;
             ``False`` leaves them as they are (loc 0, scale 1).
         delimiter: the separator of text files (default ``,``; a tab for ``.tsv``).
         batch_size: mini-batch size for every loader.
         seed: seeds the split and the training-set shuffling.
+        id_columns: columns that identify a row (e.g. ``customer_id``): never inputs, read as
+            written, required in every file, and written next to each prediction.
+        drop_columns: columns to leave out of the default ``features``.
+        labels: classification: the class labels in class order (class ``k`` is
+            ``labels[k]``); every label in the files must be one of them. Default: the sorted
+            distinct labels of the files.
+        encoding: the text encoding of text files (default UTF-8, with or without BOM), e.g.
+            ``"latin-1"``.
 
     Raises:
         FileNotFoundError: naming a missing file.
         ValueError: for bad arguments, and for bad files naming the file, row and column: a
-            missing column, an empty, NaN or infinite cell, a non-numeric value, a ragged row,
-            an empty file, a class label that is not an integer in ``[0, num_classes)``.
+            missing column, an empty, non-numeric or non-finite cell, a value that does not fit
+            in float32, a ragged row, text not in ``encoding``, an empty file, a class label
+            outside ``labels``/``num_classes`` or a fractional one.
 
     Examples:
         >>> import tempfile, pathlib
         >>> folder = pathlib.Path(tempfile.mkdtemp())
-        >>> rows = "\n".join(f"{i},{i % 3},{2.0 * i}" for i in range(20))
-        >>> _ = (folder / "data.csv").write_text("a,b,y\n" + rows + "\n")
-        >>> dm = CSVDataModule(str(folder / "data.csv"), target="y", test_fraction=0.2)
-        >>> dm.in_features, dm.num_train, dm.num_val, dm.num_test
-        (2, 14, 2, 4)
-        >>> dm.feature_names
-        ['a', 'b']
+        >>> rows = "\n".join(f"c{i},{i},{i % 3},{'ab'[i % 2]}" for i in range(20))
+        >>> _ = (folder / "data.csv").write_text("id,a,b,y\n" + rows + "\n")
+        >>> dm = CSVDataModule(str(folder / "data.csv"), target="y", task="classification",
+        ...                    id_columns=["id"], test_fraction=0.2)
+        >>> dm.in_features, dm.num_train, dm.num_val, dm.num_test, dm.labels
+        (2, 14, 2, 4, ['a', 'b'])
+        >>> dm.feature_names, dm.predict_ids["id"].to_pylist()
+        (['a', 'b'], ['c2', 'c4', 'c6', 'c19'])
     """
 
     def __init__(
@@ -368,6 +199,10 @@ class CSVDataModule(InMemoryDataModule):
         delimiter: str | None = None,
         batch_size: int = 64,
         seed: int = 0,
+        id_columns: list[str | int] | None = None,
+        drop_columns: list[str | int] | None = None,
+        labels: list[int | str] | None = None,
+        encoding: str = "utf-8",
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed)
         if task not in ("regression", "classification"):
@@ -378,14 +213,28 @@ class CSVDataModule(InMemoryDataModule):
                 f"target must name one column, got {targets}: DVIRegressor and DVIClassifier "
                 "model one target (train one model per target column)"
             )
+        ids = [str(c) for c in id_columns or []]
+        drops = [str(c) for c in drop_columns or []]
         feature_names = None if features is None else [str(f) for f in features]
-        if feature_names is not None:
-            if not feature_names:
+        for name, listed in (
+            ("features", feature_names),
+            ("id_columns", ids),
+            ("drop_columns", drops),
+        ):
+            if listed is None:
+                continue
+            if name == "features" and not listed:
                 raise ValueError("features must name at least one column (or be None for all)")
-            if targets[0] in feature_names:
-                raise ValueError(f"target column {targets[0]!r} is also listed in features")
-            if len(set(feature_names)) != len(feature_names):
-                raise ValueError(f"features lists a column twice: {feature_names}")
+            if targets[0] in listed:
+                raise ValueError(f"target column {targets[0]!r} is also listed in {name}")
+            if len(set(listed)) != len(listed):
+                raise ValueError(f"{name} lists a column twice: {listed}")
+        both = set(feature_names or []) & set(ids + drops) or set(ids) & set(drops)
+        if both:
+            raise ValueError(
+                f"column {sorted(both)[0]!r} is listed in two of features, id_columns and "
+                "drop_columns"
+            )
         for name, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
             if not (math.isfinite(fraction) and 0.0 <= fraction < 1.0):
                 raise ValueError(f"{name} must lie in [0, 1), got {fraction}")
@@ -402,8 +251,20 @@ class CSVDataModule(InMemoryDataModule):
                 f"num_classes is for task='classification' and must be >= 2, got {num_classes} "
                 f"with task={task!r}"
             )
+        if labels is not None and (task != "classification" or len(labels) < 2):
+            raise ValueError(
+                f"labels is for task='classification' and must list >= 2 classes, got {labels} "
+                f"with task={task!r}"
+            )
         if delimiter is not None and len(delimiter) != 1:
             raise ValueError(f"delimiter must be one character, got {delimiter!r}")
+        try:
+            codecs.lookup(encoding)
+        except LookupError:
+            raise ValueError(f"encoding: unknown text encoding {encoding!r}") from None
+        # Every argument but num_classes, which the classifier also has (Lightning refuses a
+        # key that the model's and the data module's hyper-parameters share with two values).
+        self.save_hyperparameters(ignore=["num_classes"])
         self.path = path
         self.target = targets[0]
         self.features = feature_names
@@ -415,9 +276,14 @@ class CSVDataModule(InMemoryDataModule):
         self.test_fraction = test_fraction
         self.standardize = standardize
         self.delimiter = delimiter
+        self.encoding = encoding
+        self.id_columns = ids
+        self.drop_columns = drops
         self._num_classes_arg = num_classes
+        self._labels_arg = labels
         self._feature_names: list[str] | None = None
         self._stats: _Stats = {}
+        self._predict_ids: dict[str, pa.Array] = {}
 
     # ------------------------------------------------------------------ linked attributes
     @property
@@ -434,15 +300,15 @@ class CSVDataModule(InMemoryDataModule):
 
     @property
     def x_loc(self) -> torch.Tensor:
-        """Per-column means of the training inputs, float32 ``[D]`` (0 without standardising)."""
+        """Per-column means of the training inputs, float64 ``[D]`` (0 without standardising)."""
         self._datasets()
-        return torch.as_tensor(self._stats["x_loc"], dtype=torch.float32)
+        return torch.as_tensor(self._stats["x_loc"], dtype=torch.float64)
 
     @property
     def x_scale(self) -> torch.Tensor:
-        """Per-column standard deviations of the training inputs (1 for constant columns)."""
+        """Per-column standard deviations of the training inputs, float64 (1 for constant columns)."""
         self._datasets()
-        return torch.as_tensor(self._stats["x_scale"], dtype=torch.float32)
+        return torch.as_tensor(self._stats["x_scale"], dtype=torch.float64)
 
     @property
     def target_loc(self) -> float:
@@ -461,56 +327,108 @@ class CSVDataModule(InMemoryDataModule):
         return float(self._stats["target_scale"])
 
     @property
+    def labels(self) -> list[Label]:
+        """The class labels as written (classification only): class ``k`` is ``labels[k]``."""
+        if self.task != "classification":
+            raise AttributeError("labels: only for task='classification'")
+        self._datasets()
+        return list(self._stats["labels"])
+
+    @property
     def num_classes(self) -> int:
         """Number of classes ``K`` (classification only)."""
-        if self.task != "classification":
-            raise AttributeError("num_classes: only for task='classification'")
+        return len(self.labels)
+
+    @property
+    def predict_ids(self) -> dict[str, pa.Array]:
+        """The ``id_columns`` of the prediction rows, in the order of ``predict_dataloader``."""
         self._datasets()
-        return int(self._stats["num_classes"])
+        return dict(self._predict_ids)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a model trained on this data depends on: the input statistics and the labels."""
+        if self._splits is None:
+            return {}
+        state: dict[str, Any] = {
+            "x_loc": self._stats["x_loc"].tolist(),
+            "x_scale": self._stats["x_scale"].tolist(),
+        }
+        if self.task == "classification":
+            state["labels"] = list(self._stats["labels"])
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse to predict or resume with other input statistics or labels than trained with.
+
+        Lightning calls this with the checkpoint's state whenever it restores one
+        (``fit``/``validate``/``test``/``predict`` with ``ckpt_path``).
+        """
+        self._datasets()
+        saved_labels = state_dict.get("labels")
+        if saved_labels is not None and list(saved_labels) != self.labels:
+            raise ValueError(
+                f"the checkpoint's classes are the labels {list(saved_labels)}, but this data "
+                f"module's files give {self.labels}: pass labels={list(saved_labels)}"
+            )
+        trained = {"x_loc": self._stats["x_loc"], "x_scale": self._stats["x_scale"]}
+        for key, current in trained.items():
+            saved = state_dict.get(key)
+            if saved is not None and not np.allclose(saved, current, rtol=1e-9, atol=0.0):
+                raise ValueError(
+                    f"the checkpoint was trained on inputs standardised with {key}={saved}, but "
+                    f"this data module's training rows ({self.path}) give {current.tolist()}: "
+                    "keep the training file as `path` and give the new rows as `predict_path`"
+                )
 
     # ------------------------------------------------------------------ loading
     def _resolve_features(self, path: Path) -> list[str]:
+        names = column_names(path, self.delimiter, self.encoding)
+        for column in (self.target, *self.id_columns, *self.drop_columns):
+            if column not in names:
+                raise ValueError(
+                    f"{path}: no column {column!r} (columns in the file: {', '.join(names)})"
+                )
         if self.features is not None:
             return list(self.features)
-        names = _column_names(path, self.delimiter)
-        if self.target not in names:
-            raise ValueError(
-                f"{path}: no column {self.target!r} (columns in the file: {', '.join(names)})"
-            )
-        features = [n for n in names if n != self.target]
+        left_out = {self.target, *self.id_columns, *self.drop_columns}
+        features = [n for n in names if n not in left_out]
         if not features:
-            raise ValueError(f"{path}: no input columns besides the target {self.target!r}")
+            raise ValueError(f"{path}: no input columns besides {', '.join(sorted(left_out))}")
         return features
 
     def _read(self, path_text: str, features: list[str], *, need_target: bool) -> _Part:
         path = Path(path_text).expanduser()
-        wanted = [*features, self.target]
-        if not need_target:
-            available = _column_names(path, self.delimiter)
-            if self.target not in available:
-                wanted = list(features)
+        has_target = need_target or self.target in column_names(path, self.delimiter, self.encoding)
+        regression = self.task == "regression"
+        numbers = [*features, *([self.target] if has_target and regression else [])]
+        values = [*([self.target] if has_target and not regression else []), *self.id_columns]
         try:
-            names, table, row_name = read_tabular(path, wanted, self.delimiter)
+            table = read_columns(
+                path, numbers, values, delimiter=self.delimiter, encoding=self.encoding
+            )
         except ValueError as err:
-            if self.features is None and "non-numeric value" in str(err):
-                raise ValueError(
-                    f"{err} (list the input columns in `features` to leave a non-numeric "
-                    "column out)"
-                ) from None
-            raise
-        x = table[:, : len(features)]
-        y = table[:, len(features)] if len(names) > len(features) else None
-        if y is not None and self.task == "classification":
-            bad = np.flatnonzero((y != np.round(y)) | (y < 0))
-            if bad.size:
-                i = int(bad[0])
-                raise _fail(
-                    path,
-                    row_name(i),
-                    self.target,
-                    f"class label {y[i]:g} is not an integer >= 0 (classes are 0..K-1)",
+            if "non-numeric value" not in str(err):
+                raise
+            if f"column {self.target!r}:" in str(err):
+                hint = "a target of labels or text needs task='classification'"
+            elif self.features is None:
+                hint = (
+                    "list the input columns in `features`, or name the others in `id_columns` "
+                    "or `drop_columns`, to leave a non-numeric column out"
                 )
-        return _Part(path, x, y, row_name)
+            else:
+                raise
+            raise ValueError(f"{err} ({hint})") from None
+        x = np.stack([table.numbers[name] for name in features], axis=1)
+        y = table.numbers[self.target] if has_target and regression else None
+        labels = None
+        if has_target and not regression:
+            labels = LabelColumn.from_array(
+                path, self.target, table.values[self.target], table.row_name
+            )
+        ids = {name: table.values[name] for name in self.id_columns}
+        return _Part(path, x, y, labels, ids, table.row_name)
 
     def _build(self) -> dict[str, TensorDataset | None]:
         main_path = Path(self.path).expanduser()
@@ -532,77 +450,70 @@ class CSVDataModule(InMemoryDataModule):
                 f"{main_path}: {num_rows} rows leave no training rows after holding out "
                 f"{num_val} for validation and {num_test} for testing"
             )
-        test_rows = np.sort(order[:num_test])
-        val_rows = np.sort(order[num_test : num_test + num_val])
         train_rows = np.sort(order[num_test + num_val :])
-
-        assert main.y is not None
+        splits: dict[str, tuple[_Part, np.ndarray]] = {"train": (main, train_rows)}
         files = [main]
-        parts: dict[str, tuple[np.ndarray, np.ndarray | None]] = {
-            "train": (main.x[train_rows], main.y[train_rows]),
-        }
         for split, separate, rows in (
-            ("val", self.val_path, val_rows),
-            ("test", self.test_path, test_rows),
+            ("val", self.val_path, np.sort(order[num_test : num_test + num_val])),
+            ("test", self.test_path, np.sort(order[:num_test])),
         ):
-            if separate is not None:
-                part = self._read(separate, features, need_target=True)
-                files.append(part)
-                parts[split] = (part.x, part.y)
-            else:
-                parts[split] = (main.x[rows], main.y[rows])
+            if separate is None:
+                splits[split] = (main, rows)
+                continue
+            part = self._read(separate, features, need_target=True)
+            files.append(part)
+            splits[split] = (part, np.arange(part.x.shape[0]))
         if self.predict_path is not None:
             part = self._read(self.predict_path, features, need_target=False)
             files.append(part)
-            parts["predict"] = (part.x, part.y)
+            splits["predict"] = (part, np.arange(part.x.shape[0]))
+        else:
+            splits["predict"] = splits["test"]
 
-        x_train, y_train = main.x[train_rows], main.y[train_rows]
+        x_train = main.x[train_rows]
         if self.standardize:
             x_loc, x_scale = fit_standardizer(x_train)
         else:
             x_loc, x_scale = np.zeros(len(features)), np.ones(len(features))
         self._stats = {"x_loc": x_loc, "x_scale": x_scale}
-        y_loc, y_scale = 0.0, 1.0
+        y_loc, y_scale = np.zeros(1), np.ones(1)
         if self.task == "regression":
+            assert main.y is not None
             if self.standardize:
-                y_loc, y_scale = (float(v[0]) for v in fit_standardizer(y_train[:, None]))
-            self._stats.update({"target_loc": y_loc, "target_scale": y_scale})
+                y_loc, y_scale = fit_standardizer(main.y[train_rows, None])
+            self._stats.update({"target_loc": float(y_loc[0]), "target_scale": float(y_scale[0])})
         else:
-            self._stats["num_classes"] = self._check_classes(files)
-
-        def dataset(x: np.ndarray, y: np.ndarray | None) -> TensorDataset | None:
-            if x.shape[0] == 0:
-                return None
-            inputs = torch.as_tensor((x - x_loc) / x_scale, dtype=torch.float32)
-            if y is None:
-                return TensorDataset(inputs)
-            if self.task == "classification":
-                return TensorDataset(inputs, torch.as_tensor(y, dtype=torch.long))
-            # raw targets: the regressor standardises them with target_loc/target_scale
-            return TensorDataset(inputs, torch.as_tensor(y, dtype=torch.float32))
-
-        splits = {name: dataset(x, y) for name, (x, y) in parts.items()}
-        splits.setdefault("predict", splits["test"])
-        return splits
-
-    def _check_classes(self, files: list[_Part]) -> int:
-        """``K``: ``num_classes`` or the largest label plus one; every label must be below it."""
-        labelled = [(part, part.y) for part in files if part.y is not None and part.y.size]
-        largest = int(max(float(y.max()) for _, y in labelled))
-        num_classes = self._num_classes_arg if self._num_classes_arg is not None else largest + 1
-        for part, y in labelled:
-            bad = np.flatnonzero(y >= num_classes)
-            if bad.size:
-                i = int(bad[0])
-                raise _fail(
-                    part.path,
-                    part.row_name(i),
-                    self.target,
-                    f"class label {y[i]:g} is out of range for num_classes={num_classes}",
-                )
-        if num_classes < 2:
-            raise ValueError(
-                f"{files[0].path}: column {self.target!r} holds a single class (0); "
-                "classification needs at least 2"
+            labelled = [part for part in files if part.labels is not None]
+            labels, classes = resolve_labels(
+                [part.labels for part in labelled if part.labels is not None],
+                self._labels_arg,
+                self._num_classes_arg,
             )
-        return num_classes
+            for part, per_row in zip(labelled, classes, strict=True):
+                part.classes = per_row
+            self._stats["labels"] = labels
+            self.hparams["labels"] = labels  # the mapping travels with the checkpoint
+
+        def dataset(part: _Part, rows: np.ndarray) -> TensorDataset | None:
+            if rows.size == 0:
+                return None
+            x = part.x[rows]
+            x -= x_loc
+            x /= x_scale
+            x32 = _as_float32(part, rows, x, part.x, features, x_loc, x_scale)
+            inputs = torch.from_numpy(x32)
+            if part.classes is not None:
+                return TensorDataset(inputs, torch.as_tensor(part.classes[rows]))
+            if part.y is None:
+                return TensorDataset(inputs)
+            y = part.y[rows]
+            _as_float32(part, rows, (y[:, None] - y_loc) / y_scale, part.y[:, None], [self.target],
+                        y_loc, y_scale)  # fmt: skip
+            # original units, float64: the regressor standardises them before any cast
+            return TensorDataset(inputs, torch.from_numpy(y))
+
+        predict_part, predict_rows = splits["predict"]
+        self._predict_ids = {
+            name: column.take(pa.array(predict_rows)) for name, column in predict_part.ids.items()
+        }
+        return {name: dataset(part, rows) for name, (part, rows) in splits.items()}

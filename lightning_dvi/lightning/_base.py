@@ -17,12 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Literal, cast
+from pathlib import Path
+from typing import IO, Any, Literal, cast
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MetricCollection
+from typing_extensions import Self
 
 from ..compile import CompiledELBO, compile_options
 from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode
@@ -34,6 +36,7 @@ from ._config import KLScheduleConfig, LRSchedule, OptimiserConfig, make_prior
 from ._data import DataView
 from ._network import MLP_ARGUMENTS, MLPConfig, UnbuiltNetwork, primitive, setup_network
 from ._validation import one_of, optional_positive_int, positive_float, positive_int, sampling
+from .checkpoint import load_checkpoint_data
 
 __all__ = ["DVIModule", "logs_this_step"]
 
@@ -325,6 +328,44 @@ class DVIModule(LightningModule):
                 "so the KL never reaches full weight; consider kl_warmup_fraction/"
                 "kl_anneal_fraction"
             )
+
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str | Path | IO[bytes],
+        map_location: Any = None,
+        hparams_file: str | Path | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Load a module from a checkpoint, as data: nothing named by the file is imported or called.
+
+        Lightning's loader with two guards: the file is read with
+        ``torch.load(..., weights_only=True)`` (tensors and plain values only), and the
+        hyper-parameters are vetted first (:mod:`lightning_dvi.lightning.checkpoint`): a saved
+        network configuration is rebuilt only from this library's network classes and those
+        registered with :func:`~lightning_dvi.lightning.register_network`, and LightningCLI's
+        instantiator record is dropped (the class is built by calling its constructor with the
+        saved arguments). Keyword arguments override saved hyper-parameters, e.g. ``net=`` to
+        load the weights into a network built in code.
+
+        Raises:
+            ValueError: for a file that holds other pickled objects, a refused network or
+                model class (naming it and how to load trusted weights), or
+                ``weights_only=False``.
+        """
+        if weights_only is False:
+            raise ValueError(
+                "weights_only=False is not supported: lightning_dvi reads checkpoints as data "
+                "(torch.load(..., weights_only=True)); build the module in code and call "
+                "load_state_dict on a file you trust"
+            )
+        target, data = load_checkpoint_data(
+            cls, checkpoint_path, map_location, hparams_file, tuple(kwargs)
+        )
+        loader = super(DVIModule, cast(type[DVIModule], target)).load_from_checkpoint
+        return cast(Self, loader(data, map_location=map_location, strict=strict, **kwargs))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record whether the network was injected (``net=``) and its class."""

@@ -8,10 +8,9 @@ otherwise a placeholder until ``setup()`` reads the input width from the data.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -24,10 +23,15 @@ __all__ = [
     "MLPConfig",
     "UnbuiltNetwork",
     "check_net",
+    "check_net_config",
     "instantiate_net",
+    "network_class",
     "primitive",
+    "register_network",
     "setup_network",
 ]
+
+_N = TypeVar("_N", bound=nn.Module)
 
 # The constructor arguments that only describe the built-in MLP (not recorded with an injected net).
 MLP_ARGUMENTS = ("hidden", "activation", "residual", "init_scale")
@@ -117,34 +121,181 @@ def setup_network(
             return UnbuiltNetwork(owner), in_features
         return mlp.build(in_features, out_features), in_features
     if isinstance(net, Mapping):
-        net = instantiate_net(net)
+        net = instantiate_net(net, f"{owner}'s net configuration")
     net = check_net(net, in_features, out_features)
     # a convolutional first layer has channels, not an input width
     return net, getattr(next(iter(bayes_layers(net))), "in_features", None)
 
 
-def instantiate_net(config: Mapping[str, Any]) -> nn.Module:
-    """Build a network from ``{"class_path": ..., "init_args": {...}}`` (how the CLI saves it).
+def _public_paths(cls: type) -> tuple[str, ...]:
+    """The class paths that name ``cls``: where it is defined, and its public alias."""
+    paths = [f"{cls.__module__}.{cls.__qualname__}"]
+    for public in ("lightning_dvi.nn", "lightning_dvi"):
+        if cls.__module__.startswith(f"{public}.") and "." not in cls.__qualname__:
+            paths.append(f"{public}.{cls.__qualname__}")
+            break
+    return tuple(paths)
 
-    Nested ``class_path`` dictionaries in ``init_args`` are built first (jsonargparse's form).
+
+_REGISTERED: dict[str, type[nn.Module]] = {}
+
+
+def register_network(cls: type[_N]) -> type[_N]:
+    """Allow ``cls`` to be rebuilt from a checkpoint's or configuration's ``class_path``.
+
+    A checkpoint is data: :func:`instantiate_net` builds only this library's network classes
+    and the classes registered here, looked up by name in a table (it never imports a module
+    or calls a callable the file names). Register your own :class:`~lightning_dvi.nn.BayesModule`
+    subclass in the code that loads the checkpoint, before loading; it also works as a
+    class decorator.
+
+    Args:
+        cls: a :class:`~lightning_dvi.nn.BayesModule` subclass whose constructor takes plain
+            values (numbers, strings, booleans, ``None`` and lists or dicts of them).
+
+    Returns:
+        ``cls``, unchanged.
 
     Raises:
-        ValueError: without a ``class_path``.
+        ValueError: if ``cls`` is not a ``BayesModule`` subclass.
+
+    Examples:
+        >>> from lightning_dvi.nn import BayesLinear
+        >>> @register_network
+        ... class Wide(BayesLinear):
+        ...     pass
+        >>> type(instantiate_net({"class_path": f"{__name__}.Wide",
+        ...                       "init_args": {"in_features": 1, "out_features": 2}})).__name__
+        'Wide'
+    """
+    if not (isinstance(cls, type) and issubclass(cls, BayesModule)):
+        raise ValueError(
+            f"register_network takes a lightning_dvi.nn.BayesModule subclass, got {cls!r}"
+        )
+    for path in _public_paths(cls):
+        _REGISTERED[path] = cls
+    return cls
+
+
+def _library_networks() -> dict[str, type[nn.Module]]:
+    """This library's network classes (and registered activations), by class path."""
+    from .. import nn as dvi_nn
+    from ..nn.convert import TorchFlatten
+
+    classes: list[type[nn.Module]] = [
+        TorchFlatten,
+        *(spec.cls for spec in dvi_nn.activation_specs()),
+        *(
+            obj
+            for name in dvi_nn.__all__
+            if isinstance(obj := getattr(dvi_nn, name), type)
+            and issubclass(obj, BayesModule)
+            and obj is not BayesModule
+        ),
+    ]
+    return {path: cls for cls in classes for path in _public_paths(cls)}
+
+
+def network_class(class_path: object, where: str = "the network configuration") -> type[nn.Module]:
+    """The allowed network class named ``class_path``, looked up by name (nothing is imported).
+
+    Raises:
+        ValueError: naming ``class_path`` when it is not one of this library's network classes
+            or a class registered with :func:`register_network`, and saying how to load trusted
+            weights instead.
+    """
+    cls = {**_library_networks(), **_REGISTERED}.get(str(class_path))
+    if cls is None:
+        raise ValueError(
+            f"refusing to build {class_path!r} named by {where}: a checkpoint is data, so only "
+            "lightning_dvi's network classes and classes registered with "
+            "lightning_dvi.lightning.register_network are rebuilt from it (nothing the file names "
+            "is imported or called). To load weights you trust, build the network in code and "
+            "load its state_dict: DVIRegressor.load_from_checkpoint(path, net=MyNet(...)), or "
+            "net.load_state_dict(...)"
+        )
+    return cls
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _argument(value: Any, where: str, build: bool) -> Any:
+    """``value`` checked to be plain data (or a nested allowed network configuration)."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_argument(v, where, build) for v in value]
+    if isinstance(value, Mapping):
+        if "class_path" in value:
+            return _build(value, where, build)
+        if all(isinstance(k, str) for k in value):
+            return {k: _argument(v, where, build) for k, v in value.items()}
+    raise ValueError(
+        f"refusing {where}: its arguments must be plain values (numbers, strings, booleans, "
+        f"None, and lists or dicts of them), got a {type(value).__name__}"
+    )
+
+
+def _build(config: Mapping[str, Any], where: str, build: bool = True) -> Any:
+    extra = set(config) - {"class_path", "init_args", "dict_kwargs"}
+    if extra:
+        raise ValueError(f"{where} has unexpected keys {sorted(extra)} next to class_path")
+    cls = network_class(config["class_path"], where)
+    arguments: dict[str, Any] = {}
+    for key in ("init_args", "dict_kwargs"):
+        given = config.get(key) or {}
+        if not isinstance(given, Mapping):
+            raise ValueError(f"{where}: {key} must be a mapping, got {type(given).__name__}")
+        arguments.update(given)
+    kwargs = {
+        str(k): _argument(v, f"{where} ({cls.__name__}.{k})", build) for k, v in arguments.items()
+    }
+    if not build:
+        return cls
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"{where}: cannot build {config['class_path']}: {err}") from err
+
+
+def instantiate_net(
+    config: Mapping[str, Any], where: str = "the network configuration"
+) -> nn.Module:
+    """Build a network from ``{"class_path": ..., "init_args": {...}}`` (how the CLI saves it).
+
+    An allow-list loader: ``class_path`` must name one of this library's network classes or a
+    class registered with :func:`register_network`, found by name in a table (no module is
+    imported, no callable named by the configuration is called), and the arguments must be
+    plain values; a nested ``class_path`` dictionary in ``init_args`` is built the same way.
+
+    Args:
+        config: the configuration, as a checkpoint's ``net`` hyper-parameter holds it.
+        where: what the configuration came from, for the error messages.
+
+    Raises:
+        ValueError: without a ``class_path``, for a class path that is not allowed (naming it
+            and how to load trusted weights instead), or for arguments that are not plain data.
     """
     if "class_path" not in config:
         raise ValueError(f"a network configuration needs a class_path, got keys {sorted(config)}")
-
-    def build(value: Any) -> Any:
-        if isinstance(value, Mapping) and "class_path" in value:
-            module_name, _, class_name = str(value["class_path"]).rpartition(".")
-            cls = getattr(importlib.import_module(module_name), class_name)
-            return cls(**{k: build(v) for k, v in dict(value.get("init_args") or {}).items()})
-        if isinstance(value, (list, tuple)):
-            return [build(v) for v in value]
-        return value
-
-    net: nn.Module = build(config)
+    net: nn.Module = _build(config, where)
     return net
+
+
+def check_net_config(config: object, where: str) -> None:
+    """Check, without building anything, that :func:`instantiate_net` would accept ``config``.
+
+    ``None`` and a network object pass; a mapping is checked like :func:`instantiate_net`
+    checks it (allowed class paths, plain arguments).
+
+    Raises:
+        ValueError: as :func:`instantiate_net`.
+    """
+    if isinstance(config, Mapping):
+        if "class_path" not in config:
+            raise ValueError(f"{where} needs a class_path, got keys {sorted(config)}")
+        _build(config, where, build=False)
 
 
 def primitive(value: Any) -> Any:

@@ -84,7 +84,16 @@ class DVIRegressor(DVIModule):
     standardised NLL plus :math:`\log s`). For data that are already standardised pass
     ``standardize_targets=False`` (then ``target_loc``/``target_scale``, default 0 and 1, only map
     predictions back); a datamodule with ``targets_standardized = True`` says the same. The
-    statistics live in persistent buffers and the hyper-parameters, so checkpoints carry them.
+    statistics live in persistent float64 buffers and the hyper-parameters, so checkpoints
+    carry them.
+
+    Precision. Targets of any dtype (float64, float32, int64) are standardised in float64 and
+    only then cast to the network's dtype, and the way back (predictions, metrics) is float64
+    too: a target near :math:`10^8` is a multiple of 8 in float32, so a float32 inverse
+    transform would round away the signal. :meth:`predictive`, :meth:`predictive_log_prob`,
+    :meth:`variance_decomposition` and ``predict_step`` return float64; the ``val/`` and
+    ``test/`` metrics accumulate in float64 against the batches' targets as given. A target
+    that does not fit in the network's dtype after standardising is a ``ValueError``.
 
     Shapes from the data. ``in_features`` and ``num_data`` left unset are read in ``setup()``
     from ``trainer.datamodule`` (``in_features``, ``num_train``) or, with plain dataloaders, from
@@ -157,11 +166,12 @@ class DVIRegressor(DVIModule):
             self._after_build()
         self.standardize_targets = standardize_targets
         loc, scale = _checked_target_statistics(target_loc, target_scale)
-        # Persistent buffers: checkpoints carry the standardisation with the weights.
-        self.register_buffer("target_loc", torch.tensor(loc))
-        self.register_buffer("target_scale", torch.tensor(scale))
-        self.val_metrics = RegressionMetrics(prefix="val/")
-        self.test_metrics = RegressionMetrics(prefix="test/")
+        # Persistent float64 buffers: checkpoints carry the standardisation with the weights, and
+        # the map back to the original units keeps their precision (1e8 + 0.5 is not a float32).
+        self.register_buffer("target_loc", torch.tensor(loc, dtype=torch.float64))
+        self.register_buffer("target_scale", torch.tensor(scale, dtype=torch.float64))
+        self.val_metrics = RegressionMetrics(prefix="val/").set_dtype(torch.float64)
+        self.test_metrics = RegressionMetrics(prefix="test/").set_dtype(torch.float64)
         self.val_split = VarianceSplit()
         self.test_split = VarianceSplit()
 
@@ -211,16 +221,38 @@ class DVIRegressor(DVIModule):
         self.target_loc.fill_(loc)
         self.target_scale.fill_(scale)
 
+    def _network_dtype(self) -> torch.dtype:
+        parameter = next(self.net.parameters(), None)
+        return torch.get_default_dtype() if parameter is None else parameter.dtype
+
     def _network_targets(self, y: Tensor) -> Tensor:
-        if not self.standardize_targets:
-            return y
-        return (y - self.target_loc.to(y.dtype)) / self.target_scale.to(y.dtype)
+        r"""The targets the likelihood sees: :math:`(y - m) / s` in float64, then cast.
+
+        Raises:
+            ValueError: for a finite target that the network's dtype cannot hold afterwards.
+        """
+        dtype = self._network_dtype()
+        standardized = y.to(torch.float64)
+        if self.standardize_targets:
+            standardized = (standardized - self.target_loc) / self.target_scale
+        out = standardized.to(dtype)
+        if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(standardized).all()):
+            i = int((~torch.isfinite(out)).reshape(-1).nonzero()[0])
+            raise ValueError(
+                f"DVIRegressor: the target {float(y.reshape(-1)[i]):.6g} is "
+                f"{float(standardized.reshape(-1)[i]):.6g} after standardising (target_loc="
+                f"{float(self.target_loc):.6g}, target_scale={float(self.target_scale):.6g}), "
+                f"which does not fit in {dtype} (largest {torch.finfo(dtype).max:.6g}); check "
+                "target_loc/target_scale, or rescale the targets"
+            )
+        return out
 
     def targets_in_original_units(self, y: Tensor) -> Tensor:
-        """Batch targets ``y`` in the original units (undoes pre-standardisation if any)."""
+        """Batch targets ``y`` in the original units, float64 (undoes pre-standardisation if any)."""
+        y = y.to(torch.float64)
         if self.standardize_targets:
             return y
-        return y * self.target_scale.to(y.dtype) + self.target_loc.to(y.dtype)
+        return y * self.target_scale + self.target_loc
 
     # ------------------------------------------------------------------ predictive
     def _network_predictive(
@@ -250,7 +282,7 @@ class DVIRegressor(DVIModule):
     def predictive(
         self, x: Tensor, method: PredictiveMethod | None = None, num_samples: int | None = None
     ) -> tuple[Tensor, Tensor]:
-        r"""Predictive ``(mean, var)`` of ``y`` in its original units, each ``[B]``, detached.
+        r"""Predictive ``(mean, var)`` of ``y`` in its original units, float64 ``[B]`` each, detached.
 
         Args:
             x: inputs ``[B, D]``.
@@ -268,7 +300,7 @@ class DVIRegressor(DVIModule):
                 ``sample``/``local`` mode, else 100).
         """
         mean, var = self.predictive_standardized(x, method, num_samples)
-        return mean * self.target_scale + self.target_loc, var * self.target_scale.square()
+        return self._original_units(mean, var, var)[:2]
 
     @torch.no_grad()
     def predictive_log_prob(
@@ -278,7 +310,7 @@ class DVIRegressor(DVIModule):
         method: PredictiveMethod | None = None,
         num_samples: int | None = None,
     ) -> Tensor:
-        r"""Log predictive density of targets ``y`` (original units, as in the batches), ``[B]``.
+        r"""Log predictive density of targets ``y`` (original units, as in the batches), float64 ``[B]``.
 
         ``"closed_form"``: :math:`\log\mathcal N(y; \mu, \sigma^2)` with :meth:`predictive`'s
         moments. ``"mc"``: the density of the mixture itself over ``num_samples`` weight draws,
@@ -292,7 +324,8 @@ class DVIRegressor(DVIModule):
         f = self._weight_draws(x, num_samples)
         y_std = ((y - self.target_loc) / self.target_scale).to(f.dtype)
         # the library's one MCVI score, in standardised units, then the change of variables
-        return self.likelihood.mixture_log_prob(f, y_std) - torch.log(self.target_scale)
+        log_prob = self.likelihood.mixture_log_prob(f, y_std).to(torch.float64)
+        return log_prob - torch.log(self.target_scale)
 
     @torch.no_grad()
     def variance_decomposition(
@@ -311,7 +344,7 @@ class DVIRegressor(DVIModule):
         return (var - epistemic).clamp_min(0), epistemic
 
     def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:
-        """``{"mean", "var", "aleatoric_var", "epistemic_var"}``, each ``[B]``, original units of y."""
+        """``{"mean", "var", "aleatoric_var", "epistemic_var"}``, each float64 ``[B]``, original units of y."""
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         # One pass, so that in the MC modes the split and the variance share their draws.
         with torch.no_grad():
@@ -326,8 +359,14 @@ class DVIRegressor(DVIModule):
     def _original_units(
         self, mean: Tensor, var: Tensor, epistemic: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
-        scale2 = self.target_scale.square()
-        return mean * self.target_scale + self.target_loc, var * scale2, epistemic * scale2
+        r""":math:`(\tilde\mu s + m, \tilde\sigma^2 s^2, \tilde\sigma^2_{\rm epi} s^2)`, in float64."""
+        loc, scale = self.target_loc.to(torch.float64), self.target_scale.to(torch.float64)
+        scale2 = scale.square()
+        return (
+            mean.to(torch.float64) * scale + loc,
+            var.to(torch.float64) * scale2,
+            epistemic.to(torch.float64) * scale2,
+        )
 
     def _update_metrics(self, metrics: MetricCollection, x: Tensor, y: Tensor) -> None:
         with torch.no_grad():

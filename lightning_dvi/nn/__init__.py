@@ -11,10 +11,11 @@ from .base import BayesModule, Moments
 from .builders import CNN, cnn, mlp
 from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
-from .convert import TorchNetwork, from_torch, register_converter, set_posterior
+from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
 from .linear import BayesLinear, ParameterGroup
 from .registry import ActivationSpec, activation_specs, register_activation
+from .torch_file import TorchNetwork, describe_torch, save_torch_network
 
 __all__ = [
     "BAYES_LAYER_TYPES",
@@ -44,6 +45,7 @@ __all__ = [
     "activation_specs",
     "bayes_layers",
     "cnn",
+    "describe_torch",
     "export_predictive",
     "from_torch",
     "mlp",
@@ -51,6 +53,7 @@ __all__ = [
     "parameter_groups",
     "register_activation",
     "register_converter",
+    "save_torch_network",
     "set_posterior",
 ]
 

@@ -52,7 +52,6 @@ from .registry import spec_for_module
 __all__ = [
     "ConversionOptions",
     "TorchFlatten",
-    "TorchNetwork",
     "from_torch",
     "register_converter",
     "set_posterior",
@@ -370,51 +369,3 @@ def _convert_leaf(
     except (NotImplementedError, ValueError) as err:
         raise NotImplementedError(f"{where} cannot be converted: {err}") from err
     raise NotImplementedError(f"{where} is not supported; from_torch converts {_SUPPORTED}")
-
-
-class TorchNetwork(Sequential):
-    """A saved torch network, converted by :func:`from_torch` when constructed.
-
-    The way to use a converted network from the CLI or YAML, where a network is given by class
-    path and arguments::
-
-        model:
-          init_args:
-            net:
-              class_path: lightning_dvi.nn.TorchNetwork
-              init_args: {path: my_mlp.pt, scale_fraction: 0.1}
-
-    ``path`` holds a whole torch module written with ``torch.save(module, path)``. Loading it
-    unpickles Python objects (``torch.load(path, weights_only=False)``), so only use files you
-    trust. Checkpoints of a CLI run record the class path and these arguments, so
-    ``DVIRegressor.load_from_checkpoint`` converts the file again and then loads the trained
-    posterior over it (the file must still be there).
-
-    Args:
-        path: the saved torch module (a ``nn.Sequential`` of supported layers).
-        init: ``"torch"`` or ``"fresh"``, as in :func:`from_torch`.
-        scale_fraction: δ of the MOPED-style posterior std ``max(δ|w|, min_scale)``.
-        min_scale: floor of the posterior std.
-
-    Raises:
-        TypeError: if the file does not hold a torch ``nn.Module``.
-    """
-
-    def __init__(
-        self,
-        path: str,
-        init: Init = "torch",
-        scale_fraction: float = 0.1,
-        min_scale: float = 1e-8,
-    ) -> None:
-        module = torch.load(path, weights_only=False, map_location="cpu")
-        if not isinstance(module, nn.Module):
-            raise TypeError(
-                f"{path}: expected a torch nn.Module saved with torch.save(module, path), got "
-                f"{type(module).__name__}"
-            )
-        converted = from_torch(
-            module, init=init, scale_fraction=scale_fraction, min_scale=min_scale
-        )
-        super().__init__(*converted.layers)
-        self.path = str(path)
