@@ -801,6 +801,7 @@ def bench_targets(rounds: int, quick: bool = False) -> dict[str, Any]:
     cells["MCVI S=10 50/32"] = make_step("MCVI S=10", 50, 32)
     cells["dDVI 50/512 "] = make_step("dDVI", 50, 512)  # the Pyro row's own denominator
     cells["Pyro AutoNormal 50/512"] = make_step("Pyro AutoNormal", 50, 512)
+    cells["dDVI tail 128/256"] = cells["dDVI tail 128/256 FTZ"] = tail_step()
     names = ACTIVATIONS[:3] if quick else ACTIVATIONS
     for name in names:
         cells[f"act {name}"] = cells[f"act {name} FTZ"] = activation_step(name)
@@ -815,6 +816,9 @@ def bench_targets(rounds: int, quick: bool = False) -> dict[str, Any]:
     rows.append({"case": "Pyro AutoNormal / dDVI, width 50, batch 512",
                  "ratio": ratio(samples, "Pyro AutoNormal 50/512", "dDVI 50/512 "),
                  "target": ">= 3"})  # fmt: skip
+    rows.append({"case": "tail-heavy dDVI 8-128-128-2, batch 256: FTZ / no FTZ",
+                 "ratio": ratio(samples, "dDVI tail 128/256 FTZ", "dDVI tail 128/256"),
+                 "target": "~1"})  # fmt: skip
     rows.append({"case": "DVI / MCVI S=10, width 50, batch 32",
                  "ratio": ratio(samples, "DVI 50/32", "MCVI S=10 50/32"), "target": "<= 1"})  # fmt: skip
     for name in names[1:]:

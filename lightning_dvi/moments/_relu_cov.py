@@ -457,8 +457,7 @@ def _run_backward(
     if size >= n:
         return bwd(grad, cov, *vecs, gain)
     parts = [
-        bwd(grad[a:b], cov[a:b], *(v[a:b] for v in vecs), gain)
-        for a, b in policy.chunks(n, size)
+        bwd(grad[a:b], cov[a:b], *(v[a:b] for v in vecs), gain) for a, b in policy.chunks(n, size)
     ]
     return tuple(torch.cat(p) for p in zip(*parts, strict=True))
 
