@@ -4,11 +4,12 @@ One process, ``torch.set_num_threads(1)``; every number is the median CPU time o
 ``--repeats`` samples after warm-up calls (``--device cuda``: wall time between synchronisations,
 peak memory by ``torch.cuda.max_memory_allocated``). Sections (``--sections``): ``steps`` and
 ``layer`` (:mod:`lightning_dvi.benchmarks.speed`), ``frontends`` (needs ``--data-dir`` for the
-Lightning epoch), ``compile`` and ``net`` (:mod:`lightning_dvi.benchmarks.speed_net`); the
-harness is :mod:`lightning_dvi.benchmarks.timing`. Results and the machine: docs/benchmarks.md.
+Lightning epoch), ``compile`` and ``net`` (:mod:`lightning_dvi.benchmarks.speed_net`), ``targets``
+(issue 28's table, CPU only: :mod:`lightning_dvi.benchmarks.speed_targets`); the harness is
+:mod:`lightning_dvi.benchmarks.timing`. Results and the machine: docs/benchmarks.md.
 
 Run:  python recipes/speed_benchmark.py [--quick] [--device cuda] [--json out.json]
-          [--sections steps,layer,frontends,compile,net] [--widths 128,512] [--data-dir DIR]
+          [--sections steps,layer,frontends,compile,net,targets] [--widths 128,512] [--data-dir DIR]
           [--count-ops]   (net section: aten ops / non-view ops / host reads per step)
 """
 
@@ -35,7 +36,6 @@ from lightning_dvi.benchmarks.speed import (  # noqa: F401 - count_ops, peak_mem
     describe_crossover,
     layer_kinds,
     make_step,
-    op_labels,
     op_rows,
     peak_memory_mib,
     step_ratios,
@@ -48,7 +48,9 @@ from lightning_dvi.benchmarks.speed_net import (  # noqa: F401 - net_step: tests
     bench_net,
     bench_pyro_guide,
     net_step,
+    report_net,
 )
+from lightning_dvi.benchmarks.speed_targets import bench_targets, report_targets
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -57,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     p.add_argument("--repeats", type=int, default=None, help="timed samples per number")
-    p.add_argument("--sections", default="steps,layer,frontends,compile,net")
+    p.add_argument("--sections", default="steps,layer,frontends,compile,net,targets")
+    p.add_argument("--rounds", type=int, default=31, help="targets section: interleaved rounds")
     p.add_argument("--data-dir", default=None, help="UCI data folder (frontends section)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--widths", default=None, help="net section widths, e.g. 128,512,1024,2048")
@@ -176,17 +179,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 opts["mode"] = args.compile_mode
         rows = bench_net(widths, repeats, opts, args.batch, args.max_cell_s, count=args.count_ops)
         result["net"] = rows
-        names = [m[0] for m in NET_METHODS]
-        print(f"\n## 3-layer d x d net, batch {args.batch}, forward + backward (ms, median)\n")
-        print(table(rows, ["d", *names]))
-        if args.count_ops:
-            print("\n## Ops per step: aten ops / non-view ops / host reads [/ CUDA kernels]\n")
-            print(table(op_rows(rows), ["d", *(lab for lab in op_labels(rows))]))
-        print("\n## Peak memory (MiB)\n")
-        print(table(rows, ["d", *(n + " peak MiB" for n in names)], "{:.1f}"))
-        if compiled:
-            print("\n## Compiled (ms, median; compile s of the first call in the JSON)\n")
-            print(table(rows, ["d", *(n + " compiled" for n in names)]))
+        print(report_net(rows, args.batch, compiled, args.count_ops))
+    if "targets" in sections and S.DEVICE.type == "cpu":
+        result["targets"] = bench_targets(3 if args.quick else args.rounds, args.quick)
+        print(report_targets(result["targets"]))
     result["load_after"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as fh:

@@ -44,6 +44,7 @@ __all__ = [
     "bench_net",
     "bench_pyro_guide",
     "net_step",
+    "report_net",
 ]
 
 
@@ -325,3 +326,21 @@ def bench_net(
                     step = None  # type: ignore[assignment]
         rows.append(row)
     return rows
+
+
+def report_net(rows: list[dict[str, Any]], batch: int, compiled: bool, count_ops: bool) -> str:
+    """The ``net`` section's Markdown report: times, op counts, peak memory, compiled times."""
+    names = [m[0] for m in NET_METHODS]
+    out = [f"\n## 3-layer d x d net, batch {batch}, forward + backward (ms, median)\n"]
+    out.append(S.table(rows, ["d", *names]))
+    if count_ops:
+        out.append("\n## Ops per step: aten ops / non-view ops / host reads [/ CUDA kernels]\n")
+        out.append(S.table(S.op_rows(rows), ["d", *S.op_labels(rows)]))
+    out += [
+        "\n## Peak memory (MiB)\n",
+        S.table(rows, ["d", *(n + " peak MiB" for n in names)], "{:.1f}"),
+    ]
+    if compiled:
+        out.append("\n## Compiled (ms, median; compile s of the first call in the JSON)\n")
+        out.append(S.table(rows, ["d", *(n + " compiled" for n in names)]))
+    return "\n".join(out)

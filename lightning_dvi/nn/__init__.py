@@ -7,7 +7,7 @@ from typing import cast
 
 from torch import nn
 
-from .activations import GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh
+from .activations import ELU, GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
 from .base import BayesModule, Moments
 from .builders import CNN, cnn, mlp
 from .container import Residual, Sequential
@@ -36,6 +36,7 @@ from .torch_file import TorchNetwork, describe_torch, save_torch_network
 
 __all__ = [
     "CNN",
+    "ELU",
     "GELU",
     "ActivationSpec",
     "AvgPool2d",
@@ -58,6 +59,7 @@ __all__ = [
     "Sequential",
     "SiLU",
     "Sigmoid",
+    "Softplus",
     "Tanh",
     "TorchNetwork",
     "activation_specs",
