@@ -263,8 +263,8 @@ def net_step(
         net.zero_grad(set_to_none=True)
         out = forward(x, **kwargs)
         if isinstance(out, Gaussian):
-            spread = out.cov if out.is_full else out.var
-            loss = out.mean.sum() + spread.sum()  # type: ignore[union-attr]
+            spread = out.var if out.cov is None else out.cov
+            loss = out.mean.sum() + spread.sum()
         else:
             loss = out.sum()
         loss.backward()
@@ -323,7 +323,7 @@ def bench_net(
                     row[label] = f"failed: {type(err).__name__}"
                     slow.add(label)
                 finally:
-                    step = None  # type: ignore[assignment]
+                    step = None  # type: ignore[assignment]  # drop the network before the next cell
         rows.append(row)
     return rows
 

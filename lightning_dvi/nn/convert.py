@@ -162,6 +162,7 @@ def from_torch(
         ValueError: on bad options or a network with nothing left to convert.
 
     Examples:
+        >>> import torch
         >>> torch_net = torch.nn.Sequential(
         ...     torch.nn.Linear(3, 8), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 2)
         ... )
