@@ -378,9 +378,12 @@ class ELU(_ParamActivation):
 
     Examples:
         >>> from lightning_dvi import Gaussian
-        >>> out = ELU()(Gaussian(torch.zeros(1, 1), var=torch.zeros(1, 1)), mode="diag")
-        >>> out.mean.item(), out.var.item()
-        (0.0, 0.0)
+        >>> out = ELU()(Gaussian(torch.zeros(1, 1), var=torch.ones(1, 1)), mode="diag")
+        >>> round(out.mean.item(), 4), round(out.var.item(), 4)  # E ELU(x), x ~ N(0, 1)
+        (0.1605, 0.6192)
+        >>> out = ELU()(Gaussian(torch.full((1, 1), -1.0), var=torch.zeros(1, 1)), mode="diag")
+        >>> round(out.mean.item(), 4), round(out.var.item(), 6)  # no variance: ELU(-1) = e^-1 - 1
+        (-0.6321, 0.0)
     """
 
     def __init__(self, alpha: float = 1.0) -> None:
