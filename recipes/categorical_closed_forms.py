@@ -37,59 +37,13 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
+from lightning_dvi.benchmarks import softmax_grid as G
 from lightning_dvi.likelihoods import functional as F
 from lightning_dvi.likelihoods import predictive as P
 
-SCALES = (1e-2, 1e-1, 1.0, 10.0, 100.0)
+SCALES, CLASSES = G.SCALES, G.CLASSES
 OBJECTIVE_SCALES = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3)
 PREDICTIVE_SCALES = OBJECTIVE_SCALES  # issue 26: the predictive from 1e-3 to 1e3
-GAPS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
-CLASSES = (2, 3, 10)
-KINDS = ("iso", "diag", "full")
-
-
-def grid(
-    gen: torch.Generator, scales: tuple[float, ...] = SCALES
-) -> list[tuple[int, float, float, str, str, Tensor, Tensor]]:
-    """All grid points ``(K, v, gap, kind, layout, mean, full_cov)`` in float64."""
-    cases = []
-    for k in CLASSES:
-        for v in scales:
-            for gap in GAPS:
-                for kind in KINDS:
-                    for layout in ("top", "spread"):
-                        if layout == "top":
-                            mean = torch.zeros(k, dtype=torch.float64)
-                            mean[0] = gap
-                        else:
-                            u = torch.rand(k, generator=gen, dtype=torch.float64)
-                            mean = gap * (u - u.min()) / (u.max() - u.min())
-                        if kind == "iso":
-                            cov = v * torch.eye(k, dtype=torch.float64)
-                        elif kind == "diag":
-                            d = 0.2 + 1.6 * torch.rand(k, generator=gen, dtype=torch.float64)
-                            cov = torch.diag(v * d)
-                        else:
-                            a = torch.randn(k, k, generator=gen, dtype=torch.float64)
-                            cov = a @ a.T
-                            cov = v * cov / cov.diagonal().mean()
-                        cases.append((k, v, gap, kind, layout, mean, cov))
-    return cases
-
-
-def probit_softmax(mean: Tensor, cov: Tensor) -> Tensor:
-    """Per-class probit scaling ``softmax(mu / sqrt(1 + pi/8 C_kk))``."""
-    var = cov if cov.shape == mean.shape else cov.diagonal(dim1=-2, dim2=-1)
-    return torch.softmax(mean * torch.rsqrt(1 + F.PROBIT_LAMBDA * var), -1)
-
-
-def laplace_bridge(mean: Tensor, cov: Tensor) -> Tensor:
-    """Mean of the Laplace-bridge Dirichlet (diagonal of ``cov`` only)."""
-    k = mean.shape[-1]
-    var = cov if cov.shape == mean.shape else cov.diagonal(dim1=-2, dim2=-1)
-    inner = torch.exp(mean) * torch.exp(-mean).sum(-1, keepdim=True) / k**2
-    alpha = (1 - 2 / k + inner) / var
-    return alpha / alpha.sum(-1, keepdim=True)
 
 
 PREDICTIVES = {
@@ -98,8 +52,8 @@ PREDICTIVES = {
     "conditional mean-field": P.categorical_conditional_mean_field,
     "multinomial probit": P.categorical_multinomial_probit,
     "pairwise mean-field probit": F.categorical_mean_field_predictive,
-    "per-class probit": probit_softmax,
-    "Laplace bridge": laplace_bridge,
+    "per-class probit": G.probit_softmax,
+    "Laplace bridge": G.laplace_bridge,
 }
 
 
@@ -114,31 +68,20 @@ EXPECTED_LOG_LIKS = {
 }
 
 
-def _jensen(mean: Tensor, cov: Tensor, y: Tensor) -> Tensor:
-    var = cov if cov.shape == mean.shape else cov.diagonal(dim1=-2, dim2=-1)
-    return mean.gather(-1, y.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(mean + var / 2, -1)
-
-
 OBJECTIVES = {
     "bound (library default)": F.categorical_bound_expected_log_prob,
     "Clark smoothed max": F.categorical_clark_expected_log_prob,
     "delta (B.4)": F.categorical_delta_expected_log_prob,
-    "Jensen mu_y - lse(mu + v/2)": _jensen,
+    "Jensen mu_y - lse(mu + v/2)": G.jensen_expected_log_prob,
 }
-
-
-def _draws(mean: Tensor, cov: Tensor, n: int, gen: torch.Generator) -> Tensor:
-    k = mean.shape[-1]
-    chol = torch.linalg.cholesky(cov + 1e-12 * torch.eye(k, dtype=torch.float64))
-    return mean + torch.randn(n, k, generator=gen, dtype=torch.float64) @ chol.T
 
 
 def objective_table(draws: int, seed: int) -> None:
     """Signed errors of the expected log-likelihoods against Monte Carlo (issue 23)."""
     gen = torch.Generator().manual_seed(seed)
     rows: dict[str, list[tuple[int, float, float, float, float]]] = defaultdict(list)
-    for k, v, _gap, kind, _layout, mean, cov in grid(gen, OBJECTIVE_SCALES):
-        log_sm = torch.log_softmax(_draws(mean, cov, draws, gen), -1)
+    for k, v, _gap, kind, _layout, mean, cov in G.grid(gen, OBJECTIVE_SCALES):
+        log_sm = torch.log_softmax(G.gaussian_draws(mean, cov, draws, gen), -1)
         mc, se = log_sm.mean(0), log_sm.std(0) / draws**0.5
         c = cov if kind == "full" else cov.diagonal()
         labels = torch.arange(k)
@@ -173,16 +116,16 @@ def predictive_tables(draws: int, seed: int) -> None:
     tv: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     ll: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     gen = torch.Generator().manual_seed(seed)
-    for k, v, _gap, kind, _layout, mean, cov in grid(gen, PREDICTIVE_SCALES):
-        mc_probs = torch.softmax(_draws(mean, cov, draws, gen), -1).mean(0)
+    for k, v, _gap, kind, _layout, mean, cov in G.grid(gen, PREDICTIVE_SCALES):
+        mc_probs = torch.softmax(G.gaussian_draws(mean, cov, draws, gen), -1).mean(0)
         c = cov if kind == "full" else cov.diagonal()
         for name, fn in PREDICTIVES.items():
             if name == "Laplace bridge" and kind == "full":
                 continue
             tv[name].append((k, v, 0.5 * (fn(mean, c) - mc_probs).abs().sum().item()))
     gen = torch.Generator().manual_seed(seed)
-    for k, v, _gap, kind, _layout, mean, cov in grid(gen):
-        mc_ll = torch.log_softmax(_draws(mean, cov, draws, gen), -1).mean(0)
+    for k, v, _gap, kind, _layout, mean, cov in G.grid(gen):
+        mc_ll = torch.log_softmax(G.gaussian_draws(mean, cov, draws, gen), -1).mean(0)
         c = cov if kind == "full" else cov.diagonal()
         labels = torch.arange(k)
         means, covs = mean.expand(k, k), c.expand(k, *c.shape)

@@ -3,6 +3,6 @@
 The recipes in ``recipes/`` stay short scripts over these; the parts are typed and tested.
 """
 
-from . import classification
+from . import classification, softmax_grid
 
-__all__ = ["classification"]
+__all__ = ["classification", "softmax_grid"]

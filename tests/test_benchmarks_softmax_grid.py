@@ -1,0 +1,57 @@
+"""The softmax grid and reference forms of recipes/categorical_closed_forms.py."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lightning_dvi.benchmarks import softmax_grid as G
+
+
+def test_grid_covers_every_cell_with_valid_covariances() -> None:
+    cases = G.grid(torch.Generator().manual_seed(0), (0.1, 10.0))
+    assert len(cases) == len(G.CLASSES) * 2 * len(G.GAPS) * len(G.KINDS) * 2
+    for k, v, gap, kind, layout, mean, cov in cases:
+        assert mean.shape == (k,) and cov.shape == (k, k) and mean.dtype == torch.float64
+        if kind == "diag":  # v times U(0.2, 1.8)
+            assert ((cov.diagonal() >= 0.2 * v) & (cov.diagonal() <= 1.8 * v)).all()
+        else:
+            torch.testing.assert_close(cov.diagonal().mean(), torch.tensor(v, dtype=torch.float64))
+        assert torch.linalg.eigvalsh(cov).min() > -1e-9 * v
+        assert math.isclose(float(mean.max() - mean.min()), gap, abs_tol=1e-12)
+        if layout == "top":
+            assert float(mean[0]) == gap and (mean[1:] == 0).all()
+        if kind != "full":
+            torch.testing.assert_close(cov, torch.diag(cov.diagonal()))
+
+
+def test_reference_predictives_are_distributions_with_the_right_limits() -> None:
+    mean = torch.tensor([2.0, 0.0, -1.0], dtype=torch.float64)
+    tiny = torch.full((3,), 1e-12, dtype=torch.float64)
+    # no logit variance: the per-class probit is the softmax
+    torch.testing.assert_close(G.probit_softmax(mean, tiny), torch.softmax(mean, -1))
+    for var in (0.1, 1.0, 100.0):
+        for f in (G.probit_softmax, G.laplace_bridge):
+            p = f(mean, torch.diag(torch.full((3,), var, dtype=torch.float64)))
+            assert (p > 0).all()
+            torch.testing.assert_close(p.sum(), torch.tensor(1.0, dtype=torch.float64))
+    # symmetric logits: both are uniform
+    zero = torch.zeros(4, dtype=torch.float64)
+    for f in (G.probit_softmax, G.laplace_bridge):
+        torch.testing.assert_close(
+            f(zero, torch.ones(4, dtype=torch.float64)), torch.full((4,), 0.25, dtype=torch.float64)
+        )
+
+
+def test_draws_and_jensen_against_monte_carlo() -> None:
+    gen = torch.Generator().manual_seed(1)
+    _, _, _, _, _, mean, cov = G.grid(gen, (1.0,))[-1]  # K=10, full correlated covariance
+    x = G.gaussian_draws(mean, cov, 200_000, gen)
+    torch.testing.assert_close(x.mean(0), mean, atol=0.02, rtol=0)
+    torch.testing.assert_close(torch.cov(x.T), cov, atol=0.03, rtol=0)
+    y = torch.arange(mean.shape[-1])
+    mc = torch.log_softmax(x, -1).mean(0)
+    bound = G.jensen_expected_log_prob(mean.expand(len(y), -1), cov.expand(len(y), -1, -1), y)
+    # a lower bound: never above the Monte Carlo value beyond its noise (here < 0.01 nats)
+    assert (bound <= mc + 0.01).all()
