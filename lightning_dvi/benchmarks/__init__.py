@@ -1,0 +1,4 @@
+"""Reusable parts of the library's benchmarks (data splits, baselines, training protocols).
+
+The recipes in ``recipes/`` stay short scripts over these; the parts are typed and tested.
+"""
