@@ -16,9 +16,15 @@ Candidates: the second-order delta method (appendix B.4/B.5), the pairwise mean-
 predictive (the library's ``Categorical(method="delta")`` predictive), the per-class probit
 ``softmax(mu / sqrt(1 + pi/8 C_kk))``, the Laplace bridge (Hobbhahn et al. 2022, diag only),
 the plug-in ``log_softmax(mu)`` and the Clark smoothed-max expected log-likelihood.
+
+``--table objective`` (issue 23) measures the expected log-likelihoods as *training
+objectives*: the signed error ``closed form - Monte Carlo`` (positive = optimistic, which an
+optimiser can exploit) over logit variance scales 1e-3 ... 1e3, in nats and in units of the
+oracle's own standard error, for the certified bound (``Categorical(method="bound")``), Clark,
+the delta method and plain Jensen.
 Usage::
 
-    python recipes/categorical_closed_forms.py [--draws 200000] [--seed 0]
+    python recipes/categorical_closed_forms.py [--draws 200000] [--seed 0] [--table all]
 """
 
 from __future__ import annotations
@@ -32,16 +38,19 @@ from torch import Tensor
 from lightning_dvi.likelihoods import functional as F
 
 SCALES = (1e-2, 1e-1, 1.0, 10.0, 100.0)
+OBJECTIVE_SCALES = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3)
 GAPS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 CLASSES = (2, 3, 10)
 KINDS = ("iso", "diag", "full")
 
 
-def grid(gen: torch.Generator) -> list[tuple[int, float, float, str, str, Tensor, Tensor]]:
+def grid(
+    gen: torch.Generator, scales: tuple[float, ...] = SCALES
+) -> list[tuple[int, float, float, str, str, Tensor, Tensor]]:
     """All grid points ``(K, v, gap, kind, layout, mean, full_cov)`` in float64."""
     cases = []
     for k in CLASSES:
-        for v in SCALES:
+        for v in scales:
             for gap in GAPS:
                 for kind in KINDS:
                     for layout in ("top", "spread"):
@@ -98,20 +107,67 @@ EXPECTED_LOG_LIKS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the comparison and print the error tables."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draws", type=int, default=200_000)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    gen = torch.Generator().manual_seed(args.seed)
+def _jensen(mean: Tensor, cov: Tensor, y: Tensor) -> Tensor:
+    var = cov if cov.shape == mean.shape else cov.diagonal(dim1=-2, dim2=-1)
+    return mean.gather(-1, y.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(mean + var / 2, -1)
+
+
+OBJECTIVES = {
+    "bound (library default)": F.categorical_bound_expected_log_prob,
+    "Clark smoothed max": F.categorical_clark_expected_log_prob,
+    "delta (B.4)": F.categorical_delta_expected_log_prob,
+    "Jensen mu_y - lse(mu + v/2)": _jensen,
+}
+
+
+def _draws(mean: Tensor, cov: Tensor, n: int, gen: torch.Generator) -> Tensor:
+    k = mean.shape[-1]
+    chol = torch.linalg.cholesky(cov + 1e-12 * torch.eye(k, dtype=torch.float64))
+    return mean + torch.randn(n, k, generator=gen, dtype=torch.float64) @ chol.T
+
+
+def objective_table(draws: int, seed: int) -> None:
+    """Signed errors of the expected log-likelihoods against Monte Carlo (issue 23)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows: dict[str, list[tuple[int, float, float, float, float]]] = defaultdict(list)
+    for k, v, _gap, kind, _layout, mean, cov in grid(gen, OBJECTIVE_SCALES):
+        log_sm = torch.log_softmax(_draws(mean, cov, draws, gen), -1)
+        mc, se = log_sm.mean(0), log_sm.std(0) / draws**0.5
+        c = cov if kind == "full" else cov.diagonal()
+        labels = torch.arange(k)
+        means, covs = mean.expand(k, k), c.expand(k, *c.shape)
+        for name, fn in OBJECTIVES.items():
+            err = fn(means, covs, labels) - mc
+            for e, s, m in zip(err.tolist(), se.tolist(), mc.tolist(), strict=True):
+                rows[name].append((k, v, e, e / s, e / abs(m)))
+    n = len(rows["bound (library default)"])
+    ses = [r[2] / r[3] for r in rows["Clark smoothed max"] if r[3] != 0]
+    print(
+        f"\n{n} (grid point, label) pairs, {draws} Monte Carlo draws each; oracle standard error "
+        f"median {torch.tensor(ses).median():.2g}, max {max(ses):.2g} nats"
+    )
+    print("\nSigned error closed form - Monte Carlo, nats (positive = optimistic)")
+    head = " | ".join(f"v={v:g}" for v in OBJECTIVE_SCALES)
+    print(f"| method | max optimism | max z | {head} |")
+    for name, rs in rows.items():
+        most = [max(r[2] for r in rs if r[1] == v) for v in OBJECTIVE_SCALES]
+        cells = " | ".join(f"{x:+.2g}" for x in most)
+        print(f"| {name} | {max(r[2] for r in rs):+.3g} | {max(r[3] for r in rs):.3g} | {cells} |")
+    print("\nPessimism Monte Carlo - closed form, nats (max per column; K = 2 / 3 / 10)")
+    print(f"| method | K | {head} |")
+    for name, rs in rows.items():
+        for k in CLASSES:
+            worst = [max(-r[2] for r in rs if r[1] == v and r[0] == k) for v in OBJECTIVE_SCALES]
+            print(f"| {name} | {k} | " + " | ".join(f"{x:.2g}" for x in worst) + " |")
+
+
+def predictive_tables(draws: int, seed: int) -> None:
+    """Predictive TV and expected log-likelihood |error| tables (issue 17)."""
+    gen = torch.Generator().manual_seed(seed)
     tv: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     ll: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     for k, v, _gap, kind, _layout, mean, cov in grid(gen):
-        draws = mean + torch.randn(args.draws, k, generator=gen, dtype=torch.float64) @ (
-            torch.linalg.cholesky(cov + 1e-12 * torch.eye(k, dtype=torch.float64)).T
-        )
-        log_sm = torch.log_softmax(draws, -1)
+        log_sm = torch.log_softmax(_draws(mean, cov, draws, gen), -1)
         mc_probs, mc_ll = log_sm.exp().mean(0), log_sm.mean(0)
         c = cov if kind == "full" else cov.diagonal()
         for name, fn in PREDICTIVES.items():
@@ -137,9 +193,22 @@ def main(argv: list[str] | None = None) -> None:
             cells = " | ".join(f"{x:.3g}" for x in (*by_v, *by_k))
             print(f"| {name} | {e.max():.3g} | {e.mean():.3g} | {cells} |")
 
-    print(f"{len(tv['delta (B.5)'])} grid points, {args.draws} Monte Carlo draws each")
+    print(f"{len(tv['delta (B.5)'])} grid points, {draws} Monte Carlo draws each")
     table("Predictive: total-variation distance to Monte Carlo (max per column)", tv)
     table("Expected log-likelihood: max |error| over labels, nats (max per column)", ll)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the comparisons and print the error tables."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--draws", type=int, default=200_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--table", choices=("predictive", "objective", "all"), default="all")
+    args = parser.parse_args(argv)
+    if args.table in ("predictive", "all"):
+        predictive_tables(args.draws, args.seed)
+    if args.table in ("objective", "all"):
+        objective_table(args.draws, args.seed)
 
 
 if __name__ == "__main__":

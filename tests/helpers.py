@@ -32,3 +32,31 @@ def posterior_net(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
                 layer.bias_raw_scale.normal_(-2.0, 0.5)
                 layer.bias_loc.normal_(0, 0.3)
     return net
+
+
+def logit_grid(seed: int, scales: tuple[float, ...], gaps: tuple[float, ...]) -> Any:
+    """``(K, v, mean, cov_for_the_api, full_cov)`` over classes 2/3/10, logit variance scales,
+    mean gaps and covariance kinds (a diag one, then a full one), float64, seeded."""
+    f64 = torch.float64
+    gen = torch.Generator().manual_seed(seed)
+    for k in (2, 3, 10):
+        for v in scales:
+            for gap in gaps:
+                u = torch.rand(k, generator=gen, dtype=f64)
+                mean = gap * (u - u.min()) / (u.max() - u.min())
+                diag = v * (0.2 + 1.6 * torch.rand(k, generator=gen, dtype=f64))
+                yield k, v, mean, diag, torch.diag(diag)
+                a = torch.randn(k, k, generator=gen, dtype=f64)
+                full = a @ a.T
+                full = v * full / full.diagonal().mean()
+                yield k, v, mean, full, full
+
+
+def log_softmax_draws(
+    mean: torch.Tensor, full: torch.Tensor, draws: int, gen: torch.Generator
+) -> torch.Tensor:
+    """``log softmax(a)`` for ``draws`` draws ``a ~ N(mean, full)``, ``[draws, K]``."""
+    k = mean.shape[-1]
+    chol = torch.linalg.cholesky(full + 1e-12 * torch.eye(k, dtype=full.dtype))
+    noise = torch.randn(draws, k, generator=gen, dtype=full.dtype)
+    return torch.log_softmax(mean + noise @ chol.T, -1)

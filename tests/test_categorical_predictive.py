@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import cpu_trainer
+from helpers import cpu_trainer, log_softmax_draws, logit_grid
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dvi import DVIClassifier, Gaussian
@@ -24,32 +24,13 @@ TV_BOUND, TV_BOUND_SMALL_V, TV_BOUND_BINARY = 0.27, 0.02, 0.025
 LL_BOUND, LL_BOUND_SMALL_V = 0.65, 0.025
 
 
-def _grid():
-    """``(K, v, mean, cov_for_the_api, full_cov)`` over classes, scales, gaps and cov kinds."""
-    gen = torch.Generator().manual_seed(0)
-    for k in (2, 3, 10):
-        for v in SCALES:
-            for gap in GAPS:
-                u = torch.rand(k, generator=gen, dtype=F64)
-                mean = gap * (u - u.min()) / (u.max() - u.min())
-                diag = v * (0.2 + 1.6 * torch.rand(k, generator=gen, dtype=F64))
-                yield k, v, mean, diag, torch.diag(diag)
-                a = torch.randn(k, k, generator=gen, dtype=F64)
-                full = a @ a.T
-                full = v * full / full.diagonal().mean()
-                yield k, v, mean, full, full
-
-
 @pytest.fixture(scope="module")
 def oracle():
     """Monte Carlo predictive and per-label expected log-likelihood for every grid point."""
     gen = torch.Generator().manual_seed(1)
     rows = []
-    for k, v, mean, cov, full in _grid():
-        chol = torch.linalg.cholesky(full + 1e-12 * torch.eye(k, dtype=F64))
-        log_sm = torch.log_softmax(
-            mean + torch.randn(DRAWS, k, generator=gen, dtype=F64) @ chol.T, -1
-        )
+    for k, v, mean, cov, full in logit_grid(0, SCALES, GAPS):
+        log_sm = log_softmax_draws(mean, full, DRAWS, gen)
         rows.append((k, v, mean, cov, log_sm.exp().mean(0), log_sm.mean(0)))
     return rows
 

@@ -162,7 +162,7 @@ def test_onnx_files_match_torch_in_onnxruntime_without_lightning_dvi(tmp_path):
 
 def test_bad_exports_rejected(tmp_path):
     net = _native(3)
-    with pytest.raises(ValueError, match="method='delta'"):
+    with pytest.raises(ValueError, match="method='bound'"):
         export_predictive(net, Categorical(3, method="mc"))
     with pytest.raises(ValueError, match="mode"):
         export_predictive(net, mode="sample")
@@ -170,3 +170,11 @@ def test_bad_exports_rejected(tmp_path):
         export_predictive(nn.Linear(3, 2))
     with pytest.raises(ValueError, match="suffix"):
         export_predictive(net).save(tmp_path / "model.bin", torch.randn(2, 3))
+
+
+def test_bernoulli_and_poisson_are_not_exported_yet():
+    from lightning_dvi.likelihoods import Bernoulli, Poisson
+
+    for likelihood in (Bernoulli(), Poisson()):
+        with pytest.raises(ValueError, match="no exportable predictive"):
+            export_predictive(_native(1), likelihood)

@@ -9,12 +9,12 @@ import torch
 from torch import Tensor
 from torchmetrics import MetricCollection
 
-from ..likelihoods import Categorical
+from ..likelihoods import Bernoulli, Categorical
 from ..metrics import ClassificationMetrics
 from ..metrics.classification import ExpectedCalibrationError
 from ._base import DVIModule, PredictiveMethod, resolve_method
 from ._data import DataView
-from ._validation import positive_int
+from ._validation import one_of, positive_int
 from .temperature import temper_probs
 
 __all__ = ["DVIClassifier"]
@@ -45,14 +45,21 @@ class DVIClassifier(DVIModule):
             links ``data.num_classes``).
         hidden: hidden-layer widths.
         likelihood_method: how the expected log-likelihood integrates over the logit
-            Gaussian: ``"clark"`` (default; closed form valid for any logit variance,
-            :func:`~lightning_dvi.likelihoods.functional.categorical_clark_expected_log_prob`),
-            ``"delta"`` (the paper's second-order delta method, appendix B.4) or ``"mc"``
-            (DVI-MC: Monte Carlo over the logits only). The delta method's penalty on the
-            logit variance vanishes on confidently classified points, so with long training
-            the KL inflates the logit variances without check and the predictive becomes
-            under-confident (docs/calibration.md); hence the default.
+            Gaussian: ``"bound"`` (default; a lower bound that is never above the true expected
+            log-likelihood and tight at trained parameters,
+            :func:`~lightning_dvi.likelihoods.functional.categorical_bound_expected_log_prob`),
+            ``"clark"`` (smoothed-max closed form, an approximation), ``"delta"`` (the paper's
+            second-order delta method, appendix B.4) or ``"mc"`` (DVI-MC: Monte Carlo over the
+            logits only). ``"clark"`` and ``"delta"`` are for analysis: both can sit above the
+            true value, and the delta method's penalty on the logit variance vanishes on
+            confidently classified points, so with long training the KL inflates the logit
+            variances without check (docs/calibration.md).
         likelihood_mc_samples: logit draws for ``likelihood_method="mc"``.
+        likelihood: ``"categorical"`` (default; ``num_classes`` logits) or ``"bernoulli"``
+            (two classes from a single logit, :class:`~lightning_dvi.likelihoods.Bernoulli`:
+            the network has one output; ``num_classes`` must be 2 or unset, labels 0/1;
+            ``likelihood_method`` does not apply). Predictions and metrics are the same
+            ``[B, 2]`` class probabilities either way.
         ece_bins: confidence bins of the expected calibration error and reliability diagram.
         **kwargs: the shared arguments of :class:`~lightning_dvi.lightning._base.DVIModule`
             (``mode``, ``prior``, ``lr``, the KL schedule, ``net``, ...; see
@@ -65,7 +72,7 @@ class DVIClassifier(DVIModule):
         True
     """
 
-    likelihood: Categorical
+    likelihood: Categorical | Bernoulli
     predictive_temperature: Tensor  # buffer
 
     def __init__(
@@ -73,15 +80,25 @@ class DVIClassifier(DVIModule):
         in_features: int | None = None,
         num_classes: int | None = None,
         hidden: list[int] = [64],  # noqa: B006 (jsonargparse and the CLI help show it)
-        likelihood_method: Literal["clark", "delta", "mc"] = "clark",
+        likelihood_method: Literal["bound", "clark", "delta", "mc"] = "bound",
         likelihood_mc_samples: int = 32,
         ece_bins: int = 15,
+        likelihood: Literal["categorical", "bernoulli"] = "categorical",
         **kwargs: Any,
     ) -> None:
-        if num_classes is None:  # otherwise _set_num_classes checks them, once
+        one_of("likelihood", likelihood, ("categorical", "bernoulli"))
+        self._binary = likelihood == "bernoulli"
+        if self._binary and num_classes not in (None, 2):
+            raise ValueError(
+                "DVIClassifier: likelihood='bernoulli' is two classes from one logit; "
+                f"num_classes must be 2 or unset, got {num_classes!r}"
+            )
+        if num_classes is None and not self._binary:  # else _set_num_classes checks them, once
             Categorical(2, likelihood_method, likelihood_mc_samples)
         positive_int("ece_bins", ece_bins)
-        super().__init__(in_features=in_features, hidden=hidden, out_features=num_classes, **kwargs)
+        num_classes = 2 if self._binary else num_classes
+        outputs = 1 if self._binary else num_classes
+        super().__init__(in_features=in_features, hidden=hidden, out_features=outputs, **kwargs)
         self.likelihood_method = likelihood_method
         self.likelihood_mc_samples = likelihood_mc_samples
         self.ece_bins = ece_bins
@@ -104,10 +121,14 @@ class DVIClassifier(DVIModule):
 
     def _set_num_classes(self, num_classes: int) -> None:
         """Create the likelihood and metrics for ``num_classes`` classes."""
-        self.likelihood = Categorical(
-            num_classes, self.likelihood_method, self.likelihood_mc_samples
-        )
-        self.num_classes = self.out_features = num_classes
+        if self._binary:
+            self.likelihood = Bernoulli()
+        else:
+            self.likelihood = Categorical(
+                num_classes, self.likelihood_method, self.likelihood_mc_samples
+            )
+        self.num_classes = num_classes
+        self.out_features = self.likelihood.num_outputs
         self.val_metrics = ClassificationMetrics(num_classes, prefix="val/", n_bins=self.ece_bins)
         self.test_metrics = ClassificationMetrics(num_classes, prefix="test/", n_bins=self.ece_bins)
 
@@ -144,8 +165,8 @@ class DVIClassifier(DVIModule):
         Args:
             x: inputs ``[B, D]``.
             method: ``"closed_form"``: the logit Gaussian through :meth:`Categorical.predictive_probs
-                <lightning_dvi.likelihoods.Categorical.predictive_probs>` (the delta method of
-                appendix B.4, or Monte Carlo over logit draws with ``likelihood_method="mc"``;
+                <lightning_dvi.likelihoods.Categorical.predictive_probs>` (the pairwise mean-field
+                closed form, or Monte Carlo over logit draws with ``likelihood_method="mc"``;
                 in ``full`` mode for a model trained in ``sample``/``local`` mode). ``"mc"``: the
                 average :math:`\frac1S\sum_s\operatorname{softmax}(a_s)` over ``num_samples``
                 draws of the **weights** (pre-activation draws in ``local`` mode). Default:
@@ -161,7 +182,7 @@ class DVIClassifier(DVIModule):
             out = self.net(x, mode=self.mode if self.mode in ("full", "diag") else "full")
             probs = self.likelihood.predictive_probs(out)
         else:
-            probs = torch.softmax(self._weight_draws(x, num_samples), dim=-1).mean(0)
+            probs = self.likelihood.class_probs(self._weight_draws(x, num_samples)).mean(0)
         if bool(self.predictive_temperature != 1):
             probs = temper_probs(probs, self.predictive_temperature)
         return probs

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 
-from ..likelihoods import HeteroscedasticGaussian, HomoscedasticGaussian
+from ..likelihoods import HeteroscedasticGaussian, HomoscedasticGaussian, Poisson
 from ..metrics import RegressionMetrics
 from ..metrics.regression import RegressionCalibrationError
 from ._base import DVIModule, PredictiveMethod, resolve_method
@@ -50,13 +50,16 @@ class VarianceSplit(Metric):
         return (self.aleatoric / n).sqrt(), (self.epistemic / n).sqrt()
 
 
-def _regression_likelihood(
-    likelihood: str, init_log_noise: float
-) -> HeteroscedasticGaussian | HomoscedasticGaussian:
+RegressionLikelihood = HeteroscedasticGaussian | HomoscedasticGaussian | Poisson
+
+
+def _regression_likelihood(likelihood: str, init_log_noise: float) -> RegressionLikelihood:
     """The likelihood named ``likelihood``; a homoscedastic one starts at ``init_log_noise``."""
-    one_of("likelihood", likelihood, ("heteroscedastic", "homoscedastic"))
+    one_of("likelihood", likelihood, ("heteroscedastic", "homoscedastic", "poisson"))
     if likelihood == "heteroscedastic":
         return HeteroscedasticGaussian()
+    if likelihood == "poisson":
+        return Poisson()
     return HomoscedasticGaussian(init_log_variance=init_log_noise)
 
 
@@ -111,8 +114,13 @@ class DVIRegressor(DVIModule):
         in_features: input size; ``None`` reads it from the data in ``setup()`` (the CLI links
             ``data.in_features``).
         hidden: hidden-layer widths.
-        likelihood: ``"heteroscedastic"`` (outputs :math:`(m, \ell)`, noise :math:`e^\ell`) or
-            ``"homoscedastic"`` (one output, a learned global log-variance).
+        likelihood: ``"heteroscedastic"`` (outputs :math:`(m, \ell)`, noise :math:`e^\ell`),
+            ``"homoscedastic"`` (one output, a learned global log-variance) or ``"poisson"``
+            (counts: one output, the log-rate :math:`f`, :math:`y\sim\operatorname{Poisson}
+            (e^f)`, :class:`~lightning_dvi.likelihoods.Poisson`; targets are counts in their own
+            units, so it needs ``standardize_targets=False``; the predictive mean and variance
+            are the exact Poisson log-normal ones, and ``val/``/``test/`` NLL is that of the
+            Gaussian with those moments, :meth:`predictive_log_prob` the exact one).
         init_log_noise: initial log noise variance: the bias of the :math:`\ell` output
             (heteroscedastic) or :math:`\lambda` (homoscedastic). Starting low lets the mean fit
             before the noise explains the data away.
@@ -139,7 +147,7 @@ class DVIRegressor(DVIModule):
         (torch.Size([4]), False)
     """
 
-    likelihood: HeteroscedasticGaussian | HomoscedasticGaussian
+    likelihood: RegressionLikelihood
     target_loc: Tensor  # buffers
     target_scale: Tensor
 
@@ -147,7 +155,7 @@ class DVIRegressor(DVIModule):
         self,
         in_features: int | None = None,
         hidden: list[int] = [128, 128],  # noqa: B006 (jsonargparse and the CLI help show it)
-        likelihood: Literal["heteroscedastic", "homoscedastic"] = "heteroscedastic",
+        likelihood: Literal["heteroscedastic", "homoscedastic", "poisson"] = "heteroscedastic",
         init_log_noise: float = -3.0,
         target_loc: float | None = None,
         target_scale: float | None = None,
@@ -157,6 +165,11 @@ class DVIRegressor(DVIModule):
         lik = _regression_likelihood(likelihood, init_log_noise)
         if not isinstance(standardize_targets, bool):
             raise ValueError(f"standardize_targets must be a bool, got {standardize_targets!r}")
+        if isinstance(lik, Poisson) and standardize_targets:
+            raise ValueError(
+                "DVIRegressor: likelihood='poisson' models counts in their own units; pass "
+                "standardize_targets=False"
+            )
         super().__init__(
             in_features=in_features, hidden=hidden, out_features=lik.num_outputs, **kwargs
         )
@@ -184,7 +197,8 @@ class DVIRegressor(DVIModule):
         """Also resolve the target standardisation: arguments, datamodule, or training data."""
         super()._resolve_from_data(view)
         flag = view.attribute("targets_standardized")
-        if flag is not None and bool(flag) == self.standardize_targets:
+        counts = isinstance(self.likelihood, Poisson)  # never standardised
+        if flag is not None and bool(flag) == self.standardize_targets and not counts:
             # The datamodule knows what its batches hold.
             self.standardize_targets = not bool(flag)
             self.hparams["standardize_targets"] = self.standardize_targets
@@ -263,7 +277,7 @@ class DVIRegressor(DVIModule):
         if method == "closed_form":
             out = self.net(x, mode=self.mode if self.mode in ("full", "diag") else "full")
             dist = self.likelihood.predictive(out)
-            return dist.mean, dist.variance, out.var[..., 0]
+            return dist.mean, dist.variance, self.likelihood.epistemic_variance(out)
         f = self._weight_draws(x, num_samples)
         # One Gaussian per weight draw (zero output variance), then the mixture's moments.
         per_sample = self.likelihood.conditional(f)
@@ -318,6 +332,11 @@ class DVIRegressor(DVIModule):
         Gaussian; the usual MCVI test log-likelihood). Per point, in the original units of ``y``.
         """
         y = self.targets_in_original_units(y.reshape(x.shape[0]))
+        if resolve_method(self.mode, method) == "closed_form" and isinstance(
+            self.likelihood, Poisson
+        ):
+            out = self.net(x, mode=self.mode if self.mode in ("full", "diag") else "full")
+            return self.likelihood.predictive(out).log_prob(y)  # counts: never rescaled
         if resolve_method(self.mode, method) == "closed_form":
             mean, var = self.predictive(x, "closed_form")
             return cast(Tensor, torch.distributions.Normal(mean, var.sqrt()).log_prob(y))

@@ -4,15 +4,21 @@
 :class:`~lightning_dvi.Gaussian` outputs and ``torch.distributions`` predictives.
 """
 
-from . import functional
+from . import functional, logistic_normal
 from .base import Likelihood
+from .bernoulli import Bernoulli
 from .categorical import Categorical
 from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian
+from .poisson import Poisson, PoissonLogNormal
 
 __all__ = [
+    "Bernoulli",
     "Categorical",
     "HeteroscedasticGaussian",
     "HomoscedasticGaussian",
     "Likelihood",
+    "Poisson",
+    "PoissonLogNormal",
     "functional",
+    "logistic_normal",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -181,4 +182,17 @@ class Likelihood(nn.Module):
             y = y.to(torch.get_default_dtype())
         if not _all_finite(y):
             raise ValueError(f"{type(self).__name__}: targets contain NaN or Inf")
+        return y
+
+    def _check_discrete(self, y: Tensor, valid: Callable[[Tensor], Tensor], what: str) -> Tensor:
+        """Floating targets, finite and with ``valid(y)`` everywhere, else a ValueError ``what``."""
+        if y.is_complex():
+            raise ValueError(f"{type(self).__name__}: {what}, got dtype {y.dtype}")
+        y = y if y.dtype.is_floating_point else y.to(torch.get_default_dtype())
+        if torch.compiler.is_compiling():  # value checks are host reads: done by the caller
+            return y
+        if not _all_finite(y):
+            raise ValueError(f"{type(self).__name__}: targets contain NaN or Inf")
+        if y.numel() and not bool(valid(y).all()):
+            raise ValueError(f"{type(self).__name__}: {what}")
         return y

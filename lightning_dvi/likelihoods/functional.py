@@ -1,6 +1,8 @@
 r"""Closed-form expected log-likelihoods and predictives on tensors (no state, torch only).
 
 One implementation of each formula; the likelihood modules and the Pyro front-end call these.
+The logistic-normal integrals (softplus and sigmoid against a Gaussian) and the bounds built on
+them live in :mod:`lightning_dvi.likelihoods.logistic_normal` and are re-exported here.
 Every formula is checked against Monte Carlo in ``tests/test_likelihoods.py`` and written out,
 with the paper's typos corrected, in ``docs/likelihoods_and_priors.md``.
 
@@ -16,7 +18,16 @@ import math
 import torch
 from torch import Tensor
 
+from .logistic_normal import (
+    bernoulli_expected_log_prob,
+    categorical_bound_expected_log_prob,
+    sigmoid_normal_mean,
+    softplus_normal_bound,
+)
+
 __all__ = [
+    "bernoulli_expected_log_prob",
+    "categorical_bound_expected_log_prob",
     "categorical_clark_expected_log_prob",
     "categorical_delta_expected_log_prob",
     "categorical_delta_predictive",
@@ -24,6 +35,9 @@ __all__ = [
     "heteroscedastic_expected_log_prob",
     "heteroscedastic_predictive_moments",
     "normal_expected_log_prob",
+    "poisson_expected_log_prob",
+    "sigmoid_normal_mean",
+    "softplus_normal_bound",
 ]
 
 _LOG_2PI = math.log(2 * math.pi)
@@ -61,6 +75,34 @@ def normal_expected_log_prob(
     """
     noise_var = torch.as_tensor(noise_var, dtype=mean.dtype, device=mean.device)
     return -0.5 * (_LOG_2PI + noise_var.log() + ((y - mean).square() + var) / noise_var)
+
+
+def poisson_expected_log_prob(mean: Tensor, var: Tensor | float, y: Tensor) -> Tensor:
+    r"""Expected Poisson log-likelihood with a Gaussian log-rate, exact.
+
+    .. math::
+        \mathbb E_{f\sim\mathcal N(\mu, v)}\log\operatorname{Poisson}(y; e^f)
+        = y\mu - e^{\mu + v/2} - \log y!
+
+    (the log-normal mean :math:`\mathbb E e^f = e^{\mu + v/2}`; the other terms are linear
+    in :math:`f`).
+
+    Args:
+        mean: :math:`\mu`. All arguments broadcast elementwise.
+        var: :math:`v \ge 0`.
+        y: counts (non-negative integers, any dtype).
+
+    Returns:
+        The expected log-likelihood, the broadcast shape of the inputs.
+
+    Examples:
+        >>> y = torch.tensor([0.0, 3.0])
+        >>> exact = torch.distributions.Poisson(torch.ones(2)).log_prob(y)
+        >>> torch.allclose(poisson_expected_log_prob(torch.zeros(2), 0.0, y), exact)
+        True
+    """
+    y = y.to(mean.dtype)
+    return y * mean - torch.exp(mean + 0.5 * var) - torch.lgamma(y + 1)
 
 
 def heteroscedastic_expected_log_prob(

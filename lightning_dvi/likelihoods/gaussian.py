@@ -77,6 +77,10 @@ class HeteroscedasticGaussian(Likelihood):
         y = self.validate_target(y, self.validate_output(out))
         return F.heteroscedastic_expected_log_prob(*self._parts(out), y)
 
+    def epistemic_variance(self, out: Gaussian) -> Tensor:
+        r""":math:`\Sigma_{mm}`: the part of the predictive variance due to the weights, ``[B]``."""
+        return self.validate_output(out).var[..., 0]
+
     def predictive(self, out: Gaussian) -> torch.distributions.Normal:
         r""":math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2})`."""
         self.validate_output(out)
@@ -128,6 +132,10 @@ class HomoscedasticGaussian(Likelihood):
         y = self.validate_target(y, self.validate_output(out))
         noise_var = self._log_var(out.mean).exp()
         return F.normal_expected_log_prob(out.mean[..., 0], out.var[..., 0], y, noise_var)
+
+    def epistemic_variance(self, out: Gaussian) -> Tensor:
+        r""":math:`\Sigma_{mm}`: the part of the predictive variance due to the weights, ``[B]``."""
+        return self.validate_output(out).var[..., 0]
 
     def predictive(self, out: Gaussian) -> torch.distributions.Normal:
         r""":math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^\lambda)`."""

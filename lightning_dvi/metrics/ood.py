@@ -66,10 +66,12 @@ def mutual_information(sample_probs: Tensor, eps: float = 1e-12) -> Tensor:
 def class_probability_samples(
     out: Gaussian | Tensor, num_samples: int = 64, generator: torch.Generator | None = None
 ) -> Tensor:
-    """Samples of class probabilities ``[S, B, K]`` from a network output.
+    r"""Samples of class probabilities ``[S, B, K]`` from a network output.
 
     A Gaussian over logits (``full``/``diag`` mode) is sampled ``num_samples`` times; a tensor
-    of logit samples ``[S, B, K]`` (``sample``/``local`` mode) is used as it is.
+    of logit samples ``[S, B, K]`` (``sample``/``local`` mode) is used as it is. A single logit
+    (``K = 1``, a Bernoulli classifier) gives the two class probabilities
+    :math:`(1 - \sigma(f), \sigma(f))`.
     """
     if isinstance(out, Gaussian):
         eps = torch.randn(
@@ -83,10 +85,17 @@ def class_probability_samples(
             logits = out.mean + (chol @ eps.unsqueeze(-1)).squeeze(-1)
         else:
             logits = out.mean + out.stddev * eps
-        return torch.softmax(logits, dim=-1)
+        return _class_probs(logits)
     if out.dim() != 3:
         raise ValueError(f"logit samples must have shape [S, B, K], got {tuple(out.shape)}")
-    return torch.softmax(out, dim=-1)
+    return _class_probs(out)
+
+
+def _class_probs(logits: Tensor) -> Tensor:
+    if logits.shape[-1] == 1:  # one logit for two classes
+        p = torch.sigmoid(logits)
+        return torch.cat([1 - p, p], -1)
+    return torch.softmax(logits, dim=-1)
 
 
 def accuracy_rejection_curve(confidence: Tensor, correct: Tensor) -> tuple[Tensor, Tensor]:

@@ -16,10 +16,12 @@ Heads (``likelihood``):
   ``var = Σ_mm + e^λ`` (``[B]`` each).
 * :class:`~lightning_dvi.likelihoods.HeteroscedasticGaussian`: ``mean = ⟨m⟩``,
   ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``.
-* :class:`~lightning_dvi.likelihoods.Categorical` (``method="delta"`` or ``"clark"``): the
-  closed-form class probabilities ``[B, K]`` of
+* :class:`~lightning_dvi.likelihoods.Categorical` (any method but ``"mc"``): the closed-form
+  class probabilities ``[B, K]`` of
   :func:`~lightning_dvi.likelihoods.functional.categorical_mean_field_predictive` (the library's
   predictive), tempered by a classifier's ``predictive_temperature`` when it is not 1.
+
+``Bernoulli`` and ``Poisson`` have no exported head yet (a ``ValueError`` says so).
 
 Regression moments are mapped to the original units with ``target_loc``/``target_scale``
 (``mean * scale + loc``, ``var * scale²``), read from a ``DVIRegressor`` when one is passed.
@@ -236,7 +238,8 @@ def export_predictive(
         if likelihood.method == "mc":
             raise ValueError(
                 "a Categorical(method='mc') predictive samples logits; export needs "
-                "method='delta' or 'clark' (deterministic)"
+                "a deterministic method: method='bound' (the default), method='clark' or "
+                "method='delta'"
             )
         head = "categorical"
     elif isinstance(likelihood, HomoscedasticGaussian):

@@ -1,8 +1,10 @@
 """Pyro front-end: swap ``AutoNormal`` / ``Trace_ELBO`` for DVI without changing the model.
 
 ``DeterministicGuide(model)`` and ``DeterministicELBO()`` replace ``AutoNormal(model)`` and
-``Trace_ELBO()``; ``HeteroscedasticGaussian`` and ``Categorical`` are observation distributions
-with closed-form expected log-likelihoods; ``PyroBayesNet`` exposes a declared
+``Trace_ELBO()``; observed ``dist.Normal``, ``dist.Categorical(logits=f)``,
+``dist.Bernoulli(logits=f)`` and ``dist.Poisson(rate=f.exp())`` sites, and the
+``HeteroscedasticGaussian`` and ``Categorical`` distributions here, use the expected
+log-likelihoods of :mod:`lightning_dvi.likelihoods`; ``PyroBayesNet`` exposes a declared
 ``lightning_dvi.nn`` network (skip connections included) to Pyro for full-covariance DVI.
 """
 
@@ -10,7 +12,7 @@ with closed-form expected log-likelihoods; ``PyroBayesNet`` exposes a declared
 from . import moment_rules  # noqa: F401  (isort: keep first)
 from .distributions import Categorical, HeteroscedasticGaussian
 from .elbo import DeterministicELBO
-from .guide import DeterministicGuide
+from .guide import DeterministicGuide, init_to_he
 from .modules import PyroBayesNet
 from .moment_tensor import MomentTensor
 
@@ -21,4 +23,5 @@ __all__ = [
     "HeteroscedasticGaussian",
     "MomentTensor",
     "PyroBayesNet",
+    "init_to_he",
 ]

@@ -6,7 +6,10 @@ Outside a moment pass these are ordinary Pyro distributions (sample, ``log_prob`
 :class:`~lightning_dvi.pyro.MomentTensor` outputs of a moment pass, :meth:`expected_log_prob`
 gives the closed-form :math:`\mathbb E_q\log p(y\mid f)` of
 :mod:`lightning_dvi.likelihoods.functional`, which the DeterministicELBO uses in place of
-``log_prob``. Plain ``dist.Normal(f, sigma)`` and ``dist.Categorical(logits=f)`` need no wrapper.
+``log_prob``. Plain ``dist.Normal(f, sigma)``, ``dist.Categorical(logits=f)``,
+``dist.Bernoulli(logits=f)`` and ``dist.Poisson(rate=f.exp())`` need no wrapper: each observed
+site calls the expected log-likelihood of its :mod:`lightning_dvi.likelihoods` class
+(:func:`likelihood_term`), the one the Lightning modules train with.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pyro.distributions import TorchDistribution, constraints
 from torch import Tensor
 
 from .. import likelihoods
-from ..likelihoods.functional import categorical_delta_expected_log_prob
+from ..gaussian import Gaussian
 from .moment_tensor import MomentTensor, unsupported
 
 __all__ = [
@@ -28,6 +31,8 @@ __all__ = [
     "HeteroscedasticGaussian",
     "LikelihoodSite",
     "categorical_expected_log_prob",
+    "elementwise_expected_log_prob",
+    "likelihood_term",
     "unwrap_independent",
 ]
 
@@ -41,12 +46,39 @@ def unwrap_independent(fn: Any) -> tuple[Any, int]:
     return fn, dims
 
 
+def likelihood_term(likelihood: likelihoods.Likelihood, g: Gaussian) -> Callable[[Tensor], Tensor]:
+    """``y -> likelihood.expected_log_prob(g, y)``, the observation broadcast to the batch shape.
+
+    The one route from a Pyro observed site to the library's expected log-likelihoods: the same
+    method, with the same checks, as the Lightning modules' training loss.
+    """
+    batch = g.mean.shape[:-1]
+    return lambda y: likelihood.expected_log_prob(g, y.expand(batch))
+
+
 def categorical_expected_log_prob(what: str, logits: MomentTensor) -> Callable[[Tensor], Tensor]:
-    """``y -> `` the delta-method expected log-likelihood of Gaussian logits (appendix B.4)."""
+    """``y ->`` :class:`lightning_dvi.likelihoods.Categorical`'s expected log-likelihood.
+
+    With the class's default method (``"bound"``, as :class:`~lightning_dvi.DVIClassifier`):
+    never above the true expected log-likelihood.
+    """
     g = logits.gaussian(what, link="log_softmax")
-    return lambda y: categorical_delta_expected_log_prob(
-        g.mean, g.cov if g.cov is not None else g.var, y
-    )
+    return likelihood_term(likelihoods.Categorical(g.mean.shape[-1]), g)
+
+
+def elementwise_expected_log_prob(
+    what: str, f: MomentTensor, likelihood: likelihoods.Likelihood, link: str | None = None
+) -> Callable[[Tensor], Tensor]:
+    """``y ->`` the expected log-likelihood of a one-output likelihood applied to every element.
+
+    Only marginals matter (the expectation of a sum of per-element terms), so a full-mode
+    tensor whose covariance a shape op dropped is fine here.
+    """
+    if f.dvi_link != link:
+        f.check_unlinked(what)
+    mean, var = f.dvi_mean, f.dvi_var
+    g = Gaussian(mean.unsqueeze(-1), var=var.unsqueeze(-1), validate=False)
+    return likelihood_term(likelihood, g)
 
 
 class LikelihoodSite(TorchDistribution):
@@ -154,15 +186,12 @@ class Categorical(dist.Categorical):
     r"""Pyro's Categorical, with :meth:`expected_log_prob` for moment-tensor ``logits``.
 
     A plain ``dist.Categorical(logits=...)`` works in a moment pass as well; this class adds
-    the method for direct use. The logits :math:`a \sim \mathcal N(\mu, C)` and the softmax
-    likelihood is integrated by the second-order delta method (paper appendix B.4):
-
-    .. math::
-        \mathbb E\log\operatorname{softmax}(a)_y \approx \mu_y - \operatorname{logsumexp}\mu
-        - \tfrac12\big(p^\top\operatorname{diag}C - p^\top C p\big),\quad
-        p = \operatorname{softmax}\mu,
-
-    with the full :math:`C` in ``full`` mode and its diagonal in ``diag`` mode.
+    the method for direct use. The logits :math:`a \sim \mathcal N(\mu, C)` (the full
+    :math:`C` in ``full`` mode, its diagonal in ``diag`` mode), and the expected log-likelihood
+    is :class:`lightning_dvi.likelihoods.Categorical`'s, with its default method: the lower
+    bound :func:`~lightning_dvi.likelihoods.functional.categorical_bound_expected_log_prob`,
+    never above :math:`\mathbb E\log\operatorname{softmax}(a)_y` and the objective
+    :class:`~lightning_dvi.DVIClassifier` trains with.
 
     Args:
         probs: as for ``pyro.distributions.Categorical`` (not in a moment pass).
@@ -190,7 +219,7 @@ class Categorical(dist.Categorical):
         return cast(Categorical, super().expand(batch_shape, _instance=new))
 
     def expected_log_prob(self, value: Tensor) -> Tensor:
-        r"""Delta-method :math:`\mathbb E_q\log p(y\mid a)` (``log_prob`` for plain logits)."""
+        r"""Lower bound on :math:`\mathbb E_q\log p(y\mid a)` (``log_prob`` for plain logits)."""
         logits = self.__dict__.get("logits")
         if not isinstance(logits, MomentTensor):
             return cast(Tensor, self.log_prob(value))

@@ -10,7 +10,7 @@ import torch
 from pyro.infer.elbo import ELBO
 from pyro.infer.util import is_validation_enabled, torch_item
 from pyro.poutine.util import prune_subsample_sites
-from pyro.util import warn_if_nan
+from pyro.util import check_site_shape, warn_if_nan
 from torch import Tensor
 
 from ..priors import EmpiricalBayes
@@ -39,6 +39,11 @@ class DeterministicELBO(ELBO):
     Use it as ``SVI(model, guide, optim, loss=DeterministicELBO())`` or, Lightning style,
     ``DeterministicELBO()(model, guide)`` (an ``ELBOModule``).
 
+    With Pyro's validation on (the default), every sample site of the model passes Pyro's own
+    site-shape check against its plates before the loss is returned, as in ``Trace_ELBO``: a
+    network output left as ``[N, 1]`` under ``pyro.plate("data", N)`` (which broadcasts the
+    site to ``[N, N]``) is refused before the first step, naming the site and the fix.
+
     Args:
         num_particles: samples of the non-weight latents averaged per step.
         prior: ``None`` for the model's priors, or an
@@ -46,8 +51,12 @@ class DeterministicELBO(ELBO):
             :math:`s^* = (\sum(\sigma^2+\mu^2) + 2\beta)/(n+2\alpha+2)` replaces the variance of
             every zero-mean Normal weight prior, per site (in-graph, gradients flow through it).
         retain_graph: passed to ``backward`` in :meth:`loss_and_grads`.
+        max_plate_nesting: as for ``Trace_ELBO``: dimensions left of it are not checked
+            against the plates (default: all are).
 
     Raises:
+        ValueError: (with validation on) an observed site whose log-likelihood shape does not
+            match its plates, naming the site, both shapes and the fix.
         NotImplementedError: (at the first call) with a guide that is not a
             DeterministicGuide, or a model using an op or likelihood the moment pass cannot
             handle exactly, naming it.
@@ -58,8 +67,13 @@ class DeterministicELBO(ELBO):
         num_particles: int = 1,
         prior: EmpiricalBayes | None = None,
         retain_graph: bool | None = None,
+        max_plate_nesting: float = float("inf"),
     ) -> None:
-        super().__init__(num_particles=num_particles, retain_graph=retain_graph)
+        super().__init__(
+            num_particles=num_particles,
+            max_plate_nesting=max_plate_nesting,
+            retain_graph=retain_graph,
+        )
         if prior is not None and not isinstance(prior, EmpiricalBayes):
             raise TypeError(f"prior must be None or an EmpiricalBayes, got {type(prior).__name__}")
         if prior is not None and prior.mode != "in_graph":
@@ -88,7 +102,22 @@ class DeterministicELBO(ELBO):
                 f"weight sites {sorted(missing)} of the guide were not sampled by the model "
                 "in this call; DeterministicGuide needs a static model structure"
             )
-        return prune_subsample_sites(model_trace), prune_subsample_sites(guide_trace)
+        model_trace = prune_subsample_sites(model_trace)
+        if is_validation_enabled():
+            self._check_site_shapes(model_trace)
+        return model_trace, prune_subsample_sites(guide_trace)
+
+    def _check_site_shapes(self, model_trace: Any) -> None:
+        """Pyro's ``check_site_shape`` on every sample site (log-probs are memoised for the sum)."""
+        with pyro.validation_enabled(False):
+            model_trace.compute_log_prob()
+        for site in model_trace.nodes.values():
+            if site["type"] != "sample":
+                continue
+            try:
+                check_site_shape(site, self.max_plate_nesting)
+            except ValueError as error:
+                raise ValueError(_shape_error(site, error)) from None
 
     def _particle_loss(self, model: Any, guide: Any, args: tuple, kwargs: dict) -> Tensor:
         model_trace, guide_trace = self._get_trace(model, guide, args, kwargs)
@@ -122,3 +151,24 @@ class DeterministicELBO(ELBO):
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)
         return float(torch_item(loss))
+
+
+def _shape_error(site: dict, error: ValueError) -> str:
+    """Pyro's site-shape message, with the usual cause and its one-line fix."""
+    shape = tuple(site["log_prob"].shape)
+    plates = {f.dim: f.size for f in site["cond_indep_stack"] if f.vectorized and f.dim}
+    text = (
+        f"site {site['name']!r}: its log-likelihood has shape {shape}, but its plates "
+        f"({', '.join(f'dim {d}: size {n}' for d, n in sorted(plates.items())) or 'none'}) "
+        f"allow only those dimensions (Pyro's site-shape check; Trace_ELBO refuses this model "
+        f"too). The likelihood's batch shape is {tuple(site['fn'].batch_shape)}"
+    )
+    if len(shape) >= 2 and shape[-1] == shape[-2] and plates.get(-1) == shape[-1]:
+        n = shape[-1]
+        text += (
+            f": a network output of shape [{n}, 1] under pyro.plate(..., {n}) broadcasts the "
+            f"site to [{n}, {n}]. Fix: pass the output as `out.squeeze(-1)`, or declare its "
+            "last dimension an event with `.to_event(1)` (observing y of shape "
+            f"[{n}, 1])"
+        )
+    return f"{text}.\nPyro's check: {error}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, cast
 
 import pyro
 import pyro.distributions as dist
@@ -22,13 +22,31 @@ from ..gaussian import MOMENT_MODES
 from .distributions import unwrap_independent
 from .moment_tensor import MomentTensor
 
-__all__ = ["DeterministicGuide", "is_weight_prior"]
+__all__ = ["DeterministicGuide", "init_to_he", "is_weight_prior"]
 
 
 def is_weight_prior(fn: Any) -> bool:
     """A site is a *weight site* when its prior is a (batched, ``to_event``'d) Normal."""
     base, _ = unwrap_independent(fn)
     return isinstance(base, torch.distributions.Normal)
+
+
+def init_to_he(site: dict) -> Tensor:
+    r"""The guide's default initial posterior mean of a site, as a Pyro ``init_loc_fn``.
+
+    Weight matrices (Normal-prior sites of 2 or more dimensions) start at
+    :math:`\mathcal N(0, 2/\text{fan\_in})` (He; zero means would make every hidden unit
+    identical in a deterministic pass, with no sampling noise to break the symmetry), other
+    Normal-prior sites (biases) at zero, every other latent at ``init_to_feasible``. Use it as
+    the ``fallback`` of Pyro's ``init_to_value`` to set some sites (e.g. pretrained weights)
+    and keep this default for the rest.
+    """
+    if not is_weight_prior(site["fn"]):
+        return cast(Tensor, init_to_feasible(site))
+    value = torch.zeros_like(site["fn"].sample())
+    if value.dim() >= 2:
+        value.normal_(0.0, math.sqrt(2.0 / value.shape[-1]))
+    return value
 
 
 class DeterministicGuide(AutoNormal):
@@ -55,11 +73,13 @@ class DeterministicGuide(AutoNormal):
             layer's units per data point).
         init_scale: initial posterior standard deviation of every site (unconstrained space for
             non-weight latents), as AutoNormal's ``init_scale``.
-        init_loc_fn: initialisation of the posterior means of non-weight latents (default
-            ``init_to_feasible``). Weight matrices (2-d or more) start at
-            :math:`\mathcal N(0, 2/\text{fan\_in})` (He; zero means would make every hidden unit
-            identical in a deterministic pass, with no sampling noise to break the symmetry),
-            other weight sites at zero.
+        init_loc_fn: initial posterior means, a Pyro ``init_loc_fn`` called for **every**
+            latent site, weight sites included, as for AutoNormal: e.g. ``init_to_value(values=
+            {"net.0.weight": w, ...}, fallback=init_to_he)`` or TyXe's
+            ``PretrainedInitializer.from_net(net)`` start the posterior means at pretrained
+            weights. Default :func:`init_to_he`: He-normal weight matrices, zero biases,
+            ``init_to_feasible`` for other latents. A sampled weight site (see
+            ``sampled_sites``) is initialised in unconstrained space as by AutoNormal.
         sampled_sites: names of Normal-prior sites to treat by one sample rather than by moments
             (e.g. a log noise scale that the model exponentiates).
         create_plates: as for AutoNormal (e.g. to share a subsampling plate with the model).
@@ -74,7 +94,7 @@ class DeterministicGuide(AutoNormal):
         mode: str = "diag",
         *,
         init_scale: float = 0.05,
-        init_loc_fn: Callable[[dict], Tensor] = init_to_feasible,
+        init_loc_fn: Callable[[dict], Tensor] = init_to_he,
         sampled_sites: Iterable[str] = (),
         create_plates: Callable[..., Any] | None = None,
     ) -> None:
@@ -82,11 +102,10 @@ class DeterministicGuide(AutoNormal):
             raise ValueError(f"mode must be 'diag' or 'full', got {mode!r}")
         self.mode = mode
         self.sampled_sites = frozenset(sampled_sites)
-        self._user_init_loc_fn = init_loc_fn
         self.weight_sites: tuple[str, ...] = ()
         super().__init__(
             model,
-            init_loc_fn=self._init_loc,
+            init_loc_fn=init_loc_fn,
             init_scale=float(init_scale),
             create_plates=create_plates,
         )
@@ -94,14 +113,6 @@ class DeterministicGuide(AutoNormal):
     # ------------------------------------------------------------------ setup
     def _is_weight_site(self, site: dict) -> bool:
         return site["name"] not in self.sampled_sites and is_weight_prior(site["fn"])
-
-    def _init_loc(self, site: dict) -> Tensor:
-        if not self._is_weight_site(site):
-            return self._user_init_loc_fn(site)
-        value = torch.zeros_like(site["fn"].sample())
-        if value.dim() >= 2:
-            value.normal_(0.0, math.sqrt(2.0 / value.shape[-1]))
-        return value
 
     def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
         # AutoNormal already refuses discrete latents (ValueError with Pyro's own advice).

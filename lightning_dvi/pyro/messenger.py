@@ -25,9 +25,14 @@ from pyro.distributions.util import sum_rightmost
 from pyro.poutine.messenger import Messenger
 from torch import Tensor
 
+from .. import likelihoods
 from ..likelihoods.functional import normal_expected_log_prob
 from ..priors.functional import gaussian_kl_elementwise, optimal_variance
-from .distributions import categorical_expected_log_prob, unwrap_independent
+from .distributions import (
+    categorical_expected_log_prob,
+    elementwise_expected_log_prob,
+    unwrap_independent,
+)
 from .moment_tensor import MomentTensor, SampledTensor, unsupported
 
 __all__ = ["MomentPassMessenger", "carries_moments"]
@@ -190,12 +195,29 @@ def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
         return cast(Callable[[Tensor], Tensor], expected)
     if isinstance(fn, torch.distributions.Categorical) and isinstance(fn.logits, MomentTensor):
         return categorical_expected_log_prob(f"observed site {name!r}: Categorical", fn.logits)
+    if isinstance(fn, torch.distributions.Bernoulli):
+        logits = fn.__dict__.get("logits")  # probs/logits are lazy: read what was given
+        if not isinstance(logits, MomentTensor):
+            raise unsupported(
+                f"observed site {name!r}: Bernoulli(probs=...) depending on the network",
+                "pass the network output as logits: dist.Bernoulli(logits=f)",
+            )
+        what = f"observed site {name!r}: Bernoulli"
+        return elementwise_expected_log_prob(what, logits, likelihoods.Bernoulli())
+    if isinstance(fn, torch.distributions.Poisson) and isinstance(fn.rate, MomentTensor):
+        if fn.rate.dvi_link != "exp":
+            raise unsupported(
+                f"observed site {name!r}: a Poisson rate other than exp(network output)",
+                "let the network output the log-rate f and write dist.Poisson(rate=f.exp())",
+            )
+        what = f"observed site {name!r}: Poisson"
+        return elementwise_expected_log_prob(what, fn.rate, likelihoods.Poisson(), link="exp")
     if isinstance(fn, torch.distributions.Normal):
         return _normal(name, fn.loc, fn.scale)
     raise unsupported(
         f"observed site {name!r} with a {type(fn).__name__} likelihood depending on the network",
-        "supported: Normal (fixed or latent scale), "
-        "Categorical(logits=...), lightning_dvi.pyro.HeteroscedasticGaussian",
+        "supported: Normal (fixed or latent scale), Categorical(logits=f), "
+        "Bernoulli(logits=f), Poisson(rate=f.exp()), lightning_dvi.pyro.HeteroscedasticGaussian",
     )
 
 

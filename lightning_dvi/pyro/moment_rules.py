@@ -11,7 +11,7 @@ shape ops and broadcasting, addition of independent terms, scaling by constants,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -62,9 +62,8 @@ def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Mo
     """
     _only_moment_operand(func, x, *args, *kwargs.values())
     full = x.dvi_mode == "full"
-    g, exact = M.reindex_gaussian(
-        x.moments(), func, *args, joint=full and not x.dvi_marginal, **kwargs
-    )
+    joint = (full or x.dvi_cov is not None) and not x.dvi_marginal  # diag mode: a head's cov
+    g, exact = M.reindex_gaussian(x.moments(), func, *args, joint=joint, **kwargs)
     return new_like(x, g, marginal=full and not exact)
 
 
@@ -176,11 +175,28 @@ def _param_moments(p: Any) -> tuple[Tensor, Tensor | None]:
     return p.dvi_mean, p.dvi_var
 
 
-def _layer(func: Callable[..., Any], x: Any, weight: Any, bias: Any, moments: Any) -> MomentTensor:
+#: In ``diag`` mode, a linear layer of at most this many outputs fed a moment tensor keeps the
+#: exact covariance of its outputs (:func:`lightning_dvi.moments.linear_full_from_diag`; the
+#: outputs share their inputs, so they are correlated even when the inputs are independent).
+#: A likelihood reading the network output then sees it (for a softmax it matters: dropping it
+#: made a digits classifier's loss 7 % optimistic); the next activation or layer drops it again.
+HEAD_WIDTH = 16
+
+
+def _layer(
+    func: Callable[..., Any],
+    x: Any,
+    weight: Any,
+    bias: Any,
+    moments: Any,
+    head: Literal["linear", "matmul"] | None = None,
+) -> MomentTensor:
     """Convert the operands to (weight moments, input moments) and call ``moments`` on them.
 
     ``moments(h, w_loc, w_var, b_loc, b_var, *, mode) -> Gaussian`` is a function of
-    :mod:`lightning_dvi.moments.layers`; a deterministic weight has zero variance.
+    :mod:`lightning_dvi.moments.layers`; a deterministic weight has zero variance. ``head``: the
+    layout of a dense layer's weight (``[out, in]`` for ``F.linear``, ``[in, out]`` for
+    ``matmul``), whose outputs keep their covariance in ``diag`` mode up to :data:`HEAD_WIDTH`.
     """
     if isinstance(weight, SampledTensor) or isinstance(bias, SampledTensor):
         raise sampled_weight_error(func)
@@ -191,12 +207,38 @@ def _layer(func: Callable[..., Any], x: Any, weight: Any, bias: Any, moments: An
     b_mean, b_var = _param_moments(bias)
     w_var = torch.zeros_like(w_mean) if w_var is None else w_var
     h = x.gaussian(op) if is_moment(x) else x
+    dense = None if head is None else (w_mean if head == "linear" else w_mean.mT)  # [out, in]
+    if dense is not None and mode == "diag" and is_moment(x) and dense.shape[0] <= HEAD_WIDTH:
+        if h.cov is not None:  # correlated inputs (a head fed a head): the general full form
+            out = moments(h, w_mean, w_var, b_mean, b_var, mode="full")
+        else:
+            out = _with_head_covariance(
+                moments(h, w_mean, w_var, b_mean, b_var, mode=mode), h, dense
+            )
+        return MomentTensor.of(out, mode, sources)
     return MomentTensor.of(moments(h, w_mean, w_var, b_mean, b_var, mode=mode), mode, sources)
+
+
+def _with_head_covariance(out: Gaussian, h: Gaussian, m: Tensor) -> Gaussian:
+    r"""``out`` (diag) with the covariances of a dense layer's outputs on independent inputs.
+
+    :math:`\operatorname{Cov}(a_k, a_l) = \sum_d M_{kd}M_{ld}\,v_d` for :math:`k \ne l` (the
+    off-diagonal of :func:`lightning_dvi.moments.linear_full_from_diag`'s
+    :math:`M\operatorname{diag}(v)M^\top`; its diagonal is ``out``'s exact variances), evaluated
+    as one ``[B, D] x [D, K^2]`` product: forward and backward about 6x faster than the
+    per-example ``[K, D] x [D, K]`` products at ``B = 1401, D = 64, K = 10`` (one CPU thread).
+    ``m``: the mean weights ``[K, D]``.
+    """
+    k, d = m.shape
+    pairs = (m.mT.unsqueeze(-1) * m.mT.unsqueeze(-2)).reshape(d, k * k)
+    cross = (h.var @ pairs).reshape(*h.var.shape[:-1], k, k)
+    off = cross - torch.diag_embed(cross.diagonal(dim1=-2, dim2=-1))
+    return Gaussian(out.mean, cov=off + torch.diag_embed(out.var), validate=False)
 
 
 @register(F.linear)
 def _linear(func: Callable[..., Any], x: Any, weight: Any, bias: Any = None) -> MomentTensor:
-    return _layer(func, x, weight, bias, M.linear_moments)
+    return _layer(func, x, weight, bias, M.linear_moments, head="linear")
 
 
 @register(torch.matmul, _T.matmul, _T.__matmul__)
@@ -208,7 +250,7 @@ def _matmul(func: Callable[..., Any], x: Any, weight: Any) -> MomentTensor:
     def moments(h: Any, w_loc: Tensor, w_var: Tensor, *bias: Any, mode: str) -> Gaussian:
         return M.linear_moments(h, w_loc.mT, w_var.mT, *bias, mode=mode)
 
-    return _layer(func, x, weight, None, moments)
+    return _layer(func, x, weight, None, moments, head="matmul")
 
 
 @register(F.conv2d)
@@ -247,20 +289,45 @@ def _avg_pool2d(
     return MomentTensor(mean, var=var, mode=x.dvi_mode, sources=x.dvi_sources)
 
 
-def _registered_activation(func: Callable[..., Any]) -> Handler | None:
-    """The rule for a torch function that a declared activation stands for (else ``None``)."""
-    spec = spec_for_function(func)
-    if spec is None:
+def _out_of_place(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    """``torch.relu`` for ``torch.relu_`` (and the ``Tensor`` and ``F`` variants), else ``None``."""
+    name = getattr(func, "__name__", "")
+    if not name.endswith("_") or name.startswith("_"):
         return None
+    for owner in (torch, _T, F):
+        if getattr(owner, name, None) is func:
+            return cast(Callable[..., Any] | None, getattr(owner, name[:-1], None))
+    return None
+
+
+def _registered_activation(func: Callable[..., Any]) -> Handler | None:
+    """The rule for a torch function that a declared activation stands for (else ``None``).
+
+    In-place forms (``nn.ReLU(inplace=True)``, ``F.relu(x, inplace=True)``, ``x.relu_()``,
+    TyXe's and torchvision's idiom) have the moments of the out-of-place op and update the
+    moment tensor they were given, as the in-place op updates its input.
+    """
+    spec = spec_for_function(func)
+    variant = spec is None
+    if spec is None:
+        base = _out_of_place(func)
+        spec = None if base is None else spec_for_function(base)
+        if spec is None:
+            return None
+    found = spec
 
     def activation(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
         op = op_name(func)
-        if kwargs.pop("inplace", False):
-            raise unsupported(f"in-place `{op}`", "use f(x), not f_(x) or inplace=True")
+        inplace = bool(kwargs.pop("inplace", False)) or variant
         _only_moment_operand(func, x, *args, *kwargs.values())
-        module = spec.build_from_call(*args, **kwargs)
+        module = found.build_from_call(*args, **kwargs)
         out = module.propagate(x.gaussian(op), x.dvi_mode)
-        return MomentTensor.of(cast(Gaussian, out), x.dvi_mode, x.dvi_sources)  # Gaussian in
+        result = MomentTensor.of(cast(Gaussian, out), x.dvi_mode, x.dvi_sources)  # Gaussian in
+        if not inplace:
+            return result
+        x.dvi_mean, x.dvi_var, x.dvi_cov = result.dvi_mean, result.dvi_var, result.dvi_cov
+        x.dvi_marginal = False
+        return cast(MomentTensor, x)
 
     return activation
 
@@ -269,9 +336,9 @@ register_resolver(_registered_activation)
 
 
 # ------------------------------------------------------------------- likelihood links
-# log_softmax of logits (dist.Categorical normalises its logits) is not Gaussian: the result
-# stands for log_softmax(a) (``dvi_link``), passes through shape ops only, and the Categorical
-# site integrates it (lightning_dvi.pyro.messenger).
+# log_softmax of logits (dist.Categorical normalises its logits) and exp of a log-rate
+# (dist.Poisson(rate=f.exp())) are not Gaussian: the result stands for link(a) (``dvi_link``),
+# passes through shape ops only, and the likelihood site integrates it (pyro.messenger).
 def _link(func: Callable[..., Any], x: Any, link: str) -> MomentTensor:
     _only_moment_operand(func, x)
     x.check_unlinked(op_name(func))
@@ -280,12 +347,19 @@ def _link(func: Callable[..., Any], x: Any, link: str) -> MomentTensor:
     return out
 
 
-@register(torch.exp, _T.exp, F.softplus, torch.sqrt, _T.sqrt)
+@register(torch.exp, _T.exp)
+def _exp_link(func: Callable[..., Any], x: Any) -> MomentTensor:
+    """``exp(f)``: stands for the log-normal rate of ``dist.Poisson(rate=f.exp())``."""
+    return _link(func, x, "exp")
+
+
+@register(F.softplus, torch.sqrt, _T.sqrt)
 def _positive_link(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
     raise unsupported(
         f"`{op_name(func)}` on a moment-carrying tensor",
-        "for a learned observation noise, let the network output (mean, log variance) and "
-        "observe with lightning_dvi.pyro.HeteroscedasticGaussian(outputs) instead of "
+        "a count rate is dist.Poisson(rate=f.exp()); for a learned observation noise, let the "
+        "network output (mean, log variance) and observe with "
+        "lightning_dvi.pyro.HeteroscedasticGaussian(outputs) instead of "
         "dist.Normal(mean, exp/softplus(...)): its expected log-likelihood is in closed form",
     )
 

@@ -38,6 +38,9 @@ from .dispatch import LAYER_OPS, handler_for, op_name, unsupported
 
 __all__ = ["MomentTensor", "SampledTensor", "unsupported"]
 
+# The likelihood that integrates each link (for error messages).
+_LINK_SITES = {"log_softmax": "dist.Categorical(logits=...)", "exp": "dist.Poisson(rate=...)"}
+
 _Op = Callable[..., Any]
 _Kw = dict[str, Any] | None
 
@@ -52,9 +55,10 @@ class MomentTensor(Tensor):
         dvi_mode: ``"diag"`` or ``"full"``, the guide's mode.
         dvi_sources: names of the weight sites this tensor depends on.
         dvi_marginal: in full mode, whether only marginals are known (covariance dropped).
-        dvi_link: ``None``, or ``"log_softmax"``: the tensor stands for that function of the
-            carried Gaussian (``dist.Categorical`` normalises its logits so). A linked tensor
-            only goes through shape ops, into the likelihood that integrates the link.
+        dvi_link: ``None``, ``"log_softmax"`` or ``"exp"``: the tensor stands for that
+            function of the carried Gaussian (``dist.Categorical`` normalises its logits so;
+            ``dist.Poisson(rate=f.exp())`` takes a log-normal rate). A linked tensor only goes
+            through shape ops, into the likelihood that integrates the link.
     """
 
     dvi_mean: Tensor
@@ -140,11 +144,12 @@ class MomentTensor(Tensor):
         return Gaussian(self.dvi_mean, var=self.dvi_var, validate=False)
 
     def check_unlinked(self, op: str) -> None:
-        """Refuse ``op`` on a tensor that stands for ``log_softmax`` of moments."""
+        """Refuse ``op`` on a tensor that stands for a link (``log_softmax``, ``exp``) of moments."""
         if self.dvi_link is not None:
             raise unsupported(
                 f"`{op}` on {self.dvi_link}(network output)",
-                f"{self.dvi_link} is integrated only by the dist.Categorical it is passed to",
+                f"{self.dvi_link} is integrated only by the "
+                f"{_LINK_SITES.get(self.dvi_link, 'likelihood')} it is passed to",
             )
 
     @classmethod

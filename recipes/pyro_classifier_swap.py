@@ -1,0 +1,182 @@
+"""A Pyro tutorial classifier trained with AutoNormal + Trace_ELBO and with DVI (issue 23).
+
+The model is the Pyro tutorial BNN classifier, unchanged between the two runs: two
+``PyroModule[nn.Linear]`` layers (hidden width 64) with ``PyroSample(Normal(0, 1))`` weights,
+ReLU, and ``pyro.sample("obs", <likelihood>, obs=y)`` inside ``pyro.plate("data", N)``. Data:
+scikit-learn's digits (10 classes), breast-cancer (2 classes) or digits-parity (2 classes: odd
+digit or not) set, standardised with the
+training statistics, a 78/22 split with ``--seed``. ``--likelihood`` picks the observation:
+``categorical`` (``dist.Categorical(logits=f)``) or, for two classes, ``bernoulli``
+(``dist.Bernoulli(logits=f.squeeze(-1))``, one output).
+
+Printed per guide: the final loss the objective reports, the "true" loss of the same guide
+(the mean of ``--check-draws`` single-draw ``Trace_ELBO`` evaluations, with its standard
+error), test accuracy and NLL of the posterior predictive (``Predictive`` with ``--predictive``
+weight draws, the mixture of the class probabilities), wall and CPU time per step.
+
+Run:  .venv/bin/python recipes/pyro_classifier_swap.py --data digits --steps 1500 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule, PyroSample
+from torch import Tensor, nn
+
+from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide
+
+
+class Classifier(PyroModule):
+    """``x -> relu(W1 x + b1) -> W2 h + b2``, Normal(0, 1) priors, one observed site."""
+
+    def __init__(self, d_in: int, outputs: int, likelihood: str, hidden: int = 64) -> None:
+        super().__init__()
+        self.likelihood = likelihood
+        self.fc1 = PyroModule[nn.Linear](d_in, hidden)
+        self.fc1.weight = PyroSample(dist.Normal(0.0, 1.0).expand([hidden, d_in]).to_event(2))
+        self.fc1.bias = PyroSample(dist.Normal(0.0, 1.0).expand([hidden]).to_event(1))
+        self.fc2 = PyroModule[nn.Linear](hidden, outputs)
+        self.fc2.weight = PyroSample(dist.Normal(0.0, 1.0).expand([outputs, hidden]).to_event(2))
+        self.fc2.bias = PyroSample(dist.Normal(0.0, 1.0).expand([outputs]).to_event(1))
+
+    def forward(self, x: Tensor, y: Tensor | None = None) -> Tensor:
+        """Logits ``[N, K]`` (``[N]`` for the Bernoulli site); observes ``y`` if given."""
+        f = self.fc2(torch.relu(self.fc1(x)))
+        with pyro.plate("data", x.shape[0]):
+            if self.likelihood == "bernoulli":
+                f = f.squeeze(-1)
+                pyro.sample("obs", dist.Bernoulli(logits=f), obs=y)
+            else:
+                pyro.sample("obs", dist.Categorical(logits=f), obs=y)
+        return f
+
+
+def load(name: str, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Standardised ``(x_train, y_train, x_test, y_test)``, a 78/22 split."""
+    from sklearn.datasets import load_breast_cancer, load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = (load_breast_cancer if name == "cancer" else load_digits)(return_X_y=True)
+    if name == "parity":
+        y = y % 2
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.22, random_state=seed)
+    mean, std = x_tr.mean(0), x_tr.std(0)
+    std[std == 0] = 1.0
+    as_x = lambda a: torch.tensor((a - mean) / std, dtype=torch.float32)  # noqa: E731
+    return as_x(x_tr), torch.tensor(y_tr), as_x(x_te), torch.tensor(y_te)
+
+
+def class_probs(model: Classifier, guide: nn.Module, x: Tensor, draws: int) -> Tensor:
+    """Posterior predictive class probabilities ``[N, K]`` (mixture over weight draws)."""
+    with torch.no_grad():
+        f = Predictive(model, guide=guide, num_samples=draws, return_sites=["_RETURN"])(x)
+    f = f["_RETURN"]
+    if model.likelihood == "bernoulli":
+        p = torch.sigmoid(f)
+        return torch.stack([1 - p, p], -1).mean(0)
+    return torch.softmax(f, -1).mean(0)
+
+
+def build(args: argparse.Namespace, kind: str, x: Tensor) -> tuple[Classifier, nn.Module, SVI]:
+    """The model, guide and SVI of one run (``kind``: ``"dvi"`` or ``"autonormal"``)."""
+    outputs = 1 if args.likelihood == "bernoulli" else args.classes
+    model = Classifier(x.shape[1], outputs, args.likelihood)
+    if kind == "dvi":
+        guide: nn.Module = DeterministicGuide(model)
+        loss: pyro.infer.ELBO = DeterministicELBO()
+    else:
+        guide, loss = AutoNormal(model), Trace_ELBO()
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": args.lr}), loss)
+    svi.elbo = loss  # type: ignore[attr-defined]  # kept for evaluate()
+    return model, guide, svi
+
+
+def evaluate(
+    args: argparse.Namespace, model: Classifier, guide: nn.Module, svi: SVI, data: tuple
+) -> dict[str, float]:
+    """Final reported loss, the true loss of the guide, test accuracy and NLL."""
+    x, y, x_te, y_te = data
+    elbo = svi.elbo  # type: ignore[attr-defined]  # set in build()
+    if isinstance(elbo, DeterministicELBO):  # deterministic: the final loss itself
+        reported = elbo.loss(model, guide, x, y)
+    else:  # its own estimate, averaged over 50 draws at the final parameters
+        reported = sum(elbo.loss(model, guide, x, y) for _ in range(50)) / 50
+    with torch.no_grad():
+        check = torch.tensor(
+            [Trace_ELBO().loss(model, guide, x, y) for _ in range(args.check_draws)]
+        )
+    probs = class_probs(model, guide, x_te, args.predictive)
+    return {
+        "reported": float(reported),
+        "true": check.mean().item(),
+        "true_se": (check.std() / math.sqrt(args.check_draws)).item(),
+        "acc": (probs.argmax(-1) == y_te).float().mean().item(),
+        "nll": -probs.clamp_min(1e-12).log().gather(-1, y_te[:, None]).mean().item(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train both guides on the same model, data and seed; print one table row each."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", choices=("digits", "cancer", "parity"), default="digits")
+    parser.add_argument("--likelihood", choices=("categorical", "bernoulli"), default="categorical")
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check-draws", type=int, default=20)
+    parser.add_argument("--predictive", type=int, default=500)
+    parser.add_argument("--guides", default="dvi,autonormal")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (timings)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(
+        f"{args.data}, {args.likelihood}, {args.steps} steps, seed {args.seed}, "
+        f"{args.threads} thread(s), load {os.getloadavg()[0]:.2f}"
+    )
+    x, y, x_te, y_te = load(args.data, args.seed)
+    args.classes = int(y.max()) + 1
+    y_obs = y.float() if args.likelihood == "bernoulli" else y
+    pyro.clear_param_store()
+    pyro.set_rng_seed(args.seed)
+    kinds = args.guides.split(",")
+    runs = {kind: build(args, kind, x) for kind in kinds}  # distinct guide names: one store
+    for _, _, svi in runs.values():
+        svi.step(x, y_obs)  # builds the guide (not timed)
+    cpu, wall = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
+    for _ in range(args.steps - 1):  # interleaved, so that both see the same machine load
+        for kind, (_, _, svi) in runs.items():
+            c, w = time.process_time(), time.perf_counter()
+            svi.step(x, y_obs)
+            cpu[kind] += time.process_time() - c
+            wall[kind] += time.perf_counter() - w
+    print(
+        "| guide + loss | reported loss | true loss (Trace_ELBO, s.e.) | true / reported | "
+        "test acc | test NLL | wall ms/step | CPU ms/step |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, (model, guide, svi) in runs.items():
+        r = evaluate(args, model, guide, svi, (x, y_obs, x_te, y_te))
+        wall_ms, cpu_ms = (1e3 * t[kind] / (args.steps - 1) for t in (wall, cpu))
+        name = {"dvi": "DeterministicGuide + DeterministicELBO"}.get(
+            kind, "AutoNormal + Trace_ELBO"
+        )
+        print(
+            f"| {name} | {r['reported']:.1f} | {r['true']:.1f} ({r['true_se']:.1f}) | "
+            f"{r['true'] / r['reported']:.3f} | {r['acc']:.3f} | {r['nll']:.3f} | "
+            f"{wall_ms:.2f} | {cpu_ms:.2f} |",
+            flush=True,
+        )
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
