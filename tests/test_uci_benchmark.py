@@ -241,3 +241,25 @@ def test_boston_one_split_through_the_real_path(bench, uci_dir, tmp_path):
     # log-likelihood near -2.5 (standardised-unit numbers would be near -1 and RMSE < 1).
     assert 2.0 < result["rmse_mean"] < 8.0
     assert -4.0 < result["test_ll_mean"] < -2.0
+
+
+def test_time_to_quality_curve_and_plot(tmp_path):
+    """recipes/uci_time_to_quality.py: one point per budget and protocol, a PNG written."""
+    spec = importlib.util.spec_from_file_location(
+        "uci_time_to_quality", RECIPE.parent / "uci_time_to_quality.py"
+    )
+    ttq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ttq)
+    _write_dataset(tmp_path)
+    out, png = tmp_path / "ttq.json", tmp_path / "ttq.png"
+    argv = ["--data-dir", str(tmp_path), "--dataset", "toy", "--splits", "1", "--workers", "1",
+            "--adam-steps", "3", "--lbfgs-steps", "1", "--json", str(out), "--plot", str(png)]  # fmt: skip
+    assert ttq.main(argv) == 0
+    points = json.loads(out.read_text())
+    assert [p["steps_cap"] for p in points["adam8000"]] == [3]
+    assert [p["steps_cap"] for p in points["lbfgs"]] == [1, None]
+    assert points["lbfgs"][0]["steps"] == [1]
+    assert all(
+        p["cpu_seconds"] > 0 and math.isfinite(p["test_ll"]) for v in points.values() for p in v
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

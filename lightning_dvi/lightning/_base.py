@@ -521,24 +521,51 @@ class DVIModule(LightningModule):
             return
         weight = self.kl_schedule(self.global_step)
         if self.convergence.kl_weight_changed(weight):
-            for optimiser in self.trainer.optimizers:
-                optimiser.state.clear()
+            self._forget_curvature()
+        # the parameters before the step, to restart from if the line search fails (below)
+        self._lbfgs_snapshot = [p.detach().clone() for p in self.parameters()]
+
+    def _forget_curvature(self) -> None:
+        for optimiser in self.trainer.optimizers:
+            optimiser.state.clear()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Add the batch's loss (the last evaluation's, under L-BFGS) to the epoch's objective."""
         if self.optimiser_config.optimizer == "lbfgs":
-            self._check_parameters_finite()
+            self._restart_if_not_finite()
         if self.convergence.enabled and isinstance(outputs, Mapping) and "loss" in outputs:
             self.convergence.add(outputs["loss"])
 
-    def _check_parameters_finite(self) -> None:
+    def _restart_if_not_finite(self) -> None:
+        """After an L-BFGS step: restart from the step's start if its parameters are not finite.
+
+        An overflowing trial point can make the line search's cubic interpolation return a NaN
+        step length (torch's ``_strong_wolfe`` mixes float32 gradients into it). The step is then
+        undone and the curvature memory cleared, so the next step starts along the steepest
+        descent direction with a short first trial; a second failure in a row is an error.
+        """
         total = torch.stack([p.detach().sum() for p in self.parameters()]).sum()
-        if not math.isfinite(float(total)):  # one host read per L-BFGS step
+        if math.isfinite(float(total)):  # one host read per L-BFGS step
+            self._lbfgs_restarts = 0
+            return
+        restarts = getattr(self, "_lbfgs_restarts", 0)
+        snapshot = getattr(self, "_lbfgs_snapshot", None)
+        if restarts >= 1 or snapshot is None:
             raise FloatingPointError(
                 f"the parameters are not finite after L-BFGS step {self.global_step} (epoch "
-                f"{self.current_epoch}); training stopped. Typical causes: unstandardised inputs "
-                "or targets, or a log-variance output far from the data's scale"
+                f"{self.current_epoch}), also after restarting it; training stopped. Typical "
+                "causes: unstandardised inputs or targets, or a log-variance output far from "
+                "the data's scale"
             )
+        with torch.no_grad():
+            for parameter, saved in zip(self.parameters(), snapshot, strict=True):
+                parameter.copy_(saved)
+        self._forget_curvature()
+        self._lbfgs_restarts = restarts + 1
+        rank_zero_warn(
+            f"{type(self).__name__}: L-BFGS step {self.global_step} left non-finite parameters "
+            "(its line search overflowed); undone, restarting with no curvature memory"
+        )
 
     def on_train_epoch_end(self) -> None:
         """Stop the trainer once the objective has converged (``convergence_tol``)."""
