@@ -13,12 +13,8 @@ from lightning_dvi.lightning._convergence import ObjectiveConvergence
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: a second one only contends for the 2 shared cores on these tiny ops."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """One torch thread: a second one only contends for the 2 shared cores (minutes, not seconds)."""
 
 
 def _diabetes() -> tuple[torch.Tensor, torch.Tensor]:
