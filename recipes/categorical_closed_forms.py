@@ -12,8 +12,10 @@ for every label (largest absolute error) over the grid
 * covariance: isotropic vI, random diag (v times U(0.2, 1.8)), random correlated full
   (v A A^T normalised to mean diagonal v).
 
-Candidates: the second-order delta method (appendix B.4/B.5), the pairwise mean-field probit
-predictive (the library's ``Categorical(method="delta")`` predictive), the per-class probit
+Candidates: the second-order delta method (appendix B.4/B.5), the library's predictive
+(``lightning_dvi.likelihoods.predictive.categorical_predictive``, issue 26: the conditional
+mean-field form mixed with the multinomial probit), its two parts alone, the pairwise
+mean-field probit predictive (the library's before issue 26), the per-class probit
 ``softmax(mu / sqrt(1 + pi/8 C_kk))``, the Laplace bridge (Hobbhahn et al. 2022, diag only),
 the plug-in ``log_softmax(mu)`` and the Clark smoothed-max expected log-likelihood.
 
@@ -36,9 +38,11 @@ import torch
 from torch import Tensor
 
 from lightning_dvi.likelihoods import functional as F
+from lightning_dvi.likelihoods import predictive as P
 
 SCALES = (1e-2, 1e-1, 1.0, 10.0, 100.0)
 OBJECTIVE_SCALES = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3)
+PREDICTIVE_SCALES = OBJECTIVE_SCALES  # issue 26: the predictive from 1e-3 to 1e3
 GAPS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 CLASSES = (2, 3, 10)
 KINDS = ("iso", "diag", "full")
@@ -90,7 +94,10 @@ def laplace_bridge(mean: Tensor, cov: Tensor) -> Tensor:
 
 PREDICTIVES = {
     "delta (B.5)": F.categorical_delta_predictive,
-    "mean-field probit": F.categorical_mean_field_predictive,
+    "library (conditional mean-field + multinomial probit)": P.categorical_predictive,
+    "conditional mean-field": P.categorical_conditional_mean_field,
+    "multinomial probit": P.categorical_multinomial_probit,
+    "pairwise mean-field probit": F.categorical_mean_field_predictive,
     "per-class probit": probit_softmax,
     "Laplace bridge": laplace_bridge,
 }
@@ -162,40 +169,52 @@ def objective_table(draws: int, seed: int) -> None:
 
 
 def predictive_tables(draws: int, seed: int) -> None:
-    """Predictive TV and expected log-likelihood |error| tables (issue 17)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Predictive TV (issue 26's grid) and expected log-likelihood |error| (issue 17's) tables."""
     tv: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     ll: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
-    for k, v, _gap, kind, _layout, mean, cov in grid(gen):
-        log_sm = torch.log_softmax(_draws(mean, cov, draws, gen), -1)
-        mc_probs, mc_ll = log_sm.exp().mean(0), log_sm.mean(0)
+    gen = torch.Generator().manual_seed(seed)
+    for k, v, _gap, kind, _layout, mean, cov in grid(gen, PREDICTIVE_SCALES):
+        mc_probs = torch.softmax(_draws(mean, cov, draws, gen), -1).mean(0)
         c = cov if kind == "full" else cov.diagonal()
         for name, fn in PREDICTIVES.items():
             if name == "Laplace bridge" and kind == "full":
                 continue
             tv[name].append((k, v, 0.5 * (fn(mean, c) - mc_probs).abs().sum().item()))
+    gen = torch.Generator().manual_seed(seed)
+    for k, v, _gap, kind, _layout, mean, cov in grid(gen):
+        mc_ll = torch.log_softmax(_draws(mean, cov, draws, gen), -1).mean(0)
+        c = cov if kind == "full" else cov.diagonal()
         labels = torch.arange(k)
         means, covs = mean.expand(k, k), c.expand(k, *c.shape)
         for name, fn in EXPECTED_LOG_LIKS.items():
             err = (fn(means, covs, labels) - mc_ll).abs().max().item()
             ll[name].append((k, v, err))
 
-    def table(title: str, rows: dict[str, list[tuple[int, float, float]]]) -> None:
+    def table(
+        title: str, rows: dict[str, list[tuple[int, float, float]]], scales: tuple[float, ...]
+    ) -> None:
         print(f"\n{title}")
         head = (
-            " | ".join(f"v={v:g}" for v in SCALES) + " | " + " | ".join(f"K={k}" for k in CLASSES)
+            " | ".join(f"v={v:g}" for v in scales) + " | " + " | ".join(f"K={k}" for k in CLASSES)
         )
         print(f"| method | max | mean | {head} |")
         for name, errs in rows.items():
             e = torch.tensor([r[2] for r in errs])
-            by_v = [max(r[2] for r in errs if r[1] == v) for v in SCALES]
+            by_v = [max(r[2] for r in errs if r[1] == v) for v in scales]
             by_k = [max(r[2] for r in errs if r[0] == k) for k in CLASSES]
             cells = " | ".join(f"{x:.3g}" for x in (*by_v, *by_k))
             print(f"| {name} | {e.max():.3g} | {e.mean():.3g} | {cells} |")
 
-    print(f"{len(tv['delta (B.5)'])} grid points, {draws} Monte Carlo draws each")
-    table("Predictive: total-variation distance to Monte Carlo (max per column)", tv)
-    table("Expected log-likelihood: max |error| over labels, nats (max per column)", ll)
+    print(
+        f"{len(tv['delta (B.5)'])} (predictive) and {len(ll['plug-in'])} (expected "
+        f"log-likelihood) grid points, {draws} Monte Carlo draws each"
+    )
+    table(
+        "Predictive: total-variation distance to Monte Carlo (max per column)",
+        tv,
+        PREDICTIVE_SCALES,
+    )
+    table("Expected log-likelihood: max |error| over labels, nats (max per column)", ll, SCALES)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,9 @@ Steps of a plain MLP, dDVI, DVI, MCVI, local reparameterisation and Pyro AutoNor
 One process, ``torch.set_num_threads(1)``; every number is the median CPU time over
 ``--repeats`` samples after warm-up calls. A *step* is ``zero_grad`` + forward + loss +
 ``backward`` (no optimiser update, for every method alike). Sections (``--sections``):
-``steps`` (UCI architecture ``8 -> width -> 2``, widths 50/128, batches 32/512), ``layer``
+``steps`` (UCI architecture ``8 -> width -> 2``, widths 50/128, batches 32/512), ``targets``
+(every row of issue 28's table, cells interleaved round-robin in this process, with and
+without flush-to-zero, plus the subnormal values one tail-heavy dDVI step produces), ``layer``
 (a batch of 10 through ``BayesLinear(d, d) + ReLU``, forward only, d = 16..1024, with DVI's
 peak memory and where DVI and MCVI cost the same), ``frontends`` (``DVIRegressor`` epoch on UCI
 power vs a bare loop, needs ``--data-dir``; ``DeterministicGuide`` step vs the bare dDVI
@@ -648,6 +650,201 @@ def bench_net(
     return rows
 
 
+# ----------------------------------------------------------------- issue-28 target table
+ACTIVATIONS = (
+    "ReLU",
+    "GELU",
+    "GELU tanh",
+    "Sigmoid",
+    "Tanh",
+    "SiLU",
+    "LeakyReLU",
+    "ELU",
+    "Softplus",
+)
+
+
+def activation(name: str) -> nn.Module:
+    """A declared activation by its row label in :data:`ACTIVATIONS`."""
+    from lightning_dvi import nn as dnn
+
+    return dnn.GELU("tanh") if name == "GELU tanh" else getattr(dnn, name)()
+
+
+def activation_step(name: str, batch: int = 256) -> Callable[[], None]:
+    """The dDVI step of ``8-64-64-1`` with ``name``, homoscedastic Gaussian likelihood, EB prior."""
+    from lightning_dvi.likelihoods import HomoscedasticGaussian
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, IN_FEATURES, generator=gen), torch.randn(batch, generator=gen)
+    torch.manual_seed(0)
+    net = Sequential(BayesLinear(8, 64), activation(name), BayesLinear(64, 64), activation(name),
+                     BayesLinear(64, 1))  # fmt: skip
+    lik, prior = HomoscedasticGaussian(), EmpiricalBayes()
+
+    def step() -> None:
+        net.zero_grad(set_to_none=True)
+        elbo(net, lik, prior, x, y, NUM_DATA, mode="diag").loss.backward()
+
+    return step
+
+
+class flush_denormal:  # noqa: N801 - used like torch's context managers
+    """``torch.set_flush_denormal(True)`` inside the block only (restored on exit)."""
+
+    def __enter__(self) -> bool:
+        probe = torch.tensor([1e-39]) * 1.0  # a subnormal survives unless flushing is on
+        self.before = bool(probe.item() == 0.0)
+        return bool(torch.set_flush_denormal(True))
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_flush_denormal(self.before)
+
+
+def interleaved(cells: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """CPU seconds per call of every cell, one sample per cell per round, round-robin.
+
+    Alternating the cells in one process exposes them to the same machine load; a label
+    ending in ``" FTZ"`` runs its sample with :class:`flush_denormal` on.
+    """
+    samples: dict[str, list[float]] = {k: [] for k in cells}
+    for fn in cells.values():
+        fn()  # warm-up
+    for _ in range(rounds):
+        for label, fn in cells.items():
+            if label.endswith(" FTZ"):
+                with flush_denormal():
+                    samples[label].append(time_call(fn, 1, warmup=0))
+            else:
+                samples[label].append(time_call(fn, 1, warmup=0))
+    return samples
+
+
+def ratio(samples: dict[str, list[float]], num: str, den: str) -> float:
+    """Median over rounds of the per-round ratio ``num / den`` (load cancels within a round)."""
+    return statistics.median(a / b for a, b in zip(samples[num], samples[den], strict=True))
+
+
+def count_subnormals(fn: Callable[[], Any]) -> int:
+    """Subnormal values in the outputs of every aten op of one call (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    total = 0
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            nonlocal total
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, Tensor) and t.is_floating_point():
+                    total += int(((t != 0) & (t.abs() < torch.finfo(t.dtype).tiny)).sum())
+            return out
+
+    fn()
+    with Counter():
+        fn()
+    return total
+
+
+def tail_step(batch: int = 256) -> Callable[[], None]:
+    """The issue's stress case: the dDVI step of a tail-heavy ``8-128-128-2`` net.
+
+    Biases spread the hidden pre-activations' mean/std ratios over [-40, 0] (trained nets
+    have units deep in the tail).
+    """
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, IN_FEATURES, generator=gen), torch.randn(batch, generator=gen)
+    torch.manual_seed(0)
+    net, lik, prior = mlp(IN_FEATURES, [128, 128], 2), HeteroscedasticGaussian(), EmpiricalBayes()
+    with torch.no_grad():
+        h: Any = x
+        for layer in net:
+            out = layer(h, mode="diag")
+            if isinstance(layer, BayesLinear) and layer.weight_loc.shape[0] == 128:
+                shift = torch.linspace(-40, 0, 128) * out.var.sqrt().mean(0) - out.mean.mean(0)
+                layer.bias_loc += shift
+                out = layer(h, mode="diag")
+            h = out
+
+    def step() -> None:
+        net.zero_grad(set_to_none=True)
+        elbo(net, lik, prior, x, y, NUM_DATA, mode="diag").loss.backward()
+
+    return step
+
+
+def rss_child(name: str) -> None:
+    """Print the peak-RSS growth (MB) of one full-mode step of ``8-512-512-2``, batch 64."""
+    import resource
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, IN_FEATURES), torch.randn(64)
+    net = Sequential(BayesLinear(8, 512), activation(name), BayesLinear(512, 512),
+                     activation(name), BayesLinear(512, 2))  # fmt: skip
+    lik, prior = HeteroscedasticGaussian(), EmpiricalBayes()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    elbo(net, lik, prior, x, y, NUM_DATA, mode="full").loss.backward()
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+
+
+def bench_targets(rounds: int, quick: bool = False) -> dict[str, Any]:
+    """Every row of issue 28's table: step ratios with and without flush-to-zero, interleaved."""
+    import subprocess
+
+    sizes = [(50, 32)] if quick else [(50, 32), (50, 512), (128, 256)]
+    cells: dict[str, Callable[[], None]] = {}
+    for width, batch in sizes:
+        for method in ("plain MLP", "dDVI"):
+            step = make_step(method, width, batch)
+            cells[f"{method} {width}/{batch}"] = cells[f"{method} {width}/{batch} FTZ"] = step
+    cells["DVI 50/32"] = make_step("DVI", 50, 32)
+    cells["MCVI S=10 50/32"] = make_step("MCVI S=10", 50, 32)
+    cells["dDVI 50/512 "] = make_step("dDVI", 50, 512)  # the Pyro row's own denominator
+    cells["Pyro AutoNormal 50/512"] = make_step("Pyro AutoNormal", 50, 512)
+    cells["dDVI tail 128/256"] = cells["dDVI tail 128/256 FTZ"] = tail_step()
+    names = ACTIVATIONS[:3] if quick else ACTIVATIONS
+    for name in names:
+        cells[f"act {name}"] = cells[f"act {name} FTZ"] = activation_step(name)
+    samples = interleaved(cells, rounds)
+    out: dict[str, Any] = {"median ms": {k: 1e3 * statistics.median(v) for k, v in samples.items()}}
+    rows = []
+    for width, batch in sizes:
+        for ftz in ("", " FTZ"):
+            rows.append({"case": f"dDVI / plain MLP, width {width}, batch {batch}{ftz}",
+                         "ratio": ratio(samples, f"dDVI {width}/{batch}{ftz}",
+                                        f"plain MLP {width}/{batch}{ftz}"), "target": "<= 3"})  # fmt: skip
+    rows.append({"case": "Pyro AutoNormal / dDVI, width 50, batch 512",
+                 "ratio": ratio(samples, "Pyro AutoNormal 50/512", "dDVI 50/512 "),
+                 "target": ">= 3"})  # fmt: skip
+    rows.append({"case": "tail-heavy dDVI 8-128-128-2, batch 256: FTZ / no FTZ",
+                 "ratio": ratio(samples, "dDVI tail 128/256 FTZ", "dDVI tail 128/256"),
+                 "target": "~1"})  # fmt: skip
+    rows.append({"case": "DVI / MCVI S=10, width 50, batch 32",
+                 "ratio": ratio(samples, "DVI 50/32", "MCVI S=10 50/32"), "target": "<= 1"})  # fmt: skip
+    for name in names[1:]:
+        for ftz in ("", " FTZ"):
+            rows.append({"case": f"diag 8-64-64-1, batch 256: {name} / ReLU{ftz}",
+                         "ratio": ratio(samples, f"act {name}{ftz}", f"act ReLU{ftz}"),
+                         "target": "<= 3"})  # fmt: skip
+    if not quick:
+        for name in (
+            "ReLU",
+            "GELU",
+            "Tanh",
+            *[n for n in names if n not in ("ReLU", "GELU", "Tanh")],
+        ):
+            run = subprocess.run([sys.executable, __file__, "--rss-child", name], check=True,
+                                 capture_output=True, text=True)  # fmt: skip
+            out[f"peak RSS {name}"] = float(run.stdout.split()[-1])
+        relu = out["peak RSS ReLU"]
+        for name in names[1:]:
+            rows.append({"case": f"full 8-512-512-2, batch 64, peak RSS: {name} vs ReLU",
+                         "ratio": out[f"peak RSS {name}"] / relu, "target": "<= 1.10"})  # fmt: skip
+    out["subnormals per tail step"] = count_subnormals(tail_step())
+    out["rows"] = rows
+    return out
+
+
 # ------------------------------------------------------------------------------ reporting
 def table(rows: list[dict[str, Any]], cols: Sequence[str], fmt: str = "{:.3f}") -> str:
     """A Markdown table of ``rows`` restricted to ``cols``."""
@@ -698,7 +895,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     p.add_argument("--repeats", type=int, default=None, help="timed samples per number")
-    p.add_argument("--sections", default="steps,layer,frontends,compile,net")
+    p.add_argument("--sections", default="steps,layer,frontends,compile,net,targets")
+    p.add_argument("--rounds", type=int, default=31, help="targets section: interleaved rounds")
+    p.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data-dir", default=None, help="UCI data folder (frontends section)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--widths", default=None, help="net section widths, e.g. 128,512,1024,2048")
@@ -726,6 +925,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="net section: aten ops, non-view ops and host reads per step (+ CUDA kernels)",
     )
     args = p.parse_args(argv)
+    if args.rss_child:  # a child process of the targets section: one peak-RSS measurement
+        torch.set_num_threads(1)
+        rss_child(args.rss_child)
+        return {}
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
     global DEVICE
@@ -829,6 +1032,15 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         if compiled:
             print("\n## Compiled (ms, median; compile s of the first call in the JSON)\n")
             print(table(rows, ["d", *(n + " compiled" for n in names)]))
+    if "targets" in sections and DEVICE.type == "cpu":
+        targets = bench_targets(3 if args.quick else args.rounds, args.quick)
+        result["targets"] = targets
+        print(f"\n## Issue 28 targets ({len(targets['rows'])} rows, interleaved, 1 thread)\n")
+        print(table(targets["rows"], ["case", "ratio", "target"], "{:.2f}"))
+        print("\nMedian ms per step:", ", ".join(f"{k}: {v:.3f}" for k, v in
+                                                 targets["median ms"].items()))  # fmt: skip
+        print("Subnormal values per dDVI step of the tail-heavy 8-128-128-2 net:",
+              targets["subnormals per tail step"])  # fmt: skip
     result["load_after"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as fh:

@@ -53,12 +53,12 @@ def test_kl_weight_multiplies_the_kl_in_the_training_loss_only(method, tmp_path)
         max_steps=1, callbacks=[grab], enable_checkpointing=False, default_root_dir=tmp_path
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=64))
-    terms = elbo(before.net, before.likelihood, before.prior, x, y, num_data=64)
+    terms = elbo(before.net, before.likelihood, before.prior, x, y, num_data=64, mode=before.mode)
     expected = -(terms.expected_log_likelihood - 0.25 * terms.kl / 64)
     assert grab.loss == pytest.approx(float(expected.detach()), rel=1e-5)
     # Evaluation reports the untempered ELBO.
     metrics = trainer.validate(model, DataLoader(TensorDataset(x, y), batch_size=64), verbose=False)
-    after = elbo(model.net, model.likelihood, model.prior, x, y, num_data=64)
+    after = elbo(model.net, model.likelihood, model.prior, x, y, num_data=64, mode=model.mode)
     assert metrics[0]["val/elbo"] == pytest.approx(float(after.elbo), rel=1e-4)
 
 

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dvi import DVIClassifier, Gaussian
 from lightning_dvi.likelihoods import Categorical
 from lightning_dvi.likelihoods import functional as F
+from lightning_dvi.likelihoods.predictive import categorical_predictive
 
 F64 = torch.float64
 SCALES = (1e-2, 1e-1, 1.0, 10.0, 100.0)
@@ -53,7 +54,8 @@ def test_mean_field_predictive_total_variation_bound(oracle) -> None:
     assert worst_delta > 0.5
 
 
-def test_likelihood_predictive_uses_the_mean_field_form(oracle) -> None:
+def test_likelihood_predictive_uses_the_library_predictive(oracle) -> None:
+    # the mean-field form above is one part of it (tests/test_softmax_predictive.py)
     for method in ("delta", "clark"):
         for k, _v, mean, cov, _, _ in oracle[::7]:
             out = (
@@ -62,7 +64,7 @@ def test_likelihood_predictive_uses_the_mean_field_form(oracle) -> None:
                 else Gaussian(mean[None], var=cov[None])
             )
             probs = Categorical(k, method=method).predictive(out).probs[0]
-            assert torch.allclose(probs, F.categorical_mean_field_predictive(mean, cov), atol=1e-12)
+            assert torch.allclose(probs, categorical_predictive(mean, cov), atol=1e-12)
 
 
 def test_clark_expected_log_prob_error_bound(oracle) -> None:

@@ -111,20 +111,20 @@ def _benchmark_module():
 def test_benchmark_script_smoke(tmp_path, monkeypatch, capsys):
     bench = _benchmark_module()
     out = tmp_path / "results.json"
-    argv = ["bench", "--rows", "plain_cnn,mcvi_mlp", "--seeds", "1", "--epochs", "1"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--mc-eval", "4", "--json", str(out)])
+    argv = ["bench", "--protocol", "cnn", "--rows", "plain,defaults", "--seeds", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--epochs", "1", "--json", str(out), "--interleave"])
     threads = torch.get_num_threads()
     try:
         bench.main()
     finally:
         torch.set_num_threads(threads)
     stdout = capsys.readouterr().out
-    assert "| plain_cnn |" in stdout and "| mcvi_mlp |" in stdout
+    assert "| plain |" in stdout and "| defaults |" in stdout
     results = json.loads(out.read_text())["results"]
-    for row in ("plain_cnn", "mcvi_mlp"):
+    for row in ("plain", "defaults"):
         (run,) = results[row]
         assert 0 <= run["ood_auroc"] <= 1 and run["train_s"] > 0
-    assert "ood_auroc_mi" in results["mcvi_mlp"][0]
+    assert "ood_auroc_mi" in results["defaults"][0]
     monkeypatch.setattr(sys, "argv", ["bench", "--rows", "nope"])
     with pytest.raises(SystemExit):
         bench.main()

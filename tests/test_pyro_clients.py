@@ -220,7 +220,8 @@ def test_categorical_site_calls_the_classifier_objective(pyro_state) -> None:
     ("site", "match"),
     [
         (lambda f: dist.Bernoulli(probs=torch.sigmoid(f)), "logits"),
-        (lambda f: dist.Poisson(rate=F.softplus(f)), "softplus"),
+        # softplus is a registered activation (issue 28): its output is Gaussian, not a log-rate
+        (lambda f: dist.Poisson(rate=F.softplus(f)), r"rate other than exp\(network output\)"),
         (lambda f: dist.Poisson(rate=f.exp() + 1.0), "exp"),
     ],
 )

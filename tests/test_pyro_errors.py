@@ -111,13 +111,15 @@ def test_log_softmax_logits_and_misuse_of_normalised_logits():
         DeterministicELBO().loss(misuse, DeterministicGuide(misuse), x, y)
 
 
-def test_exp_noise_scale_names_the_heteroscedastic_likelihood():
+@pytest.mark.parametrize("positive", [torch.exp, torch.nn.functional.softplus])
+def test_exp_noise_scale_names_the_heteroscedastic_likelihood(positive):
+    """exp is refused as an op; softplus (a registered activation) at the observed site."""
     net = Net(2, 2)
 
     def model(x, y=None):
         out = net(x)
         with pyro.plate("data", x.shape[0]):
-            pyro.sample("obs", dist.Normal(out[..., 0], torch.exp(out[..., 1])), obs=y)
+            pyro.sample("obs", dist.Normal(out[..., 0], positive(out[..., 1])), obs=y)
 
     x, y = torch.randn(10, 2), torch.randn(10)
     with pytest.raises(NotImplementedError, match="HeteroscedasticGaussian"):

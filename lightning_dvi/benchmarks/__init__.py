@@ -2,3 +2,7 @@
 
 The recipes in ``recipes/`` stay short scripts over these; the parts are typed and tested.
 """
+
+from . import classification
+
+__all__ = ["classification"]

@@ -4,7 +4,7 @@
 :class:`~lightning_dvi.Gaussian` outputs and ``torch.distributions`` predictives.
 """
 
-from . import functional, logistic_normal
+from . import functional, logistic_normal, predictive
 from .base import Likelihood
 from .bernoulli import Bernoulli
 from .categorical import Categorical
@@ -21,4 +21,5 @@ __all__ = [
     "PoissonLogNormal",
     "functional",
     "logistic_normal",
+    "predictive",
 ]

@@ -41,8 +41,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
+
+from .special import flush, tail_cutoff
 
 __all__ = ["INV_2PI", "big", "clip_eps", "floors", "relu_diag_fn"]
 
@@ -54,8 +57,9 @@ INV_2PI = 1.0 / (2.0 * math.pi)
 def floors(dtype: torch.dtype) -> tuple[float, float, float, float]:
     """Variance floor, smallest safe exp(-x^2), Dekker split factor, floor of P."""
     if dtype == torch.float64:
-        return 1e-30, 1e-300, 134217729.0, 1e-200  # split 2^27 + 1
-    return 1e-24, 1e-35, 4097.0, 1e-30  # split 2^12 + 1
+        return 1e-30, 1e-285, 134217729.0, 1e-200  # split 2^27 + 1
+    # exp(-x^2) >= 1e-28: phi(a) times the Mills-ratio factors (>= 1/a^3) stays normal
+    return 1e-24, 1e-28, 4097.0, 1e-30  # split 2^12 + 1
 
 
 def big(dtype: torch.dtype) -> float:
@@ -104,13 +108,17 @@ class _ReluDiag(torch.autograd.Function):
         relu = mu.clamp_min(0)
         # E[h]/sd = relu(mu) + phi u for either sign of mu; Var[h]/var = phi w - (phi u)^2 for
         # mu < 0 and 1 - phi w - phi u (2 a + phi u) for mu >= 0 (no cancellation on that side).
-        out_mean = (relu + pu).mul_(sd).clamp_min_(0)
+        # threshold: clamp at 0 and flush the tails below the cutoff to exact zeros in one op
+        cut = tail_cutoff(mean.dtype)
+        out_mean = F.threshold((relu + pu).mul_(sd), cut, 0.0, inplace=True)
         pw = pdf * w
         pos = (mu * big(mu.dtype)).clamp_(0, 1)  # 1 for mu > 0, 0 for mu <= 0
-        out_var = torch.lerp(pw, 1 - pw, pos).sub_(pu * torch.add(pu, relu, alpha=2))
-        out_var = out_var.mul_(var_c).clamp_min_(0)
-        cdf = torch.lerp(half, 1 - half, pos)
-        ctx.save_for_backward(cdf, pdf.div_(sd), out_mean, var)
+        # (phi u)^2 only matters where it is above ~eps * phi w: below, it would be subnormal
+        pu_sq = F.threshold(pu, 1e-18 if mean.dtype == torch.float32 else 1e-150, 0.0)
+        out_var = torch.lerp(pw, 1 - pw, pos).sub_(pu_sq * torch.add(pu, relu, alpha=2))
+        out_var = F.threshold(out_var.mul_(var_c), cut, 0.0, inplace=True)
+        cdf = F.threshold(torch.lerp(half, 1 - half, pos), cut, 0.0, inplace=True)
+        ctx.save_for_backward(cdf, F.threshold(pdf.div_(sd), cut, 0.0, inplace=True), out_mean, var)
         return out_mean, out_var
 
     @staticmethod
@@ -135,7 +143,7 @@ class _ReluDiag(torch.autograd.Function):
                 grad_m = torch.addcmul(g_mean * cdf, t, 1 - cdf, value=2)
                 grad_v = torch.addcmul(g_var * cdf, dens, torch.sub(g_mean, t, alpha=2), value=0.5)
         # the variance floor has zero derivative below it
-        return grad_m, grad_v.mul_(var >= floors(var.dtype)[0])
+        return flush(grad_m), flush(grad_v.mul_(var >= floors(var.dtype)[0]))
 
 
 def relu_diag_fn(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:

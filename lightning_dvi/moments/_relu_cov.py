@@ -63,11 +63,13 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from . import policy
 from ._relu import INV_2PI, big, clip_eps, floors
+from .special import flush, tail_cutoff
 
 __all__ = ["BLOCK", "relu_cov", "relu_cov_backward", "relu_cov_forward"]
 
@@ -164,7 +166,14 @@ class _Terms:
     """
 
     def __init__(
-        self, ws: _Scratch, cov: Tensor, sd_j: Tensor, sd_l: Tensor, mu_j: Tensor, mu_l: Tensor
+        self,
+        ws: _Scratch,
+        cov: Tensor,
+        sd_j: Tensor,
+        sd_l: Tensor,
+        mu_j: Tensor,
+        mu_l: Tensor,
+        gain: float = 1.0,
     ) -> None:
         eps = clip_eps(cov.dtype)
         self.cov = cov
@@ -182,7 +191,16 @@ class _Terms:
         self.sum_sq = torch.add(mu_j * mu_j, mu_l * mu_l, out=ws.take())
         self.prod = torch.mul(mu_j, mu_l, out=ws.take())
         quad = torch.mul(self.beta, self.sum_sq, out=ws.take())
-        self.gauss = quad.addcmul_(self.gamma, self.prod, value=-1).neg_().exp_()  # e^{-Q}
+        quad.addcmul_(self.gamma, self.prod, value=-1).clamp_(max=_q_max(cov.dtype))
+        # e^{-Q} (times the gain), exactly 0 where it would be below the tail cutoff
+        self.gauss = F.threshold(quad.neg_().exp_(), tail_cutoff(cov.dtype), 0.0, inplace=True)
+        if gain != 1.0:
+            self.gauss.mul_(gain)
+
+
+def _q_max(dtype: torch.dtype) -> float:
+    """A bound on :math:`Q` past which :math:`e^{-Q}` is below the tail cutoff (then flushed)."""
+    return 1.0 - math.log(tail_cutoff(dtype))
 
 
 def _raw(ws: _Scratch, t: _Terms, cdf_j: Tensor, cdf_l: Tensor) -> tuple[Tensor, Tensor]:
@@ -267,11 +285,16 @@ def _slices(x: Tensor, sl: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
 
 
 def _block_terms(
-    ws: _Workspace, cov: Tensor, sd: Tensor, mu: Tensor, sl: tuple[int, int, int, int]
+    ws: _Workspace,
+    cov: Tensor,
+    sd: Tensor,
+    mu: Tensor,
+    sl: tuple[int, int, int, int],
+    gain: float,
 ) -> _Terms:
     n0, n1, r0, r1 = sl
     ws.start((n1 - n0, r1 - r0, cov.shape[-1] - r0))
-    return _Terms(ws, cov[n0:n1, r0:r1, r0:], *_slices(sd, sl), *_slices(mu, sl))
+    return _Terms(ws, cov[n0:n1, r0:r1, r0:], *_slices(sd, sl), *_slices(mu, sl), gain)
 
 
 def _workspace(cov: Tensor, blocks: list[tuple[int, int, int, int]]) -> _Workspace:
@@ -293,7 +316,7 @@ class _ReluCov(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor
+        ctx: FunctionCtx, cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor, gain: float
     ) -> Tensor:
         osd = _bound_factors(var)
         out = torch.empty_like(cov, memory_format=torch.contiguous_format)
@@ -301,8 +324,9 @@ class _ReluCov(torch.autograd.Function):
         ws = _workspace(cov, blocks)
         for sl in blocks:
             n0, n1, r0, r1 = sl
-            t = _block_terms(ws, cov, sd, mu, sl)
+            t = _block_terms(ws, cov, sd, mu, sl, gain)
             raw = _clamp(ws, _raw(ws, t, *_slices(cdf, sl))[1], *_slices(osd, sl))
+            torch.hardshrink(raw, tail_cutoff(raw.dtype), out=raw)
             # the lower part, mirrored (a single matrix uses the blocked 2-D transpose kernel)
             mirror = raw[0].t().contiguous() if n1 - n0 == 1 else raw.transpose(-1, -2)
             out[n0:n1, r0:, r0:r1] = mirror
@@ -311,11 +335,12 @@ class _ReluCov(torch.autograd.Function):
             square.copy_(square.triu(1) + square.triu().transpose(-1, -2))
         out.diagonal(dim1=-2, dim2=-1).copy_(var)
         ctx.save_for_backward(cov, sd, mu, cdf, var, osd)
+        ctx.gain = gain  # type: ignore[attr-defined]  # carried to backward
         return out
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, ...]:
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
         cov, sd, mu, cdf, var, osd = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
         g_cov = torch.zeros_like(cov, memory_format=torch.contiguous_format)
         sums = {key: torch.zeros_like(sd) for key in _PARTNERS}
@@ -337,11 +362,12 @@ class _ReluCov(torch.autograd.Function):
                     acc[n0:n1, r0:r1] += (piece @ x[n0:n1, r0:, None]).squeeze(-1)
                     acc[n0:n1, r0:] += (x[n0:n1, None, r0:r1] @ piece).squeeze(-2)
 
-            t = _block_terms(ws, cov, sd, mu, sl)
+            t = _block_terms(ws, cov, sd, mu, sl, ctx.gain)  # type: ignore[attr-defined]  # set in forward
             g = _sym_sum(ws, grad, sl)
             operands = (*_slices(cdf, sl), *_slices(osd, sl))
             g_cov[n0:n1, r0:r1, r0:] = _vjp(ws, t, g, operands, emit, skip_unclamped=True)
-        return g_cov, *_unit_grads(sums, grad, sd, mu, var, osd)
+        grads = (g_cov, *_unit_grads(sums, grad, sd, mu, var, osd))
+        return *(flush(g) for g in grads), None
 
 
 # ------------------------------------------------ executor 2: whole tensors (GPU, compile)
@@ -351,32 +377,34 @@ def _masks(d: int, device: torch.device) -> tuple[Tensor, Tensor]:
     return idx[:, None] < idx[None, :], idx[:, None] == idx[None, :]
 
 
-def _whole_terms(cov: Tensor, sd: Tensor, mu: Tensor) -> tuple[Tensor, Tensor, _Terms]:
+def _whole_terms(cov: Tensor, sd: Tensor, mu: Tensor, gain: float) -> tuple[Tensor, Tensor, _Terms]:
     upper, eye = _masks(cov.shape[-1], cov.device)
     cov = torch.where(upper.mT, cov.mT, cov)  # the lower triangle mirrors the upper
     terms = _Terms(
-        _FRESH, cov, sd[..., :, None], sd[..., None, :], mu[..., :, None], mu[..., None, :]
+        _FRESH, cov, sd[..., :, None], sd[..., None, :], mu[..., :, None], mu[..., None, :], gain
     )
     return upper, eye, terms
 
 
-def relu_cov_forward(cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor) -> Tensor:
+def relu_cov_forward(
+    cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor, gain: float = 1.0
+) -> Tensor:
     r"""The clamped ReLU covariance on whole ``[n, D, D]`` tensors (the formula of the module).
 
     Reads the upper triangle of ``cov`` only and returns an exactly symmetric matrix with
     ``var`` on its diagonal; the arguments are those of :func:`relu_cov`, flattened to one
     batch dimension.
     """
-    upper, eye, t = _whole_terms(cov, sd, mu)
+    upper, eye, t = _whole_terms(cov, sd, mu, gain)
     osd = _bound_factors(var)
     raw = _raw(_FRESH, t, cdf[..., :, None], cdf[..., None, :])[1]
-    out = _clamp(_FRESH, raw, osd[..., :, None], osd[..., None, :])
+    out = flush(_clamp(_FRESH, raw, osd[..., :, None], osd[..., None, :]))
     # exact symmetry (kernels may round (j, l) and (l, j) differently) and the exact diagonal
     return torch.where(upper, out, torch.where(eye, var[..., :, None], out.mT))
 
 
 def relu_cov_backward(
-    grad: Tensor, cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor
+    grad: Tensor, cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor, gain: float = 1.0
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     r"""Closed-form vector-Jacobian product of :func:`relu_cov_forward` (module docstring).
 
@@ -389,7 +417,7 @@ def relu_cov_backward(
         Gradients for ``(cov, sd, mu, cdf, var)``; the one for ``cov`` lives on the strict
         upper triangle.
     """
-    upper, eye, t = _whole_terms(cov, sd, mu)
+    upper, eye, t = _whole_terms(cov, sd, mu, gain)
     osd = _bound_factors(var)
     vectors = {"osd": osd, "cdf": cdf, "mu": mu}
     sums: dict[str, Tensor] = {}
@@ -402,30 +430,35 @@ def relu_cov_backward(
     g = torch.where(eye, 0, grad + grad.mT)
     operands = (cdf[..., :, None], cdf[..., None, :], osd[..., :, None], osd[..., None, :])
     g_cov = _vjp(_FRESH, t, g, operands, emit, skip_unclamped=False)
-    return torch.where(upper, g_cov, 0), *_unit_grads(sums, grad, sd, mu, var, osd)
+    grads = (torch.where(upper, g_cov, 0), *_unit_grads(sums, grad, sd, mu, var, osd))
+    return tuple(flush(g) for g in grads)  # type: ignore[return-value]  # five tensors
 
 
-def _run_forward(path: str, cov: Tensor, *vecs: Tensor) -> Tensor:
+def _run_forward(path: str, gain: float, cov: Tensor, *vecs: Tensor) -> Tensor:
     fn = policy.compiled("relu_cov_forward", relu_cov_forward) if path == "compiled" else None
-    fwd = fn or relu_cov_forward
+    fwd: Callable[..., Tensor] = fn or relu_cov_forward
     n, d = cov.shape[0], cov.shape[-1]
     size = policy.chunk_size(n, d, cov.dtype, path)
     if size >= n:
-        return fwd(cov, *vecs)
+        return fwd(cov, *vecs, gain)
     out = torch.empty_like(cov, memory_format=torch.contiguous_format)
     for a, b in policy.chunks(n, size):
-        out[a:b] = fwd(cov[a:b], *(v[a:b] for v in vecs))
+        out[a:b] = fwd(cov[a:b], *(v[a:b] for v in vecs), gain)
     return out
 
 
-def _run_backward(path: str, grad: Tensor, cov: Tensor, *vecs: Tensor) -> tuple[Tensor, ...]:
+def _run_backward(
+    path: str, gain: float, grad: Tensor, cov: Tensor, *vecs: Tensor
+) -> tuple[Tensor, ...]:
     fn = policy.compiled("relu_cov_backward", relu_cov_backward) if path == "compiled" else None
-    bwd = fn or relu_cov_backward
+    bwd: Callable[..., tuple[Tensor, ...]] = fn or relu_cov_backward
     n, d = cov.shape[0], cov.shape[-1]
     size = policy.chunk_size(n, d, cov.dtype, path)
     if size >= n:
-        return bwd(grad, cov, *vecs)
-    parts = [bwd(grad[a:b], cov[a:b], *(v[a:b] for v in vecs)) for a, b in policy.chunks(n, size)]
+        return bwd(grad, cov, *vecs, gain)
+    parts = [
+        bwd(grad[a:b], cov[a:b], *(v[a:b] for v in vecs), gain) for a, b in policy.chunks(n, size)
+    ]
     return tuple(torch.cat(p) for p in zip(*parts, strict=True))
 
 
@@ -434,20 +467,29 @@ class _ReluCovWhole(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor, path: str
+        ctx: FunctionCtx,
+        cov: Tensor,
+        sd: Tensor,
+        mu: Tensor,
+        cdf: Tensor,
+        var: Tensor,
+        path: str,
+        gain: float,
     ) -> Tensor:
         ctx.save_for_backward(cov, sd, mu, cdf, var)
-        ctx.path = path  # type: ignore[attr-defined]  # ctx carries the path to backward
-        return _run_forward(path, cov, sd, mu, cdf, var)
+        ctx.path, ctx.gain = path, gain  # type: ignore[attr-defined]  # carried to backward
+        return _run_forward(path, gain, cov, sd, mu, cdf, var)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
         saved = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
-        return (*_run_backward(ctx.path, grad, *saved), None)  # type: ignore[attr-defined]  # set in forward
+        return (*_run_backward(ctx.path, ctx.gain, grad, *saved), None, None)  # type: ignore[attr-defined]  # set in forward
 
 
-def relu_cov(cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor) -> Tensor:
+def relu_cov(
+    cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor, gain: float = 1.0
+) -> Tensor:
     r"""ReLU output covariance ``[..., D, D]`` from the input's statistics, closed-form backward.
 
     Runs the blocked loop or the whole-tensor kernels as
@@ -457,15 +499,17 @@ def relu_cov(cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor) -> T
         cov: input covariance ``[..., D, D]`` (symmetric; only the upper triangle is read).
         sd: input standard deviations ``[..., D]`` (floored).
         mu: standardised input means ``[..., D]`` (clamped).
-        cdf: :math:`\Phi(\mu)`, ``[..., D]``.
+        cdf: :math:`\Phi(\mu)`, ``[..., D]`` (LeakyReLU: its slope
+            :math:`\alpha + (1-\alpha)\Phi(\mu)`).
         var: exact output variances ``[..., D]``: the diagonal and the Cauchy-Schwarz bound.
+        gain: factor on the correction :math:`K` (LeakyReLU: :math:`(1-\alpha)^2`).
     """
     d = cov.shape[-1]
     lead = cov.shape[:-2]
     flat = [t.reshape(-1, d) for t in (sd, mu, cdf, var)]
     path = policy.resolve(cov.device)
     if path == "blocked":
-        out = _ReluCov.apply(cov.reshape(-1, d, d), *flat)
+        out = _ReluCov.apply(cov.reshape(-1, d, d), *flat, float(gain))
     else:
-        out = _ReluCovWhole.apply(cov.reshape(-1, d, d), *flat, path)
+        out = _ReluCovWhole.apply(cov.reshape(-1, d, d), *flat, path, float(gain))
     return out.reshape(*lead, d, d)  # type: ignore[no-any-return]  # Function.apply returns Any

@@ -46,10 +46,11 @@ from torch.utils.checkpoint import checkpoint
 
 from . import policy
 from ._relu import floors, relu_diag_fn
-from ._relu_cov import relu_cov
+from ._relu_cov import _q_max, relu_cov
 from .special import (
     asin_over_x,
     clip_correlation,
+    flush,
     normal_cdf,
     normal_pdf,
 )
@@ -166,7 +167,7 @@ def heaviside_slope(mean: Tensor, var: Tensor) -> Tensor:
     at 0 is :math:`\phi(\mu_j)/\sigma_j`, which is what the tests check by Monte Carlo.
     """
     sd, mu = _standardise(mean, var)
-    return normal_pdf(mu) / sd
+    return flush(normal_pdf(mu) / sd)
 
 
 def heaviside_full(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
@@ -231,7 +232,8 @@ def heaviside_cov(mean: Tensor, cov: Tensor, out_var: Tensor) -> Tensor:
     mu = mu.clamp(-_MU_CLAMP, _MU_CLAMP)
     mu_j, mu_l = mu.unsqueeze(-1), mu.unsqueeze(-2)
     quad = beta * (mu_j * mu_j + mu_l * mu_l) - gamma * mu_j * mu_l
-    out_cov = rho * aor / _TWO_PI * torch.exp(-quad)
+    # e^{-Q} where it is above the tail cutoff, exactly 0 beyond (no underflowing exp)
+    out_cov = rho * aor / _TWO_PI * flush(torch.exp(-quad.clamp(max=_q_max(quad.dtype))))
     return _with_diagonal(out_cov, out_var)
 
 
@@ -248,5 +250,5 @@ def _with_diagonal(cov: Tensor, diag: Tensor) -> Tensor:
     bound = sd.unsqueeze(-1) * sd.unsqueeze(-2)
     # fused multiply-adds in broadcast kernels round (j, l) and (l, j) differently
     cov = 0.5 * (cov + cov.transpose(-1, -2))
-    cov = torch.minimum(torch.maximum(cov, -bound), bound)
+    cov = flush(torch.minimum(torch.maximum(cov, -bound), bound))
     return torch.diagonal_scatter(cov, diag, dim1=-2, dim2=-1)

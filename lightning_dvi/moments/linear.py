@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from .special import flush
+
 __all__ = [
     "linear_deterministic",
     "linear_diag",
@@ -175,10 +177,12 @@ class _LinearDiag(torch.autograd.Function):
                 d_var = torch.addmm(_rows(through_v), _rows(g_var), w_sq)
                 d_var = d_var if var.dim() == 2 else d_var.view(var.shape)
         g_mean_t, g_var_t = _rows(g_mean).t(), _rows(g_var).t()
+        # the weight gradients sum products of tail values with small output gradients: flush
         if need[2]:
             d_w_loc = torch.addcmul(g_mean_t @ _rows(mean), w_loc, g_var_t @ _rows(var), value=2)
+            d_w_loc = flush(d_w_loc)
         if need[3]:
-            d_w_var = g_var_t @ _rows(second)
+            d_w_var = flush(g_var_t @ _rows(second))
         if need[4]:
             d_b_loc = _rows(g_mean).sum(0)
         if need[5]:

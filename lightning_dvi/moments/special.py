@@ -2,6 +2,15 @@ r"""Special functions for moment propagation, written to stay finite in float32 
 
 All functions are elementwise and differentiable; ratios with removable singularities at
 :math:`\rho = 0` are evaluated through series so that values *and gradients* stay finite there.
+
+**No subnormal floats.** Gaussian tails underflow: :math:`\Phi(-14)` is below float32's normal
+range, and many CPUs take a microcode assist (tens of cycles) for every subnormal operand or
+result, which made whole training steps several times slower. Every moment formula therefore
+returns values (and gradients) that are either exactly zero or at least :func:`tail_cutoff` in
+magnitude: :func:`flush` (one ``hardshrink``) zeroes what lies below it, and :func:`normal_cdf`
+and :func:`normal_pdf` clamp their arguments where the result would underflow anyway, so not
+even their intermediates are subnormal. The cutoff, ``tiny / eps`` of the dtype, leaves a product
+with any factor above ``eps`` in the normal range.
 """
 
 from __future__ import annotations
@@ -16,9 +25,12 @@ __all__ = [
     "asin_over_x",
     "asin_residual_over_x3",
     "clip_correlation",
+    "flush",
     "normal_cdf",
     "normal_pdf",
     "soft_relu",
+    "tail_argument",
+    "tail_cutoff",
 ]
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -31,18 +43,53 @@ _ASIN_SERIES = tuple(
 _SERIES_CUTOFF = 0.25
 
 
+def tail_cutoff(dtype: torch.dtype) -> float:
+    r"""Smallest nonzero magnitude a moment formula returns: ``finfo.tiny / finfo.eps``.
+
+    About :math:`10^{-31}` in float32 and :math:`10^{-292}` in float64: values below it are
+    flushed to exact zeros (:func:`flush`), so that neither they nor their products with
+    factors above ``eps`` are subnormal.
+    """
+    info = torch.finfo(dtype)
+    return float(info.tiny / info.eps)
+
+
+def flush(x: Tensor) -> Tensor:
+    r""":math:`x` with every entry of magnitude below :func:`tail_cutoff` set to exactly zero.
+
+    One ``hardshrink`` (NaN and infinities pass through unchanged); differentiable, with zero
+    gradient where an entry was flushed.
+
+    Examples:
+        >>> flush(torch.tensor([1e-40, -1e-33, 1e-30, 2.0])).tolist()
+        [0.0, 0.0, 1.0000000031710769e-30, 2.0]
+    """
+    return torch.nn.functional.hardshrink(x, tail_cutoff(x.dtype))
+
+
+def tail_argument(dtype: torch.dtype) -> float:
+    """``c`` with ``exp(-c**2) = tail_cutoff``: beyond it a normal tail is flushed anyway."""
+    return math.sqrt(-math.log(tail_cutoff(dtype)))
+
+
 def normal_cdf(x: Tensor) -> Tensor:
     r"""Standard normal CDF :math:`\Phi(x) = \tfrac12 \operatorname{erfc}(-x/\sqrt2)`.
 
     ``erfc`` keeps full relative precision in the lower tail, where ``(1 + erf)/2`` would not.
+    Values below :func:`tail_cutoff` are exact zeros: the argument of ``erfc`` is clamped to
+    :math:`\pm c`, :math:`e^{-c^2}` = the cutoff, beyond which the value is flushed to 0 or
+    rounds to 1 anyway (CPU ``erfc`` is slow on arguments that underflow, and the derivative
+    :math:`\phi(x)` there would be subnormal), and the result is flushed.
     """
-    erfc: Tensor = torch.special.erfc(-x * _SQRT_HALF)
-    return 0.5 * erfc
+    c = tail_argument(x.dtype)
+    arg = (-x * _SQRT_HALF).clamp(-c, c)
+    return flush(0.5 * torch.special.erfc(arg))
 
 
 def normal_pdf(x: Tensor) -> Tensor:
-    r"""Standard normal density :math:`\phi(x) = e^{-x^2/2}/\sqrt{2\pi}`."""
-    return torch.exp(-0.5 * x * x - _LOG_SQRT_2PI)
+    r"""Standard normal density :math:`\phi(x) = e^{-x^2/2}/\sqrt{2\pi}`, flushed like :func:`normal_cdf`."""
+    low = math.log(tail_cutoff(x.dtype)) - 1.0  # exp of it is below the cutoff: flushed to 0
+    return flush(torch.exp((-0.5 * x * x - _LOG_SQRT_2PI).clamp_min(low)))
 
 
 def soft_relu(x: Tensor) -> Tensor:

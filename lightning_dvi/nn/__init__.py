@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from .activations import GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Tanh
+from .activations import ELU, GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
 from .base import BayesModule, Moments
 from .builders import CNN, cnn, mlp
 from .container import Residual, Sequential
@@ -20,6 +20,7 @@ from .torch_file import TorchNetwork, describe_torch, save_torch_network
 __all__ = [
     "BAYES_LAYER_TYPES",
     "CNN",
+    "ELU",
     "GELU",
     "ActivationSpec",
     "AvgPool2d",
@@ -38,6 +39,7 @@ __all__ = [
     "Sequential",
     "SiLU",
     "Sigmoid",
+    "Softplus",
     "Tanh",
     "TorchNetwork",
     "activation_specs",

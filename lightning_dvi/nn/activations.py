@@ -1,7 +1,11 @@
-"""Elementwise activations of a Gaussian: ReLU, Heaviside, LeakyReLU, GELU, SiLU, Tanh, Sigmoid."""
+"""Elementwise activations of a Gaussian: ReLU, Heaviside, LeakyReLU, ELU, GELU, SiLU, Softplus...
+
+Also Tanh and Sigmoid; each registers itself with :func:`~.registry.register_activation`.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TypeVar, cast, overload
 
@@ -11,11 +15,12 @@ from torch import Tensor, nn
 
 from .. import moments as M
 from ..gaussian import Gaussian
+from ..moments import elu as E
 from ..moments import smooth as S
 from .base import BayesModule, Moments
 from .registry import register_activation
 
-__all__ = ["GELU", "Heaviside", "LeakyReLU", "ReLU", "SiLU", "Sigmoid", "Tanh"]
+__all__ = ["ELU", "GELU", "Heaviside", "LeakyReLU", "ReLU", "SiLU", "Sigmoid", "Softplus", "Tanh"]
 
 _Pair = tuple[Tensor, Tensor]
 _A = TypeVar("_A", bound="_Activation")
@@ -128,9 +133,11 @@ class _ParamActivation(_Activation):
         return M.cross_through_activation(cross, self._moments_slope(x.mean, x.var))
 
 
-def _check_nodes(num_nodes: int) -> int:
+def _check_nodes(num_nodes: int | None) -> int | None:
+    if num_nodes is None:
+        return None
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 2:
-        raise ValueError(f"num_nodes must be an int >= 2, got {num_nodes!r}")
+        raise ValueError(f"num_nodes must be None or an int >= 2, got {num_nodes!r}")
     return num_nodes
 
 
@@ -188,28 +195,35 @@ class LeakyReLU(_ParamActivation):
 
 
 class _QuadratureActivation(_ParamActivation):
+    """An activation whose moments come from the quadrature engine of :mod:`.moments.smooth`.
+
+    ``num_nodes`` overrides the Gauss–Hermite node counts the activation's kernel picks by the
+    input's spread (``None``: the kernel's, measured to 1e-5 relative; docs/moments.md).
+    """
+
     _kind: str
 
-    def __init__(self, num_nodes: int = S.DEFAULT_NODES) -> None:
+    def __init__(self, num_nodes: int | None = None) -> None:
         super().__init__()
         self.num_nodes = _check_nodes(num_nodes)
-        S.quadrature_rule(self.num_nodes)  # build (and cache) the rule now, not while tracing
+        if self.num_nodes is not None:
+            S.quadrature_rule(self.num_nodes)  # build (and cache) the rule now, not while tracing
 
     def _moments_full(self, mean: Tensor, cov: Tensor) -> _Pair:
-        full: Callable[[Tensor, Tensor, int], _Pair] = getattr(S, f"{self._kind}_full")
+        full: Callable[[Tensor, Tensor, int | None], _Pair] = getattr(S, f"{self._kind}_full")
         return full(mean, cov, self.num_nodes)
 
     def _moments_diag(self, mean: Tensor, var: Tensor) -> _Pair:
-        diag: Callable[[Tensor, Tensor, int], _Pair] = getattr(S, f"{self._kind}_diag")
+        diag: Callable[[Tensor, Tensor, int | None], _Pair] = getattr(S, f"{self._kind}_diag")
         return diag(mean, var, self.num_nodes)
 
     def _moments_slope(self, mean: Tensor, var: Tensor) -> Tensor:
-        slope: Callable[[Tensor, Tensor, int], Tensor] = getattr(S, f"{self._kind}_slope")
+        slope: Callable[[Tensor, Tensor, int | None], Tensor] = getattr(S, f"{self._kind}_slope")
         return slope(mean, var, self.num_nodes)
 
     def extra_repr(self) -> str:
-        """The quadrature size."""
-        return f"num_nodes={self.num_nodes}"
+        """The quadrature size, where set."""
+        return "" if self.num_nodes is None else f"num_nodes={self.num_nodes}"
 
 
 _GELU_VARIANTS = ("none", "tanh")
@@ -229,15 +243,15 @@ def _gelu_from_call(approximate: str = "none") -> GELU:
 class GELU(_QuadratureActivation):
     r"""GELU :math:`h = a\Phi(a)`; on a Gaussian, returns the Gaussian of :math:`h`.
 
-    Exact mean and variance in closed form (:func:`lightning_dvi.moments.smooth.gelu_diag`);
-    off-diagonal covariance by the three-term Mehler series with exact diagonal. With
-    ``approximate="tanh"`` (torch's tanh approximation) the moments are computed by
-    Gauss–Hermite quadrature with ``num_nodes`` nodes (accurate while the pre-activation sd is
-    below about 2; see ``docs/moments.md``).
+    Mean, variance and :math:`E[h']` by the quadrature engine of
+    :mod:`lightning_dvi.moments.smooth` (Gauss–Hermite for small spreads, the asymptote plus a
+    Gauss–Laguerre rule for large ones; within 1e-4 relative, ``docs/moments.md``), for
+    ``approximate="none"`` (exact GELU) and ``"tanh"`` (torch's tanh approximation) alike;
+    off-diagonal covariance by the three-term Mehler series with exact diagonal.
 
     Args:
         approximate: ``"none"`` (exact GELU) or ``"tanh"``, as in ``torch.nn.GELU``.
-        num_nodes: quadrature nodes for ``approximate="tanh"``.
+        num_nodes: Gauss–Hermite nodes (default: chosen by the input's spread).
 
     Examples:
         >>> from lightning_dvi import Gaussian
@@ -246,37 +260,22 @@ class GELU(_QuadratureActivation):
         0.2821
     """
 
-    def __init__(self, approximate: str = "none", num_nodes: int = S.DEFAULT_NODES) -> None:
+    def __init__(self, approximate: str = "none", num_nodes: int | None = None) -> None:
         if approximate not in _GELU_VARIANTS:
             raise ValueError(f"GELU approximate must be 'none' or 'tanh', got {approximate!r}")
         super().__init__(num_nodes)
         self.approximate = approximate
         self._kind = "gelu_tanh" if approximate == "tanh" else "gelu"
 
-    def _moments_full(self, mean: Tensor, cov: Tensor) -> _Pair:
-        if self.approximate == "none":
-            return S.gelu_full(mean, cov)
-        return super()._moments_full(mean, cov)
-
-    def _moments_diag(self, mean: Tensor, var: Tensor) -> _Pair:
-        if self.approximate == "none":
-            return S.gelu_diag(mean, var)
-        return super()._moments_diag(mean, var)
-
-    def _moments_slope(self, mean: Tensor, var: Tensor) -> Tensor:
-        if self.approximate == "none":
-            return S.gelu_slope(mean, var)
-        return super()._moments_slope(mean, var)
-
     def elementwise(self, x: Tensor) -> Tensor:
         """GELU of a tensor."""
         return F.gelu(x, approximate=self.approximate)
 
     def extra_repr(self) -> str:
-        """The variant (and the quadrature size where it is used)."""
-        if self.approximate == "none":
-            return ""
-        return f"approximate={self.approximate!r}, num_nodes={self.num_nodes}"
+        """The variant and the quadrature size, where not the defaults."""
+        parts = [] if self.approximate == "none" else [f"approximate={self.approximate!r}"]
+        nodes = super().extra_repr()
+        return ", ".join(parts + ([nodes] if nodes else []))
 
 
 def _inplace_only(name: str) -> Callable[..., BayesModule]:
@@ -295,12 +294,13 @@ def _inplace_only(name: str) -> Callable[..., BayesModule]:
 class SiLU(_QuadratureActivation):
     r"""SiLU (swish) :math:`h = a\,\sigma(a)`; on a Gaussian, returns the Gaussian of :math:`h`.
 
-    Mean, variance and :math:`E[h']` by quadrature (Gauss–Hermite for sd :math:`\le 1`, the
-    logistic grid above), accurate to ~1e-9 relative; off-diagonal covariance by the
-    three-term Mehler series with exact diagonal (:mod:`lightning_dvi.moments.smooth`).
+    Mean, variance and :math:`E[h']` by the quadrature engine (Gauss–Hermite for small
+    spreads, the asymptote :math:`a` plus a Gauss–Laguerre rule for large ones), within 1e-4
+    relative; off-diagonal covariance by the three-term Mehler series with exact diagonal
+    (:mod:`lightning_dvi.moments.smooth`).
 
     Args:
-        num_nodes: Gauss–Hermite nodes.
+        num_nodes: Gauss–Hermite nodes (default: chosen by the input's spread).
     """
 
     _kind = "silu"
@@ -321,7 +321,7 @@ class Tanh(_QuadratureActivation):
     Moments as for :class:`Sigmoid` (through the identity); off-diagonal by the Mehler series.
 
     Args:
-        num_nodes: Gauss–Hermite nodes.
+        num_nodes: Gauss–Hermite nodes (default: chosen by the input's spread).
     """
 
     _kind = "tanh"
@@ -339,13 +339,14 @@ class Tanh(_QuadratureActivation):
 class Sigmoid(_QuadratureActivation):
     r"""Logistic sigmoid :math:`h = \sigma(a) = 1/(1 + e^{-a})` of a Gaussian.
 
-    Mean, variance and :math:`E[\sigma'(a)]` by quadrature (Gauss–Hermite for sd :math:`\le 1`,
-    the logistic representation :math:`\sigma(x) = P(L < x)` above), accurate to ~1e-9
-    relative, rather than the probit approximation :math:`\sigma(x)\approx\Phi(x\sqrt{\pi/8})`
-    (off by up to 0.018); off-diagonal covariance by the three-term Mehler series.
+    Mean, variance and :math:`E[\sigma'(a)]` by quadrature (Gauss–Hermite for small spreads,
+    the asymptote 1 plus a Gauss–Laguerre rule on :math:`\sigma(-|x|)` for large ones), within
+    1e-4 relative, rather than the probit approximation
+    :math:`\sigma(x)\approx\Phi(x\sqrt{\pi/8})` (off by up to 0.018); off-diagonal covariance
+    by the three-term Mehler series.
 
     Args:
-        num_nodes: Gauss–Hermite nodes.
+        num_nodes: Gauss–Hermite nodes (default: chosen by the input's spread).
 
     Examples:
         >>> from lightning_dvi import Gaussian
@@ -359,6 +360,120 @@ class Sigmoid(_QuadratureActivation):
     def elementwise(self, x: Tensor) -> Tensor:
         """Sigmoid of a tensor."""
         return torch.sigmoid(x)
+
+
+def _elu_from_call(alpha: float = 1.0, inplace: bool = False) -> ELU:
+    return ELU(alpha)
+
+
+@register_activation(
+    "elu",
+    torch_modules=(nn.ELU,),
+    torch_functions=(F.elu,),
+    from_module=lambda m: ELU(cast(nn.ELU, m).alpha),
+    from_call=_elu_from_call,
+)
+class ELU(_ParamActivation):
+    r"""ELU :math:`h = a` for :math:`a > 0`, :math:`\alpha(e^a - 1)` otherwise, of a Gaussian.
+
+    Exact mean, variance and :math:`E[h']` in closed form (:mod:`lightning_dvi.moments.elu`);
+    off-diagonal covariance by the three-term Mehler series with exact diagonal.
+
+    Args:
+        alpha: :math:`\alpha`, as in ``torch.nn.ELU`` (any finite number).
+
+    Examples:
+        >>> from lightning_dvi import Gaussian
+        >>> out = ELU()(Gaussian(torch.zeros(1, 1), var=torch.zeros(1, 1)), mode="diag")
+        >>> out.mean.item(), out.var.item()
+        (0.0, 0.0)
+    """
+
+    def __init__(self, alpha: float = 1.0) -> None:
+        super().__init__()
+        value = float(alpha)
+        if not torch.isfinite(torch.tensor(value)):
+            raise ValueError(f"ELU alpha must be finite, got {alpha!r}")
+        self.alpha = value
+
+    def _moments_full(self, mean: Tensor, cov: Tensor) -> _Pair:
+        return E.elu_full(mean, cov, self.alpha)
+
+    def _moments_diag(self, mean: Tensor, var: Tensor) -> _Pair:
+        return E.elu_diag(mean, var, self.alpha)
+
+    def _moments_slope(self, mean: Tensor, var: Tensor) -> Tensor:
+        return E.elu_slope(mean, var, self.alpha)
+
+    def elementwise(self, x: Tensor) -> Tensor:
+        """ELU of a tensor."""
+        return F.elu(x, self.alpha)
+
+    def extra_repr(self) -> str:
+        """The saturation value."""
+        return f"alpha={self.alpha}"
+
+
+def _softplus_from_call(beta: float = 1.0, threshold: float = 20.0) -> Softplus:
+    return Softplus(beta, threshold)
+
+
+@register_activation(
+    "softplus",
+    torch_modules=(nn.Softplus,),
+    torch_functions=(F.softplus,),
+    from_module=lambda m: Softplus(cast(nn.Softplus, m).beta, cast(nn.Softplus, m).threshold),
+    from_call=_softplus_from_call,
+)
+class Softplus(_QuadratureActivation):
+    r"""Softplus :math:`h = \log(1 + e^{\beta a})/\beta` of a Gaussian.
+
+    Mean, variance and :math:`E[h'] = E[\sigma(\beta a)]` by the quadrature engine
+    (Gauss–Hermite for small spreads, the asymptote :math:`a` plus a Gauss–Laguerre rule on
+    :math:`\log(1 + e^{-|x|})` for large ones), within 1e-5 relative; off-diagonal covariance by
+    the three-term Mehler series.
+
+    Args:
+        beta: :math:`\beta > 0`, as in ``torch.nn.Softplus``.
+        threshold: as in ``torch.nn.Softplus``: above ``beta * a > threshold`` torch returns
+            :math:`a` (a difference below :math:`e^{-\mathrm{threshold}}/\beta`); kept for the
+            sampling modes, the moments are those of the exact softplus.
+        num_nodes: Gauss–Hermite nodes (default: chosen by the input's spread).
+
+    Examples:
+        >>> from lightning_dvi import Gaussian
+        >>> out = Softplus()(Gaussian(torch.zeros(1, 1), var=torch.zeros(1, 1)), mode="diag")
+        >>> round(out.mean.item(), 4)  # log 2
+        0.6931
+    """
+
+    _kind = "softplus"
+
+    def __init__(
+        self, beta: float = 1.0, threshold: float = 20.0, num_nodes: int | None = None
+    ) -> None:
+        super().__init__(num_nodes)
+        self.beta, self.threshold = float(beta), float(threshold)
+        if not (math.isfinite(self.beta) and self.beta > 0):
+            raise ValueError(f"Softplus beta must be a positive finite number, got {beta!r}")
+
+    def _moments_full(self, mean: Tensor, cov: Tensor) -> _Pair:
+        return S.softplus_full(mean, cov, self.beta, self.num_nodes)
+
+    def _moments_diag(self, mean: Tensor, var: Tensor) -> _Pair:
+        return S.softplus_diag(mean, var, self.beta, self.num_nodes)
+
+    def _moments_slope(self, mean: Tensor, var: Tensor) -> Tensor:
+        return S.softplus_slope(mean, var, self.beta, self.num_nodes)
+
+    def elementwise(self, x: Tensor) -> Tensor:
+        """Softplus of a tensor (torch's, with its threshold)."""
+        return F.softplus(x, self.beta, self.threshold)
+
+    def extra_repr(self) -> str:
+        """Beta and threshold (and the quadrature size where set)."""
+        nodes = super().extra_repr()
+        return f"beta={self.beta}, threshold={self.threshold}" + (f", {nodes}" if nodes else "")
 
 
 _BY_NAME: dict[str, type[BayesModule]] = {"silu": SiLU}

@@ -16,9 +16,9 @@ Heads (``likelihood``):
   ``var = Σ_mm + e^λ`` (``[B]`` each).
 * :class:`~lightning_dvi.likelihoods.HeteroscedasticGaussian`: ``mean = ⟨m⟩``,
   ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``.
-* :class:`~lightning_dvi.likelihoods.Categorical` (any method but ``"mc"``): the closed-form
-  class probabilities ``[B, K]`` of
-  :func:`~lightning_dvi.likelihoods.functional.categorical_mean_field_predictive` (the library's
+* :class:`~lightning_dvi.likelihoods.Categorical` (any method but ``"mc"``): the
+  closed-form class probabilities ``[B, K]`` of
+  :func:`~lightning_dvi.likelihoods.predictive.categorical_predictive` (the library's
   predictive), tempered by a classifier's ``predictive_temperature`` when it is not 1.
 
 ``Bernoulli`` and ``Poisson`` have no exported head yet (a ``ValueError`` says so).
@@ -44,6 +44,7 @@ from ..likelihoods import (
     Likelihood,
 )
 from ..likelihoods import functional as LF
+from ..likelihoods.predictive import categorical_predictive
 from .base import BayesModule
 
 __all__ = ["PredictiveModule", "export_predictive"]
@@ -115,9 +116,7 @@ class PredictiveModule(nn.Module):
         if self.head == "moments":
             return out.mean, out.var
         if self.head == "categorical":
-            probs = LF.categorical_mean_field_predictive(
-                out.mean, out.cov if out.cov is not None else out.var
-            )
+            probs = categorical_predictive(out.mean, out.cov if out.cov is not None else out.var)
             if self.tempered:  # softmax(log p / T), as DVIClassifier's TemperatureScaling
                 probs = torch.softmax(probs.clamp_min(1e-30).log() / self.temperature, dim=-1)
             return probs

@@ -353,7 +353,9 @@ def _exp_link(func: Callable[..., Any], x: Any) -> MomentTensor:
     return _link(func, x, "exp")
 
 
-@register(F.softplus, torch.sqrt, _T.sqrt)
+# F.softplus is a registered activation (lightning_dvi.nn.Softplus); a network-dependent Normal
+# scale built from it is refused at the observed site instead (messenger._normal).
+@register(torch.sqrt, _T.sqrt)
 def _positive_link(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
     raise unsupported(
         f"`{op_name(func)}` on a moment-carrying tensor",

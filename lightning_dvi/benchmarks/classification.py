@@ -1,0 +1,233 @@
+r"""The side-by-side classification benchmark: DVI rows next to plain, ensemble, dropout, Laplace.
+
+A :class:`Row` names a method and its settings; :func:`run_row` trains it on a
+:class:`~lightning_dvi.benchmarks.data.ClassificationSplit` under a
+:class:`~lightning_dvi.benchmarks.data.Budget` with one seed and returns the test metrics
+(accuracy, NLL, ECE with 15 bins, Brier score, AURC, the OOD AUROC of the predictive entropy
+against feature-permuted test inputs and, for rows with samples, of the mutual information) and
+the CPU seconds of training. :func:`summarise` turns runs over seeds into mean and standard
+deviation and :func:`markdown_table` prints them. ``recipes/classification_benchmark.py`` is the
+command-line front end.
+
+Row kinds:
+
+* ``"plain"``: a deterministic network (``weight_decay`` in the settings, default 0);
+* ``"plain_tuned"``: the same with the weight decay chosen on the validation NLL;
+* ``"ensemble"``: five plain networks (a deep ensemble);
+* ``"mc_dropout"``: MC dropout with the rate chosen on the validation NLL;
+* ``"laplace"``: last-layer Laplace on the weight-decay-tuned plain network;
+* ``"dvi"``: :class:`~lightning_dvi.DVIClassifier`, every other setting passed to it as is
+  (``{}``: the library's defaults), trained by ``lightning.Trainer``.
+
+Architectures: ``"mlp"`` (``hidden`` widths) or ``"cnn"`` (:class:`lightning_dvi.nn.CNN` and its
+plain twin; image inputs).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..metrics import class_probability_samples, classification_summary
+from . import baselines
+from .baselines import Fitted
+from .data import Budget, ClassificationSplit, plain_cnn, plain_mlp
+
+__all__ = [
+    "METRICS",
+    "Row",
+    "fit_dvi",
+    "markdown_table",
+    "run_row",
+    "summarise",
+]
+
+RowKind = Literal["plain", "plain_tuned", "ensemble", "mc_dropout", "laplace", "dvi"]
+#: Metrics of a run, in table order (``train_s``: CPU seconds of training).
+METRICS = ("acc", "nll", "ece", "brier", "ood_auroc", "ood_auroc_mi", "train_s")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benchmark row.
+
+    Args:
+        kind: the method (see the module docstring).
+        arch: ``"mlp"`` or ``"cnn"``.
+        hidden: hidden widths of the MLP (or of the CNN's dense head).
+        settings: ``DVIClassifier`` arguments (``"dvi"``) or the baseline's options
+            (``weight_decay``, ``members``, ``rates``, ...).
+    """
+
+    kind: RowKind
+    arch: Literal["mlp", "cnn"] = "mlp"
+    hidden: tuple[int, ...] = (100, 100)
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+class _History:
+    """Lightning callback: keeps the best validation epoch's weights and every epoch's metrics."""
+
+    def __init__(self) -> None:
+        from lightning.pytorch import Callback
+
+        outer = self
+
+        class _Callback(Callback):
+            def on_validation_end(self, trainer: Any, module: Any) -> None:
+                if trainer.sanity_checking:
+                    return
+                values = {k: float(v) for k, v in trainer.callback_metrics.items()}
+                outer.epochs.append({"epoch": trainer.current_epoch, **values})
+                value = values.get("val/nll", math.inf)
+                if value < outer.best:
+                    outer.best, outer.best_epoch = value, trainer.current_epoch
+                    outer.state = copy.deepcopy(module.state_dict())
+
+        self.callback = _Callback()
+        self.epochs: list[dict[str, float]] = []
+        self.best, self.best_epoch = math.inf, -1
+        self.state: dict[str, Tensor] | None = None
+
+
+def fit_dvi(
+    split: ClassificationSplit,
+    budget: Budget,
+    seed: int,
+    row: Row = Row("dvi"),
+    mc_eval: int = 64,
+) -> Fitted:
+    """:class:`~lightning_dvi.DVIClassifier` with ``row.settings``, trained by ``lightning.Trainer``.
+
+    The learning rate comes from ``budget`` unless the settings give one. The shapes are read
+    from the data at ``setup()``; ``details["history"]`` holds every epoch's logged metrics
+    (the collapse diagnostics among them). MCVI rows predict with ``mc_eval`` weight samples.
+    """
+    from lightning.pytorch import Trainer, seed_everything
+
+    from ..lightning import DVIClassifier
+    from ..nn import CNN
+
+    seed_everything(seed, verbose=False)
+    settings = {"lr": budget.lr, **row.settings}
+    if row.arch == "cnn":
+        size = split.input_shape[-1]
+        net = CNN(split.input_shape[0], split.num_classes, size, hidden=list(row.hidden))
+        model = DVIClassifier(net=net, **settings)
+    else:
+        model = DVIClassifier(hidden=list(row.hidden), **settings)
+    history = _History()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=budget.epochs, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[history.callback],
+    )  # fmt: skip
+    loader = split.train_loader(budget.batch_size, seed)
+    start = time.process_time()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(model, loader, split.eval_loader("val"))
+    seconds = time.process_time() - start
+    if history.state is not None:
+        model.load_state_dict(history.state)
+    model.eval()
+    if model.mode in ("sample", "local"):
+        model.num_samples = mc_eval
+
+    def samples(x: Tensor, count: int) -> Tensor:
+        with torch.no_grad():
+            return class_probability_samples(model(x), count)
+
+    details = {"history": history.epochs, "settings": dict(row.settings)}
+    return Fitted(model.predictive, seconds, history.best_epoch, samples, details, model)
+
+
+def _factory(row: Row, split: ClassificationSplit) -> Callable[[float], nn.Module]:
+    """Builds the row's plain network for a dropout rate."""
+    if row.arch == "cnn":
+        return lambda p: plain_cnn(split.num_classes, hidden=row.hidden, dropout=p)
+    width = math.prod(split.input_shape)
+    return lambda p: plain_mlp(width, row.hidden, split.num_classes, dropout=p)
+
+
+def fit_row(split: ClassificationSplit, row: Row, budget: Budget, seed: int) -> Fitted:
+    """Train ``row`` once."""
+    make, opts = _factory(row, split), dict(row.settings)
+    if row.kind == "plain":
+        return baselines.fit_plain(split, make, budget, seed, **opts)
+    if row.kind == "plain_tuned":
+        return baselines.fit_plain_tuned(split, make, budget, seed, **opts)
+    if row.kind == "ensemble":
+        return baselines.fit_ensemble(split, make, budget, seed, **opts)
+    if row.kind == "mc_dropout":
+        return baselines.fit_mc_dropout(split, make, budget, seed, **opts)
+    if row.kind == "laplace":
+        base = baselines.fit_plain_tuned(split, make, budget, seed)
+        return baselines.fit_last_layer_laplace(split, base, **opts)
+    if row.kind == "dvi":
+        return fit_dvi(split, budget, seed, row)
+    raise ValueError(f"unknown row kind {row.kind!r}")
+
+
+def run_row(
+    split: ClassificationSplit, row: Row, budget: Budget, seed: int, mc_eval: int = 64
+) -> dict[str, Any]:
+    """Train ``row`` with ``seed`` and return its test metrics, ``train_s`` and ``best_epoch``.
+
+    Also ``confidence``, the mean top-class probability (above ``acc``: over-confident), the
+    row's chosen hyper-parameters (``details``) and, for DVI rows, every epoch's logged
+    validation metrics (``history``).
+    """
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    fitted = fit_row(split, row, budget, seed)
+    x, ood = split.x_test, split.ood_inputs()
+    samples = ood_samples = None
+    if fitted.samples is not None:
+        samples, ood_samples = fitted.samples(x, mc_eval), fitted.samples(ood, mc_eval)
+    probs = fitted.predict(x)
+    out: dict[str, Any] = classification_summary(
+        probs, split.y_test, fitted.predict(ood), samples, ood_samples
+    )
+    # the sign of the calibration gap: accuracy above confidence is under-confidence
+    out["confidence"] = float(probs.max(-1).values.mean())
+    out.update(train_s=fitted.train_seconds, best_epoch=fitted.best_epoch)
+    out["details"] = {k: v for k, v in fitted.details.items() if k != "history"}
+    if "history" in fitted.details:
+        out["history"] = fitted.details["history"]
+    return out
+
+
+def summarise(
+    runs: Iterable[Mapping[str, Any]], keys: Sequence[str] = METRICS
+) -> dict[str, tuple[float, float]]:
+    """Mean and (population) standard deviation of each metric over runs (NaN where absent)."""
+    runs = list(runs)
+    out = {}
+    for key in keys:
+        values = torch.tensor([float(r.get(key, math.nan)) for r in runs], dtype=torch.float64)
+        out[key] = (float(values.mean()), float(values.std(unbiased=False)))
+    return out
+
+
+def markdown_table(
+    results: Mapping[str, Sequence[Mapping[str, Any]]], keys: Sequence[str] = METRICS
+) -> str:
+    """A markdown table of ``{row name: runs}``: mean ± std per metric, train seconds as a mean."""
+    lines = [f"| model | {' | '.join(keys)} |", "|" + "---|" * (len(keys) + 1)]
+    for name, runs in results.items():
+        stats = summarise(runs, keys)
+        cells = [
+            "—" if math.isnan(m) else (f"{m:.1f}" if k == "train_s" else f"{m:.3f} ± {s:.3f}")
+            for k, (m, s) in stats.items()
+        ]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return "\n".join(lines)

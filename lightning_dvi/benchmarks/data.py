@@ -1,0 +1,208 @@
+"""Splits, training budget and plain network twins of the classification benchmark."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = [
+    "Budget",
+    "ClassificationSplit",
+    "digits_split",
+    "plain_cnn",
+    "plain_mlp",
+    "synthetic_split",
+]
+
+DigitsInputs = Literal["standardized", "global", "scaled"]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The training protocol every row shares: Adam's learning rate, batch size, epochs.
+
+    Args:
+        epochs: passes over the training rows; each row keeps its best validation epoch.
+        lr: Adam's learning rate.
+        batch_size: mini-batch size.
+    """
+
+    epochs: int = 60
+    lr: float = 3e-3
+    batch_size: int = 128
+
+
+@dataclass(frozen=True)
+class ClassificationSplit:
+    """Train, validation and test tensors of one data set (float32 inputs, int64 labels).
+
+    Attributes:
+        name: a short description (data set, preprocessing, sizes).
+        num_classes: :math:`K`.
+    """
+
+    name: str
+    x_train: Tensor
+    y_train: Tensor
+    x_val: Tensor
+    y_val: Tensor
+    x_test: Tensor
+    y_test: Tensor
+    num_classes: int
+
+    @property
+    def num_train(self) -> int:
+        """Training rows."""
+        return len(self.y_train)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one input (``(D,)`` or ``(C, H, W)``)."""
+        return tuple(self.x_train.shape[1:])
+
+    def train_loader(self, batch_size: int, seed: int) -> DataLoader:
+        """Shuffled training batches, the order fixed by ``seed``."""
+        gen = torch.Generator().manual_seed(seed)
+        data = TensorDataset(self.x_train, self.y_train)
+        return DataLoader(data, batch_size=batch_size, shuffle=True, generator=gen)
+
+    def eval_loader(self, stage: Literal["val", "test"]) -> DataLoader:
+        """The validation or test rows in one batch."""
+        x, y = (self.x_val, self.y_val) if stage == "val" else (self.x_test, self.y_test)
+        return DataLoader(TensorDataset(x, y), batch_size=len(y))
+
+    def ood_inputs(self, seed: int = 0) -> Tensor:
+        """Out-of-distribution inputs: the test inputs with their features shuffled by one permutation."""
+        x = self.x_test.reshape(len(self.x_test), -1)
+        perm = torch.randperm(x.shape[-1], generator=torch.Generator().manual_seed(seed))
+        return x[:, perm].reshape(self.x_test.shape)
+
+
+def _stratified(y: np.ndarray, size: int, seed: int, pool: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(chosen, rest)``: ``size`` rows of ``pool`` drawn per class in proportion (sklearn)."""
+    from sklearn.model_selection import train_test_split
+
+    chosen, rest = train_test_split(pool, train_size=size, stratify=y[pool], random_state=seed)
+    return np.sort(chosen), np.sort(rest)
+
+
+def _tensors(
+    name: str, x: np.ndarray, y: np.ndarray, parts: tuple[np.ndarray, np.ndarray, np.ndarray]
+) -> ClassificationSplit:
+    """``(train, val, test)`` rows of ``x``, ``y`` as float32 inputs and int64 labels."""
+    (x_tr, y_tr), (x_va, y_va), (x_te, y_te) = (
+        (torch.tensor(x[rows], dtype=torch.float32), torch.tensor(y[rows], dtype=torch.long))
+        for rows in parts
+    )
+    return ClassificationSplit(name, x_tr, y_tr, x_va, y_va, x_te, y_te, int(y.max()) + 1)
+
+
+def digits_split(
+    inputs: DigitsInputs = "standardized",
+    *,
+    num_train: int | None = None,
+    images: bool = False,
+    split_seed: int = 0,
+) -> ClassificationSplit:
+    """scikit-learn's digits: 360 test rows, 180 validation rows, the other 1257 for training.
+
+    Stratified by class (70 / 10 / 20 per cent); the same split for both preprocessings.
+
+    Args:
+        inputs: ``"standardized"`` (every pixel by its training mean and std, constant pixels
+            scale 1), ``"global"`` (one mean and std over all training pixels, what a
+            convolution wants) or ``"scaled"`` (pixel values divided by 16, into [0, 1]).
+        num_train: keep only this many training rows (stratified), for a smaller data set.
+        images: inputs ``[1, 8, 8]`` instead of 64-vectors.
+        split_seed: seeds the split.
+    """
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = digits.data.astype(np.float64), digits.target
+    train_val, test = _stratified(y, len(y) - 360, split_seed, np.arange(len(y)))
+    train, val = _stratified(y, len(train_val) - 180, split_seed, train_val)
+    if num_train is not None and num_train < len(train):
+        train, _ = _stratified(y, num_train, split_seed, train)
+    if inputs == "standardized":
+        loc, scale = x[train].mean(0), x[train].std(0)
+        x = (x - loc) / np.where(scale > 0, scale, 1.0)
+    elif inputs == "global":
+        x = (x - x[train].mean()) / x[train].std()
+    elif inputs == "scaled":
+        x = x / 16.0
+    else:
+        raise ValueError(f"inputs must be 'standardized', 'global' or 'scaled', got {inputs!r}")
+    if images:
+        x = x.reshape(-1, 1, 8, 8)
+    name = f"digits ({inputs}, {len(train)}/{len(val)}/{len(test)})"
+    return _tensors(name, x, y, (train, val, test))
+
+
+def synthetic_split(
+    num_train: int,
+    *,
+    num_features: int = 20,
+    num_classes: int = 5,
+    num_val: int = 2000,
+    num_test: int = 5000,
+    split_seed: int = 0,
+) -> ClassificationSplit:
+    """A synthetic multi-class problem of any size (scikit-learn's ``make_classification``).
+
+    10 informative and 5 redundant features of ``num_features``, two clusters per class, 2 % of
+    the labels flipped, standardised with training statistics. Every size draws from the same
+    generator (``random_state=split_seed``), so larger training sets extend smaller ones.
+    """
+    from sklearn.datasets import make_classification
+
+    total = num_train + num_val + num_test
+    x, y = make_classification(
+        n_samples=max(total, 60_000), n_features=num_features, n_informative=10,
+        n_redundant=5, n_classes=num_classes, n_clusters_per_class=2, flip_y=0.02,
+        class_sep=1.0, random_state=split_seed,
+    )  # fmt: skip
+    rows = np.arange(len(y))
+    val, test = rows[:num_val], rows[num_val : num_val + num_test]
+    train = rows[num_val + num_test : num_val + num_test + num_train]
+    x = (x - x[train].mean(0)) / x[train].std(0)
+    name = f"synthetic ({num_features} features, {num_classes} classes, {num_train}/{num_val}/{num_test})"
+    return _tensors(name, x, y, (train, val, test))
+
+
+def plain_mlp(
+    in_features: int, hidden: Sequence[int], num_classes: int, dropout: float = 0.0
+) -> nn.Sequential:
+    """Linear-ReLU layers (dropout after each ReLU if ``dropout > 0``), then a linear head."""
+    layers: list[nn.Module] = []
+    width = in_features
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        if dropout > 0:
+            layers.append(nn.Dropout(dropout))
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def plain_cnn(
+    num_classes: int,
+    channels: Sequence[int] = (16, 32),
+    hidden: Sequence[int] = (64,),
+    image_size: int = 8,
+    dropout: float = 0.0,
+) -> nn.Sequential:
+    """The deterministic twin of :class:`lightning_dvi.nn.CNN` (conv3x3-ReLU-avgpool2 blocks, dense head)."""
+    layers: list[nn.Module] = []
+    prev, size = 1, image_size
+    for c in channels:
+        layers += [nn.Conv2d(prev, c, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2)]
+        prev, size = c, size // 2
+    layers.append(nn.Flatten())
+    return nn.Sequential(*layers, *plain_mlp(prev * size * size, hidden, num_classes, dropout))
