@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .gaussian import validate_mode
+from .gaussian import Mode, validate_mode
 from .likelihoods import Likelihood
 from .nn.base import Moments
 from .objective import ELBOTerms, check_arguments, expected_log_likelihood_and_kl
@@ -93,7 +93,7 @@ def compile_network(net: nn.Module, **options: Any) -> Callable[..., Moments]:
     """
     compiled = torch.compile(net, **options)
 
-    def forward(x: Tensor, mode: str = "full", num_samples: int | None = None) -> Moments:
+    def forward(x: Tensor, mode: Mode = "full", num_samples: int | None = None) -> Moments:
         validate_mode(mode)
         _check_input(x)
         out: Moments
@@ -131,7 +131,7 @@ class CompiledELBO:
         net: nn.Module,
         likelihood: Likelihood,
         prior: Prior,
-        mode: str = "full",
+        mode: Mode = "full",
         num_samples: int | None = None,
         **options: Any,
     ) -> None:
@@ -180,7 +180,7 @@ def compile_elbo(
     likelihood: Likelihood,
     prior: Prior,
     *,
-    mode: str = "full",
+    mode: Mode = "full",
     num_samples: int | None = None,
     **options: Any,
 ) -> CompiledELBO:

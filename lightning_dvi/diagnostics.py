@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .gaussian import Gaussian
+from .gaussian import Gaussian, Mode
 from .nn.base import BayesModule
 
 __all__ = ["FidelityResult", "compare_with_monte_carlo", "monte_carlo_moments"]
@@ -58,7 +58,7 @@ class FidelityResult:
 def compare_with_monte_carlo(
     net: BayesModule,
     x: Tensor,
-    mode: str = "full",
+    mode: Mode = "full",
     num_samples: int = 20_000,
     chunk_size: int = 1_000,
 ) -> FidelityResult:

@@ -40,15 +40,15 @@ BatchIndex = _IndexItem | tuple[_IndexItem, ...]
 """What :meth:`Gaussian.__getitem__` accepts: an index of the batch dimensions, as for a tensor."""
 
 
-def validate_mode(mode: str) -> str:
-    """Return ``mode`` if it is one of ``full``, ``diag``, ``sample``, ``local``.
+def validate_mode(mode: object) -> Mode:
+    """Return ``mode`` (typed :data:`Mode`) if it is one of ``full``, ``diag``, ``sample``, ``local``.
 
     Raises:
         ValueError: naming the unknown mode and the valid ones.
     """
     if mode not in _MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(_MODES)}")
-    return mode
+    return cast(Mode, mode)
 
 
 class Gaussian:
@@ -131,7 +131,8 @@ class Gaussian:
         if not all_finite(second):
             raise ValueError(f"Gaussian {name} contains NaN or Inf")
         diag = cov.diagonal(dim1=-2, dim2=-1) if cov is not None else second
-        if (diag < 0).any():
+        # a host read, skipped while torch.compile / torch.export trace (as in all_finite)
+        if not torch.compiler.is_compiling() and bool((diag < 0).any()):
             raise ValueError(f"Gaussian {name} has negative variances (not PSD)")
 
     # ------------------------------------------------------------------ accessors

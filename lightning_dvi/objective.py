@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .gaussian import Gaussian, validate_mode
+from .gaussian import Gaussian, Mode, validate_mode
 from .likelihoods import Likelihood
 from .nn.linear import shared_scales
 from .priors import Prior
@@ -87,7 +87,7 @@ class KLSchedule:
         return f"KLSchedule(warmup_steps={self.warmup_steps}, anneal_steps={self.anneal_steps})"
 
 
-def check_arguments(mode: str, num_data: int, kl_weight: float, x: Tensor, y: Tensor) -> None:
+def check_arguments(mode: Mode, num_data: int, kl_weight: float, x: Tensor, y: Tensor) -> None:
     """The argument checks of :func:`elbo` that need no tensor values (types and shapes).
 
     Raises:
@@ -114,7 +114,7 @@ def elbo(
     x: Tensor,
     y: Tensor,
     num_data: int,
-    mode: str = "full",
+    mode: Mode = "full",
     num_samples: int | None = None,
     kl_weight: float = 1.0,
     check_finite: bool = True,
@@ -165,7 +165,7 @@ def expected_log_likelihood_and_kl(
     prior: Prior,
     x: Tensor,
     y: Tensor,
-    mode: str,
+    mode: Mode,
     num_samples: int | None,
 ) -> tuple[Tensor, Tensor]:
     r"""The two differentiable parts of the ELBO: :math:`\bar\ell` (batch mean) and the KL.
@@ -194,7 +194,7 @@ def _elbo(
     x: Tensor,
     y: Tensor,
     num_data: int,
-    mode: str,
+    mode: Mode,
     num_samples: int | None,
     kl_weight: float,
     check_finite: bool,

@@ -116,6 +116,9 @@ FULL = {
         M.cross_through_activation(c, M.relu_slope(m, c.diagonal(0, -2, -1))),
     ),
     "skip_covariance": lambda m, c: (M.skip_covariance(Gaussian(m, cov=c, validate=False)),),
+    "as_storage": lambda m, c: _moments_of(
+        M.as_storage(Gaussian(m, cov=c, validate=False), "diag")
+    ),
 }
 WEIGHTED = {  # (mean, var, w_loc, w_var) -> outputs
     "linear_deterministic": lambda m, v, w, wv: M.linear_deterministic(m, w, wv, w[:, 0], wv[:, 0]),

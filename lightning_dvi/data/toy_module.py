@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from ._base import InMemoryDataModule
-from .toy import make_toy_heteroscedastic, toy_mean
+from .toy import make_toy_heteroscedastic, toy_mean, toy_true_log_likelihood
 
 __all__ = ["ToyHeteroscedasticDataModule"]
 
@@ -91,3 +91,15 @@ class ToyHeteroscedasticDataModule(InMemoryDataModule):
         """``(x [num_grid, 1], noiseless mean [num_grid])`` over ``[-0.5, 0.5]``, float32."""
         x = torch.linspace(-0.5, 0.5, self.num_grid, dtype=torch.float64).unsqueeze(-1)
         return x.float(), toy_mean(x[:, 0]).float()
+
+    def reference_metrics(self) -> dict[str, float]:
+        """Reference values the CLI prints next to the test metrics (a data module's hook).
+
+        The toy data know their true noise model, so the best test NLL any fit can reach:
+        ``{"true noise model test NLL": -mean log p(y | x)}`` on the test split (empty without
+        one).
+        """
+        test = self.test_dataset
+        if test is None:
+            return {}
+        return {"true noise model test NLL": -float(toy_true_log_likelihood(*test.tensors))}

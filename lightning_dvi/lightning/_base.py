@@ -51,7 +51,7 @@ _MODES, _MC_MODES = MODES, MONTE_CARLO_MODES
 _DEFAULT_MC_SAMPLES = 100
 
 
-def resolve_method(mode: str, method: str | None) -> str:
+def resolve_method(mode: Mode, method: str | None) -> str:
     """The predictive method: ``method``, or the default of a model trained in ``mode``."""
     if method is None:
         return "mc" if mode in _MC_MODES else "closed_form"

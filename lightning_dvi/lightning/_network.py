@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from ..nn import BayesLinear, BayesModule, bayes_layers, mlp
+from ..nn import BayesModule, bayes_layers, mlp
 from ..nn.builders import Activation
 from ._validation import check, is_int, one_of, positive_float
 
@@ -92,13 +92,11 @@ def check_net(net: object, in_features: int | None, out_features: int | None) ->
         out_features is None or last_out == out_features,
         f"the injected net ends in {last_out} outputs but the likelihood needs {out_features}",
     )
+    first_in = getattr(first, "in_features", None)
     check(
-        # a conv first layer checks its channels itself, on the first batch
-        in_features is None
-        or not isinstance(first, BayesLinear)
-        or first.in_features == in_features,
-        f"the injected net takes {getattr(first, 'in_features', None)} inputs but "
-        f"in_features={in_features}",
+        # a conv first layer (no in_features) checks its channels itself, on the first batch
+        in_features is None or first_in is None or first_in == in_features,
+        f"the injected net takes {first_in} inputs but in_features={in_features}",
     )
     return net
 
@@ -184,7 +182,7 @@ def _library_networks() -> dict[str, type[nn.Module]]:
 
     classes: list[type[nn.Module]] = [
         TorchFlatten,
-        *(spec.cls for spec in dvi_nn.activation_specs()),
+        *(spec.cls for spec in dvi_nn.layer_specs() if spec.cls is not None),
         *(
             obj
             for name in dvi_nn.__all__

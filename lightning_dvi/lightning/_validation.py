@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import TypeGuard, cast
 
-from ..gaussian import MODES, MONTE_CARLO_MODES
+from ..gaussian import MODES, MONTE_CARLO_MODES, Mode
 
 __all__ = [
     "check",
@@ -70,7 +70,7 @@ def one_of(name: str, value: object, choices: Sequence[str]) -> str:
     raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got {value!r}")
 
 
-def sampling(mode: object, num_samples: object) -> tuple[str, int | None]:
+def sampling(mode: object, num_samples: object) -> tuple[Mode, int | None]:
     """The propagation ``mode`` and its network samples per step, checked together.
 
     ``num_samples`` defaults to 1 in the Monte Carlo modes (``sample``/``local``) and must be
@@ -78,9 +78,11 @@ def sampling(mode: object, num_samples: object) -> tuple[str, int | None]:
     """
     check(mode in MODES, f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode in MONTE_CARLO_MODES:
-        return str(mode), positive_int("num_samples", 1 if num_samples is None else num_samples)
+        return cast(Mode, mode), positive_int(
+            "num_samples", 1 if num_samples is None else num_samples
+        )
     check(
         num_samples is None,
         f"num_samples is only used by mode='sample'/'local', not {mode!r}; leave it unset",
     )
-    return str(mode), None
+    return cast(Mode, mode), None

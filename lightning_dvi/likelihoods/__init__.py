@@ -5,7 +5,7 @@
 """
 
 from . import functional, logistic_normal, predictive
-from .base import Likelihood
+from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 from .bernoulli import Bernoulli
 from .categorical import Categorical
 from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian
@@ -14,11 +14,14 @@ from .poisson import Poisson, PoissonLogNormal
 __all__ = [
     "Bernoulli",
     "Categorical",
+    "ExportOptions",
     "HeteroscedasticGaussian",
     "HomoscedasticGaussian",
     "Likelihood",
     "Poisson",
     "PoissonLogNormal",
+    "PredictiveHead",
+    "RegressionHead",
     "functional",
     "logistic_normal",
     "predictive",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -11,7 +12,74 @@ from torch import Tensor, nn
 from ..gaussian import Gaussian
 from ..gaussian import all_finite as _all_finite
 
-__all__ = ["Likelihood"]
+__all__ = ["ExportOptions", "Likelihood", "PredictiveHead", "RegressionHead"]
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What an exported predictive is asked for (:meth:`Likelihood.export_head`).
+
+    Attributes:
+        target_loc: regression targets' mean (original units).
+        target_scale: regression targets' std.
+        temperature: a classifier's predictive temperature (1: untempered).
+        dtype: the network's dtype (the head's buffers use it).
+    """
+
+    target_loc: float = 0.0
+    target_scale: float = 1.0
+    temperature: float = 1.0
+    dtype: torch.dtype = torch.float32
+
+
+class PredictiveHead(nn.Module):
+    """What an exported predictive computes from the network's output moments.
+
+    A likelihood builds its head with :meth:`Likelihood.export_head`;
+    :class:`~lightning_dvi.nn.PredictiveModule` runs ``head(net.propagate(x, mode))``. A head
+    is traced by ``torch.export``/ONNX, so its ``forward`` has no data-dependent branch and no
+    host read; its constants are buffers in the network's dtype.
+
+    Attributes:
+        name: a short name for ``repr`` (``"homoscedastic"``, ``"categorical"``, ...).
+    """
+
+    name: str = "head"
+
+    def forward(self, out: Gaussian) -> Tensor | tuple[Tensor, Tensor]:  # pragma: no cover
+        """The served predictive of the output Gaussian ``out``."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        """The head's name."""
+        return self.name
+
+
+class RegressionHead(PredictiveHead):
+    r"""A head that returns ``(mean, var)`` of :math:`y` in its original units.
+
+    Subclasses implement :meth:`standardized` (the predictive moments of the standardised
+    target); this maps them back, ``mean * target_scale + target_loc`` and
+    ``var * target_scale**2``.
+    """
+
+    target_loc: Tensor
+    target_scale: Tensor
+
+    def __init__(self, options: ExportOptions) -> None:
+        super().__init__()
+        loc, scale, dtype = options.target_loc, options.target_scale, options.dtype
+        self.register_buffer("target_loc", torch.tensor(float(loc), dtype=dtype))
+        self.register_buffer("target_scale", torch.tensor(float(scale), dtype=dtype))
+
+    def standardized(self, out: Gaussian) -> tuple[Tensor, Tensor]:  # pragma: no cover
+        """Predictive ``(mean, var)`` of the standardised target, ``[B]`` each."""
+        raise NotImplementedError
+
+    def forward(self, out: Gaussian) -> tuple[Tensor, Tensor]:
+        """Predictive ``(mean, var)`` in the original units of ``y``."""
+        mean, var = self.standardized(out)
+        return mean * self.target_scale + self.target_loc, var * self.target_scale.square()
 
 
 class Likelihood(nn.Module):
@@ -86,6 +154,20 @@ class Likelihood(nn.Module):
     def predictive(self, out: Gaussian) -> torch.distributions.Distribution:
         """The (approximate) posterior predictive distribution, batch shape ``[B]``."""
         raise NotImplementedError
+
+    def export_head(self, options: ExportOptions) -> PredictiveHead:
+        """The deterministic, traceable predictive this likelihood exports.
+
+        Each likelihood owns its exported predictive as it owns :meth:`predictive`; the
+        exporter (:func:`~lightning_dvi.nn.export_predictive`) only asks for it.
+
+        Args:
+            options: target scaling, temperature and dtype (:class:`ExportOptions`).
+
+        Raises:
+            ValueError: if the likelihood has no deterministic predictive to export.
+        """
+        raise ValueError(f"no exportable predictive for {type(self).__name__}")
 
     def expected_log_prob(self, out: Gaussian, y: Tensor, mc_samples: int | None = None) -> Tensor:
         r"""Monte Carlo :math:`\mathbb E_{a\sim\mathcal N(\mu,\Sigma)}\log p(y\mid a)` per datum.

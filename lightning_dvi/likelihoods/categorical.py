@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..gaussian import Gaussian
 from . import functional as F
-from .base import Likelihood, _all_finite
+from .base import ExportOptions, Likelihood, PredictiveHead, _all_finite
 from .predictive import categorical_predictive
 
 __all__ = ["Categorical"]
@@ -129,7 +129,7 @@ class Categorical(Likelihood):
         r""":math:`\mathbb E\operatorname{softmax}(a)`, ``[B, K]``, by ``method``."""
         self.validate_output(out)
         if self.method != "mc":
-            return categorical_predictive(out.mean, self._cov(out))
+            return _closed_form_probs(out)
         s = self.mc_samples if mc_samples is None else mc_samples
         return torch.softmax(out.sample((s,)), dim=-1).mean(0)
 
@@ -137,8 +137,47 @@ class Categorical(Likelihood):
         """``torch.distributions.Categorical`` over the :meth:`predictive_probs`."""
         return torch.distributions.Categorical(probs=self.predictive_probs(out))
 
+    def export_head(self, options: ExportOptions) -> PredictiveHead:
+        r"""The closed-form class probabilities ``[B, K]`` of :meth:`predictive_probs`.
+
+        Tempered, :math:`\operatorname{softmax}(\log p / T)`, when ``options.temperature`` is not 1
+        (as ``DVIClassifier``'s temperature scaling).
+
+        Raises:
+            ValueError: for ``method="mc"``, whose predictive samples.
+        """
+        if self.method == "mc":
+            raise ValueError(
+                "a Categorical(method='mc') predictive samples logits; export needs "
+                "a deterministic method: method='bound' (the default), method='clark' or "
+                "method='delta'"
+            )
+        return _CategoricalHead(options.temperature, options.dtype)
+
     def extra_repr(self) -> str:
         """Class count and integration method."""
         return (
             f"num_classes={self.num_classes}, method={self.method!r}, mc_samples={self.mc_samples}"
         )
+
+
+def _closed_form_probs(out: Gaussian) -> Tensor:
+    """The deterministic predictive of every closed-form method (one place for both users)."""
+    return categorical_predictive(out.mean, Categorical._cov(out))
+
+
+class _CategoricalHead(PredictiveHead):
+    name = "categorical"
+    temperature: Tensor
+
+    def __init__(self, temperature: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        # decided once here, so the traced graph has no data-dependent branch
+        self.tempered = temperature != 1.0
+        self.register_buffer("temperature", torch.tensor(float(temperature), dtype=dtype))
+
+    def forward(self, out: Gaussian) -> Tensor:
+        probs = _closed_form_probs(out)
+        if self.tempered:  # softmax(log p / T), as DVIClassifier's TemperatureScaling
+            probs = torch.softmax(probs.clamp_min(1e-30).log() / self.temperature, dim=-1)
+        return probs

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..gaussian import Gaussian
 from . import functional as F
-from .base import Likelihood
+from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 
 __all__ = ["HeteroscedasticGaussian", "HomoscedasticGaussian"]
 
@@ -88,6 +88,18 @@ class HeteroscedasticGaussian(Likelihood):
         mean, var = F.heteroscedastic_predictive_moments(mean_m, var_m, mean_l, var_l)
         return torch.distributions.Normal(mean, var.sqrt())
 
+    def export_head(self, options: ExportOptions) -> PredictiveHead:
+        r"""``mean = ⟨m⟩``, ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``, in the original units of ``y``."""
+        return _HeteroscedasticHead(options)
+
+
+class _HeteroscedasticHead(RegressionHead):
+    name = "heteroscedastic"
+
+    def standardized(self, out: Gaussian) -> tuple[Tensor, Tensor]:
+        mean_m, var_m, mean_l, var_l, _ = HeteroscedasticGaussian._parts(out)
+        return F.heteroscedastic_predictive_moments(mean_m, var_m, mean_l, var_l)
+
 
 class HomoscedasticGaussian(Likelihood):
     r"""Regression with one output :math:`m` and a learned noise variance: :math:`y\sim\mathcal N(m, e^{\lambda})`.
@@ -143,6 +155,23 @@ class HomoscedasticGaussian(Likelihood):
         var = out.var[..., 0] + self._log_var(out.mean).exp()
         return torch.distributions.Normal(out.mean[..., 0], var.sqrt())
 
+    def export_head(self, options: ExportOptions) -> PredictiveHead:
+        r"""``mean = m``, ``var = Σ_mm + e^λ`` (λ frozen at its current value), original units."""
+        return _HomoscedasticHead(float(self.log_variance.detach()), options)
+
     def extra_repr(self) -> str:
         """The current log noise variance."""
         return f"log_variance={self.log_variance.item():.4g}"
+
+
+class _HomoscedasticHead(RegressionHead):
+    name = "homoscedastic"
+    log_noise_variance: Tensor
+
+    def __init__(self, log_noise_variance: float, options: ExportOptions) -> None:
+        super().__init__(options)
+        noise = torch.tensor(log_noise_variance, dtype=options.dtype)
+        self.register_buffer("log_noise_variance", noise)
+
+    def standardized(self, out: Gaussian) -> tuple[Tensor, Tensor]:
+        return out.mean[..., 0], out.var[..., 0] + self.log_noise_variance.exp()

@@ -17,11 +17,13 @@ from .activations import (
     relu_diag,
     relu_full,
     relu_slope,
+    soft_relu,
 )
 from .algebra import add_independent, reindex_gaussian, scale_gaussian
 from .conv import conv2d_deterministic, conv2d_diag, conv2d_sample
 from .layers import (
     activation_moments,
+    as_storage,
     conv2d_moments,
     linear_moments,
     residual_moments,
@@ -55,12 +57,12 @@ from .special import (
     clip_correlation,
     normal_cdf,
     normal_pdf,
-    soft_relu,
 )
 
 __all__ = [
     "activation_moments",
     "add_independent",
+    "as_storage",
     "asin_over_x",
     "asin_residual_over_x3",
     "avg_pool2d_diag",

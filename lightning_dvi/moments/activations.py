@@ -64,6 +64,7 @@ __all__ = [
     "relu_diag",
     "relu_full",
     "relu_slope",
+    "soft_relu",
 ]
 
 _TWO_PI = 2.0 * math.pi
@@ -252,3 +253,18 @@ def _with_diagonal(cov: Tensor, diag: Tensor) -> Tensor:
     cov = 0.5 * (cov + cov.transpose(-1, -2))
     cov = flush(torch.minimum(torch.maximum(cov, -bound), bound))
     return torch.diagonal_scatter(cov, diag, dim1=-2, dim2=-1)
+
+
+def soft_relu(x: Tensor) -> Tensor:
+    r"""Deprecated (unused): the paper's soft ReLU :math:`SR(x) = \phi(x) + x\Phi(x)`.
+
+    It is the mean of :func:`lightning_dvi.moments.relu_diag` at unit variance, which is where
+    the formula lives; removed in the next release.
+    """
+    warnings.warn(
+        "lightning_dvi.moments.soft_relu is deprecated and will be removed in the next release; "
+        "use relu_diag(x, torch.ones_like(x))[0]",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return relu_diag(x, torch.ones_like(x))[0]

@@ -16,13 +16,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from .conv import conv2d_deterministic, conv2d_diag
 from .linear import linear_deterministic, linear_diag, linear_full, linear_full_from_diag
 from .residual import residual_diag, residual_full
 
 __all__ = [
     "activation_moments",
+    "as_storage",
     "conv2d_moments",
     "linear_moments",
     "residual_moments",
@@ -40,7 +41,7 @@ def linear_moments(
     b_loc: Tensor | None = None,
     b_var: Tensor | None = None,
     *,
-    mode: str,
+    mode: Mode,
 ) -> Gaussian:
     r"""The Gaussian of :math:`a = hW^\top + b` with :math:`W_{kj}\sim\mathcal N(M_{kj}, V_{kj})`.
 
@@ -115,7 +116,7 @@ def activation_moments(
     full: Callable[[Tensor, Tensor], _Pair],
     diag: Callable[[Tensor, Tensor], _Pair],
     *,
-    mode: str,
+    mode: Mode,
 ) -> Gaussian:
     r"""The Gaussian of :math:`h = f(a)` elementwise, from ``f``'s two closed forms.
 
@@ -134,6 +135,15 @@ def activation_moments(
         return Gaussian(mean, cov=cov, validate=False)
     mean, var = diag(x.mean, x.var)
     return Gaussian(mean, var=var, validate=False)
+
+
+def as_storage(g: Gaussian, mode: Mode) -> Gaussian:
+    """``g`` in the storage ``mode`` asks for: full covariance in ``full``, variances otherwise.
+
+    Where a block needs its input's storage fixed (a skip connection, whose cross-covariance
+    starts from it), it asks here rather than testing ``cov is None`` itself.
+    """
+    return g.to_full() if mode == "full" else g.to_diag()
 
 
 def skip_covariance(x: Gaussian) -> Tensor:

@@ -16,7 +16,6 @@ with any factor above ``eps`` in the normal range.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import Tensor
@@ -28,7 +27,6 @@ __all__ = [
     "flush",
     "normal_cdf",
     "normal_pdf",
-    "soft_relu",
     "tail_argument",
     "tail_cutoff",
 ]
@@ -90,23 +88,6 @@ def normal_pdf(x: Tensor) -> Tensor:
     r"""Standard normal density :math:`\phi(x) = e^{-x^2/2}/\sqrt{2\pi}`, flushed like :func:`normal_cdf`."""
     low = math.log(tail_cutoff(x.dtype)) - 1.0  # exp of it is below the cutoff: flushed to 0
     return flush(torch.exp((-0.5 * x * x - _LOG_SQRT_2PI).clamp_min(low)))
-
-
-def soft_relu(x: Tensor) -> Tensor:
-    r"""Deprecated (unused): the paper's soft ReLU :math:`SR(x) = \phi(x) + x\Phi(x)`.
-
-    It is the mean of :func:`lightning_dvi.moments.relu_diag` at unit variance, which is where
-    the formula lives; removed in the next release.
-    """
-    warnings.warn(
-        "lightning_dvi.moments.soft_relu is deprecated and will be removed in the next release; "
-        "use relu_diag(x, torch.ones_like(x))[0]",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    from .activations import relu_diag
-
-    return relu_diag(x, torch.ones_like(x))[0]
 
 
 def clip_correlation(rho: Tensor, eps: float | None = None) -> Tensor:

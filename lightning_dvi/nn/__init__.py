@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 from torch import nn
 
@@ -13,12 +14,27 @@ from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
-from .linear import BayesLinear, ParameterGroup
-from .registry import ActivationSpec, activation_specs, register_activation
+from .linear import BayesLinear, FactorisedLayer
+from .posterior import (
+    HasPosterior,
+    ParameterGroup,
+    PosteriorContext,
+    given_weights,
+    has_posterior,
+    posterior_moments,
+    shared_scales,
+)
+from .registry import (
+    ActivationSpec,
+    LayerSpec,
+    activation_specs,
+    layer_specs,
+    register_activation,
+    register_layer,
+)
 from .torch_file import TorchNetwork, describe_torch, save_torch_network
 
 __all__ = [
-    "BAYES_LAYER_TYPES",
     "CNN",
     "ELU",
     "GELU",
@@ -27,12 +43,16 @@ __all__ = [
     "BayesConv2d",
     "BayesLinear",
     "BayesModule",
+    "FactorisedLayer",
     "Flatten",
+    "HasPosterior",
     "Heaviside",
+    "LayerSpec",
     "LeakyReLU",
     "MaxPool2d",
     "Moments",
     "ParameterGroup",
+    "PosteriorContext",
     "PredictiveModule",
     "ReLU",
     "Residual",
@@ -48,38 +68,45 @@ __all__ = [
     "describe_torch",
     "export_predictive",
     "from_torch",
+    "given_weights",
+    "has_posterior",
+    "layer_specs",
     "mlp",
     "named_parameter_groups",
     "parameter_groups",
+    "posterior_moments",
     "register_activation",
     "register_converter",
+    "register_layer",
     "save_torch_network",
     "set_posterior",
+    "shared_scales",
 ]
 
 
-BAYES_LAYER_TYPES: tuple[type[BayesLinear], type[BayesConv2d]] = (BayesLinear, BayesConv2d)
-"""The layer types that own weight posteriors (and so prior groups)."""
+def bayes_layers(module: nn.Module) -> Iterator[HasPosterior]:
+    """Every layer in ``module`` that holds a weight posterior (:class:`HasPosterior`), in order.
 
-
-def bayes_layers(module: nn.Module) -> Iterator[BayesLinear | BayesConv2d]:
-    """All weight layers (:class:`BayesLinear`, :class:`BayesConv2d`) in ``module``, in order."""
+    Found by protocol, not by type: :class:`BayesLinear`, :class:`BayesConv2d` and any user
+    layer with ``parameter_groups()``.
+    """
     for m in module.modules():
-        if isinstance(m, BAYES_LAYER_TYPES):
-            yield m
+        if has_posterior(m):
+            yield cast(HasPosterior, m)
 
 
 def named_parameter_groups(module: nn.Module) -> list[tuple[str, ParameterGroup]]:
     """Every prior group in ``module`` with a dotted name such as ``"layers.0.weight"``.
 
-    The one walk over parameter groups. Names follow ``module.named_modules()``, so they match
-    the state-dict keys of the layers.
+    The one walk over parameter groups, over every layer with a posterior
+    (:class:`HasPosterior`). Names follow ``module.named_modules()``, so they match the
+    state-dict keys of the layers.
     """
     return [
         (f"{prefix}.{group.name}" if prefix else group.name, group)
         for prefix, layer in module.named_modules()
-        if isinstance(layer, BAYES_LAYER_TYPES)
-        for group in layer.parameter_groups()
+        if has_posterior(layer)
+        for group in cast(HasPosterior, layer).parameter_groups()
     ]
 
 

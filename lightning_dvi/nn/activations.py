@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from ..moments import elu as E
 from ..moments import smooth as S
 from .base import BayesModule, Moments
@@ -52,12 +52,12 @@ class _Activation(BayesModule):
             return self.elementwise(fn)
         return super().apply(fn)
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         if not isinstance(x, Gaussian):
             return self.elementwise(x)
         return M.activation_moments(x, type(self)._full, type(self)._diag, mode=mode)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         return M.cross_through_activation(cross, type(self)._slope(x.mean, x.var))
 
 
@@ -116,19 +116,13 @@ class _ParamActivation(_Activation):
     def _moments_slope(self, mean: Tensor, var: Tensor) -> Tensor:  # pragma: no cover
         raise NotImplementedError
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Tensor in, tensor out; Gaussian in, the Gaussian of the output (same storage)."""
         if not isinstance(x, Gaussian):
             return self.elementwise(x)
-        if mode == "diag":
-            x = x.to_diag()
-        if x.cov is not None:
-            mean, cov = self._moments_full(x.mean, x.cov)
-            return Gaussian(mean, cov=cov, validate=False)
-        mean, var = self._moments_diag(x.mean, x.var)
-        return Gaussian(mean, var=var, validate=False)
+        return M.activation_moments(x, self._moments_full, self._moments_diag, mode=mode)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         """Stein's lemma: ``Cov(r, f(a)) = Cov(r, a) diag(E[f'(a)])``."""
         return M.cross_through_activation(cross, self._moments_slope(x.mean, x.var))
 
@@ -384,9 +378,12 @@ class ELU(_ParamActivation):
 
     Examples:
         >>> from lightning_dvi import Gaussian
-        >>> out = ELU()(Gaussian(torch.zeros(1, 1), var=torch.zeros(1, 1)), mode="diag")
-        >>> out.mean.item(), out.var.item()
-        (0.0, 0.0)
+        >>> out = ELU()(Gaussian(torch.zeros(1, 1), var=torch.ones(1, 1)), mode="diag")
+        >>> round(out.mean.item(), 4), round(out.var.item(), 4)  # E ELU(x), x ~ N(0, 1)
+        (0.1605, 0.6192)
+        >>> out = ELU()(Gaussian(torch.full((1, 1), -1.0), var=torch.zeros(1, 1)), mode="diag")
+        >>> round(out.mean.item(), 4), round(out.var.item(), 6)  # no variance: ELU(-1) = e^-1 - 1
+        (-0.6321, 0.0)
     """
 
     def __init__(self, alpha: float = 1.0) -> None:

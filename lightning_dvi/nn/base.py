@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..gaussian import Gaussian, all_finite, validate_mode
+from ..gaussian import Gaussian, Mode, all_finite, validate_mode
+from ..moments.layers import as_storage
 
 __all__ = ["BayesModule", "Moments"]
 
@@ -40,7 +41,7 @@ class BayesModule(nn.Module):
         """
         return False
 
-    def forward(self, x: Moments, mode: str = "full", num_samples: int | None = None) -> Moments:
+    def forward(self, x: Moments, mode: Mode = "full", num_samples: int | None = None) -> Moments:
         """Propagate ``x`` through the module.
 
         Args:
@@ -77,11 +78,11 @@ class BayesModule(nn.Module):
             raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")
         return _finish(self.propagate(x, mode), mode, self)
 
-    def propagate(self, x: Moments, mode: str) -> Moments:  # pragma: no cover - abstract
+    def propagate(self, x: Moments, mode: Mode) -> Moments:  # pragma: no cover - abstract
         """Propagate without input checks; ``x`` is ``[S, B, D]`` in the Monte Carlo modes."""
         raise NotImplementedError
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         r"""Map :math:`\operatorname{Cov}(r, \text{input})` to :math:`\operatorname{Cov}(r, \text{output})`.
 
         Used by :class:`~lightning_dvi.nn.Residual` for the skip-connection cross-covariance.
@@ -91,7 +92,9 @@ class BayesModule(nn.Module):
             f"{type(self).__name__} cannot be used inside a Residual block (no cross-covariance rule)"
         )
 
-    def propagate_with_cross(self, cross: Tensor, x: Gaussian, mode: str) -> tuple[Tensor, Moments]:
+    def propagate_with_cross(
+        self, cross: Tensor, x: Gaussian, mode: Mode
+    ) -> tuple[Tensor, Moments]:
         r"""``(Cov(r, output), output)`` in one pass: :meth:`propagate_cross` and :meth:`propagate`.
 
         Containers override it so that a branch is walked once however deeply skip
@@ -100,12 +103,12 @@ class BayesModule(nn.Module):
         return self.propagate_cross(cross, x, mode), self.propagate(x, mode)
 
 
-def as_mode(g: Gaussian, mode: str) -> Gaussian:
-    """Convert ``g`` to the storage kind that ``mode`` asks for."""
-    return g.to_full() if mode == "full" else g.to_diag()
+def as_mode(g: Gaussian, mode: Mode) -> Gaussian:
+    """Convert ``g`` to the storage kind that ``mode`` asks for (:func:`moments.as_storage`)."""
+    return as_storage(g, mode)
 
 
-def _finish(out: Moments, mode: str, module: BayesModule) -> Moments:
+def _finish(out: Moments, mode: Mode, module: BayesModule) -> Moments:
     # In full mode, modules pass a diag Gaussian along while its covariance is *exactly*
     # diagonal (deterministic input -> first linear layer -> activation); users asked for
     # mode="full" get a full covariance back.

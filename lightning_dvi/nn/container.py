@@ -9,8 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from .base import BayesModule, Moments, as_mode
+from .registry import register_layer
 
 __all__ = ["Residual", "Sequential"]
 
@@ -26,6 +27,7 @@ def _check_modules(owner: str, modules: tuple[nn.Module, ...]) -> None:
             )
 
 
+@register_layer("sequential", kind="container")
 class Sequential(BayesModule):
     """Chain of declared modules, run in any of the four modes.
 
@@ -61,17 +63,19 @@ class Sequential(BayesModule):
     def __getitem__(self, idx: int) -> BayesModule:
         return cast(BayesModule, self.layers[idx])
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Run the layers in order."""
         for layer in self:
             x = layer.propagate(x, mode)
         return x
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         """Carry a cross-covariance through the layers in order."""
         return self.propagate_with_cross(cross, x, mode)[0]
 
-    def propagate_with_cross(self, cross: Tensor, x: Gaussian, mode: str) -> tuple[Tensor, Moments]:
+    def propagate_with_cross(
+        self, cross: Tensor, x: Gaussian, mode: Mode
+    ) -> tuple[Tensor, Moments]:
         """The cross-covariance and the moments through the layers, in one walk."""
         h: Moments = x
         for layer in self:
@@ -80,6 +84,7 @@ class Sequential(BayesModule):
         return cross, h
 
 
+@register_layer("residual", kind="container")
 class Residual(BayesModule):
     r"""Skip connection :math:`a = a' + \delta(a')` around a branch of declared modules.
 
@@ -95,7 +100,7 @@ class Residual(BayesModule):
         _check_modules("Residual", modules)
         self.branch = Sequential(*modules)
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Moments or samples of ``x + branch(x)``."""
         if not isinstance(x, Gaussian):
             delta = self.branch.propagate(x, mode)
@@ -104,7 +109,7 @@ class Residual(BayesModule):
             return x + delta
         return self._skip(x, None, mode)[1]
 
-    def _skip(self, x: Gaussian, cross: Tensor | None, mode: str) -> tuple[Tensor, Gaussian]:
+    def _skip(self, x: Gaussian, cross: Tensor | None, mode: Mode) -> tuple[Tensor, Gaussian]:
         r"""``(Cov(r, a' + delta), a' + delta)``, walking the branch once.
 
         :math:`\operatorname{Cov}(a', \delta)` and, when ``cross`` is given,
@@ -127,11 +132,13 @@ class Residual(BayesModule):
         outer = stacked if cross is None else cross + stacked[..., :rows, :]
         return outer, out
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         """``Cov(r, a' + delta) = Cov(r, a') + Cov(r, delta)``."""
         return self._skip(x, cross, mode)[0]
 
-    def propagate_with_cross(self, cross: Tensor, x: Gaussian, mode: str) -> tuple[Tensor, Moments]:
+    def propagate_with_cross(
+        self, cross: Tensor, x: Gaussian, mode: Mode
+    ) -> tuple[Tensor, Moments]:
         """The cross-covariance and the moments of ``a' + delta`` in one walk of the branch."""
         return self._skip(x, cross, mode)
 
@@ -142,6 +149,4 @@ def _shift(g: Gaussian, x: Tensor) -> Gaussian:
             f"Residual branch maps width {x.shape[-1]} to {g.shape[-1]}; a skip connection "
             "needs equal widths"
         )
-    if g.is_full:
-        return Gaussian(g.mean + x, cov=g.cov, validate=False)
-    return Gaussian(g.mean + x, var=g.var, validate=False)
+    return M.add_independent(g, x)  # a constant shift keeps g's storage

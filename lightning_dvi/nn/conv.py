@@ -22,12 +22,13 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from .base import BayesModule, Moments
-from .linear import ScaleTransform, _FactorisedLayer, init_factorised_posterior
+from .linear import FactorisedLayer, ScaleTransform, init_factorised_posterior
+from .registry import ConversionOptions, copy_torch_posterior, register_layer
 
 __all__ = [
     "AvgPool2d",
@@ -87,7 +88,7 @@ def unsupported_pool2d_options(
     return None
 
 
-def _image_shape(owner: str, x: Moments, mode: str) -> tuple[int, ...]:
+def _image_shape(owner: str, x: Moments, mode: Mode) -> tuple[int, ...]:
     """Check that ``x`` is an image batch and return the user-facing shape ``[B, C, H, W]``."""
     if isinstance(x, Gaussian) and x.is_full:
         raise ValueError(
@@ -106,7 +107,44 @@ def _flat_samples(x: Tensor) -> tuple[Tensor, tuple[int, int]]:
     return x.reshape(s * b, *x.shape[2:]), (s, b)
 
 
-class BayesConv2d(_FactorisedLayer):
+def _from_torch_conv2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
+    assert isinstance(module, nn.Conv2d)  # the registry converts only its torch_modules
+    required = unsupported_conv2d_options(
+        module.groups, module.dilation, module.padding, module.padding_mode
+    )
+    if required is not None:
+        raise NotImplementedError(f"only Conv2d with {required} is supported")
+    padding = cast("int | tuple[int, ...]", module.padding)  # a str padding was refused above
+    layer = BayesConv2d(
+        module.in_channels,
+        module.out_channels,
+        _pair(module.kernel_size, "kernel_size"),
+        stride=_pair(module.stride, "stride"),
+        padding=_pair(padding, "padding"),
+        bias=module.bias is not None,
+        **options.layer_kwargs,
+    ).to(device=module.weight.device, dtype=module.weight.dtype)
+    copy_torch_posterior(layer, module, options)
+    return layer
+
+
+def _from_torch_pool2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
+    assert isinstance(module, (nn.AvgPool2d, nn.MaxPool2d))
+    required = unsupported_pool2d_options(
+        module.padding,
+        module.ceil_mode,
+        getattr(module, "dilation", 1),
+        getattr(module, "divisor_override", None),
+        getattr(module, "return_indices", False),
+    )
+    if required is not None:
+        raise NotImplementedError(f"only {type(module).__name__} with {required} is supported")
+    cls = AvgPool2d if isinstance(module, nn.AvgPool2d) else MaxPool2d
+    return cls(module.kernel_size, module.stride)
+
+
+@register_layer("conv2d", kind="weight", torch_modules=(nn.Conv2d,), convert=_from_torch_conv2d)
+class BayesConv2d(FactorisedLayer):
     r"""2-D convolution with a factorised Gaussian posterior over kernels and bias.
 
     :math:`a = \operatorname{conv}(h, W) + b` with :math:`q(W_{o,c,u,v}) = \mathcal N(M, S^2)`
@@ -178,7 +216,7 @@ class BayesConv2d(_FactorisedLayer):
         self.reset_parameters()
 
     # ------------------------------------------------------------------ propagation
-    def _check_input(self, x: Moments, mode: str) -> None:
+    def _check_input(self, x: Moments, mode: Mode) -> None:
         if x.dtype != self.weight_loc.dtype:
             raise ValueError(
                 f"BayesConv2d parameters are {self.weight_loc.dtype} but the input is "
@@ -191,7 +229,7 @@ class BayesConv2d(_FactorisedLayer):
                 f"(input shape {shape}, read as [B, C, H, W])"
             )
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Diag moments (``full``/``diag``) or samples (``sample``/``local``) of the output."""
         self._check_input(x, mode)
         w_loc, w_var, b_loc, b_var = self._moments()
@@ -252,7 +290,7 @@ class _Pool2d(BayesModule):
     def _moments(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover
         raise NotImplementedError
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Pool a tensor (any mode) or per-pixel moments (``full``/``diag``)."""
         shape = _image_shape(self._name, x, mode)
         if shape[2] < self.kernel_size[0] or shape[3] < self.kernel_size[1]:
@@ -274,6 +312,9 @@ class _Pool2d(BayesModule):
         return f"kernel_size={self.kernel_size}, stride={self.stride}"
 
 
+@register_layer(
+    "avg_pool2d", kind="pooling", torch_modules=(nn.AvgPool2d,), convert=_from_torch_pool2d
+)
 class AvgPool2d(_Pool2d):
     r"""Average pooling (no padding); exact on independent Gaussian pixels.
 
@@ -297,6 +338,9 @@ class AvgPool2d(_Pool2d):
         return M.avg_pool2d_diag(mean, var, self.kernel_size, self.stride)
 
 
+@register_layer(
+    "max_pool2d", kind="pooling", torch_modules=(nn.MaxPool2d,), convert=_from_torch_pool2d
+)
 class MaxPool2d(_Pool2d):
     r"""Max pooling (no padding); moment-matched on Gaussian pixels.
 
@@ -339,6 +383,7 @@ class MaxPool2d(_Pool2d):
         )
 
 
+@register_layer("flatten", kind="shape")
 class Flatten(BayesModule):
     """Flatten images ``[B, C, H, W]`` to ``[B, C·H·W]`` (means and variances alike).
 
@@ -350,7 +395,7 @@ class Flatten(BayesModule):
         torch.Size([2, 48])
     """
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Reshape the last three dimensions into one."""
         _image_shape("Flatten", x, mode)
         if isinstance(x, Tensor):

@@ -28,26 +28,22 @@ pretrained weights is not implemented). ``init="fresh"`` keeps only the architec
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Literal, cast
+from collections.abc import Iterator
+from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from .base import BayesModule, Moments
 from .container import Sequential
-from .conv import (
-    AvgPool2d,
-    BayesConv2d,
-    MaxPool2d,
-    _pair,
-    unsupported_conv2d_options,
-    unsupported_pool2d_options,
+from .posterior import set_posterior
+from .registry import (
+    ConversionOptions,
+    Init,
+    register_converter,
+    register_layer,
+    spec_for_module,
 )
-from .linear import BayesLinear
-from .registry import spec_for_module
 
 __all__ = [
     "ConversionOptions",
@@ -57,172 +53,24 @@ __all__ = [
     "set_posterior",
 ]
 
-Init = Literal["torch", "fresh"]
 
-
-@dataclass(frozen=True)
-class ConversionOptions:
-    """What :func:`from_torch` was asked for; handed to every layer converter.
-
-    Attributes:
-        init: ``"torch"`` (posterior means from the torch weights) or ``"fresh"``.
-        scale_fraction: δ, posterior std as a fraction of ``|w|``.
-        min_scale: floor of the posterior std (``scale_fraction > 0`` only).
-        layer_kwargs: extra keyword arguments for every Bayesian layer's constructor.
-    """
-
-    init: Init
-    scale_fraction: float
-    min_scale: float
-    layer_kwargs: dict[str, Any]
-
-
-Converter = Callable[[nn.Module, ConversionOptions], BayesModule | None]
-_CONVERTERS: dict[type[nn.Module], Converter] = {}
-
-
-def register_converter(*torch_types: type[nn.Module]) -> Callable[[Converter], Converter]:
-    """Register ``fn(module, options) -> BayesModule | None`` for torch layer types.
-
-    The converter returns the declared module, or ``None`` to drop the layer. Activations do not
-    need one (they are found through :func:`~lightning_dvi.nn.register_activation`).
-    """
-
-    def decorate(fn: Converter) -> Converter:
-        for t in torch_types:
-            _CONVERTERS[t] = fn
-        return fn
-
-    return decorate
-
-
-def _raw_from_scale(scale: Tensor, transform: str) -> Tensor:
-    """Inverse of the layer's positive transform; a zero scale maps to ``-inf`` exactly."""
-    if transform == "exp":
-        return scale.log()
-    # softplus^{-1}(s) = s + log(-expm1(-s)); equals log(0) = -inf at s = 0
-    return scale + torch.log(-torch.expm1(-scale))
-
-
-@torch.no_grad()
-def set_posterior(
-    layer: nn.Module,
-    weight_loc: Tensor,
-    weight_scale: Tensor,
-    bias_loc: Tensor | None = None,
-    bias_scale: Tensor | None = None,
-) -> None:
-    """Write posterior means and standard deviations into a Bayesian layer in place.
-
-    Works for any layer with ``weight_loc``, ``weight_raw_scale`` (and ``bias_loc``,
-    ``bias_raw_scale``) parameters and a ``scale_transform`` attribute, such as
-    :class:`BayesLinear`. Scales must be non-negative; zero is represented exactly.
-
-    Raises:
-        ValueError: on shape mismatches or negative / non-finite values.
-    """
-    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [("weight", weight_loc, weight_scale)]
-    if bias_loc is not None or bias_scale is not None:
-        if getattr(layer, "bias_loc", None) is None:
-            raise ValueError(f"{type(layer).__name__} has no bias to set")
-        pairs.append(("bias", bias_loc, bias_scale))
-    for name, loc, scale in pairs:
-        param_loc = getattr(layer, f"{name}_loc")
-        param_raw = getattr(layer, f"{name}_raw_scale")
-        if loc is None or scale is None:
-            raise ValueError(f"{name}: give both the mean and the scale")
-        if loc.shape != param_loc.shape or scale.shape != param_loc.shape:
-            raise ValueError(
-                f"{name}: expected shape {tuple(param_loc.shape)}, got mean "
-                f"{tuple(loc.shape)} and scale {tuple(scale.shape)}"
-            )
-        if not torch.isfinite(loc).all() or not torch.isfinite(scale).all() or (scale < 0).any():
-            raise ValueError(f"{name}: means must be finite and scales finite and >= 0")
-        param_loc.copy_(loc)
-        transform = cast(str, layer.scale_transform)  # an attribute such layers have (above)
-        param_raw.copy_(_raw_from_scale(scale.to(param_raw), transform))
-
-
-def _moped_scale(w: Tensor, options: ConversionOptions) -> Tensor:
-    if options.scale_fraction == 0:
-        return torch.zeros_like(w)
-    return (options.scale_fraction * w.abs()).clamp_min(options.min_scale)
-
-
-@register_converter(nn.Linear)
-def _convert_linear(module: nn.Module, options: ConversionOptions) -> BayesModule:
-    assert isinstance(module, nn.Linear)
-    layer = BayesLinear(
-        module.in_features,
-        module.out_features,
-        bias=module.bias is not None,
-        **options.layer_kwargs,
-    ).to(device=module.weight.device, dtype=module.weight.dtype)
-    if options.init == "torch":
-        _copy_posterior(layer, module, options)
-    return layer
-
-
-def _copy_posterior(
-    layer: nn.Module, module: nn.Linear | nn.Conv2d, options: ConversionOptions
-) -> None:
-    w = module.weight.detach()
-    b = None if module.bias is None else module.bias.detach()
-    set_posterior(
-        layer,
-        w,
-        _moped_scale(w, options),
-        b,
-        None if b is None else _moped_scale(b, options),
-    )
-
-
-@register_converter(nn.Conv2d)
-def _convert_conv2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
-    assert isinstance(module, nn.Conv2d)
-    required = unsupported_conv2d_options(
-        module.groups, module.dilation, module.padding, module.padding_mode
-    )
-    if required is not None:
-        raise NotImplementedError(f"only Conv2d with {required} is supported")
-    padding = cast("int | tuple[int, ...]", module.padding)  # a str padding was refused above
-    layer = BayesConv2d(
-        module.in_channels,
-        module.out_channels,
-        _pair(module.kernel_size, "kernel_size"),
-        stride=_pair(module.stride, "stride"),
-        padding=_pair(padding, "padding"),
-        bias=module.bias is not None,
-        **options.layer_kwargs,
-    ).to(device=module.weight.device, dtype=module.weight.dtype)
-    if options.init == "torch":
-        _copy_posterior(layer, module, options)
-    return layer
-
-
-@register_converter(nn.AvgPool2d, nn.MaxPool2d)
-def _convert_pool2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
-    assert isinstance(module, (nn.AvgPool2d, nn.MaxPool2d))
-    required = unsupported_pool2d_options(
-        module.padding,
-        module.ceil_mode,
-        getattr(module, "dilation", 1),
-        getattr(module, "divisor_override", None),
-        getattr(module, "return_indices", False),
-    )
-    if required is not None:
-        raise NotImplementedError(f"only {type(module).__name__} with {required} is supported")
-    cls = AvgPool2d if isinstance(module, nn.AvgPool2d) else MaxPool2d
-    return cls(module.kernel_size, module.stride)
-
-
+# Torch layers that conversion removes: DVI's weight posterior replaces dropout's noise.
 @register_converter(
-    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Identity
-)
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Identity,
+    kind="dropped",
+)  # fmt: skip
 def _drop(module: nn.Module, options: ConversionOptions) -> None:
     return None
 
 
+def _convert_flatten(module: nn.Module, options: ConversionOptions) -> BayesModule:
+    assert isinstance(module, nn.Flatten)
+    return TorchFlatten(module.start_dim, module.end_dim)
+
+
+@register_layer(
+    "torch_flatten", kind="shape", torch_modules=(nn.Flatten,), convert=_convert_flatten
+)
 class TorchFlatten(BayesModule):
     """``torch.nn.Flatten`` for converted networks: flattens tensors (any mode) and diag Gaussians.
 
@@ -247,7 +95,7 @@ class TorchFlatten(BayesModule):
         end = self.end_dim + offset if self.end_dim >= 0 else self.end_dim
         return start, end
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Flatten the tensor (or the diag Gaussian's mean and variance)."""
         if isinstance(x, Gaussian):
             if x.is_full:
@@ -259,7 +107,7 @@ class TorchFlatten(BayesModule):
         start, end = self._dims(1 if mode in ("sample", "local") else 0)
         return x.flatten(start, end)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         """Identity on flat inputs (Residual branches carry ``[B, D]`` moments)."""
         if x.mean.dim() != 2:
             raise ValueError("Flatten inside a Residual block needs a flat [B, D] input")
@@ -268,12 +116,6 @@ class TorchFlatten(BayesModule):
     def extra_repr(self) -> str:
         """The flattened dimensions."""
         return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
-
-
-@register_converter(nn.Flatten)
-def _convert_flatten(module: nn.Module, options: ConversionOptions) -> BayesModule:
-    assert isinstance(module, nn.Flatten)
-    return TorchFlatten(module.start_dim, module.end_dim)
 
 
 def _leaves(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
@@ -320,6 +162,7 @@ def from_torch(
         ValueError: on bad options or a network with nothing left to convert.
 
     Examples:
+        >>> import torch
         >>> torch_net = torch.nn.Sequential(
         ...     torch.nn.Linear(3, 8), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 2)
         ... )
@@ -359,13 +202,10 @@ def _convert_leaf(
     where = f"layer {position} ({path}): {type(leaf).__name__}"
     if isinstance(leaf, BayesModule):
         raise NotImplementedError(f"{where} is already a lightning_dvi module")
-    converter = _CONVERTERS.get(type(leaf))
+    spec = spec_for_module(leaf)
     try:
-        if converter is not None:
-            return converter(leaf, options)
-        spec = spec_for_module(leaf)
         if spec is not None:
-            return spec.build_from_module(leaf)
+            return spec.convert_module(leaf, options)
     except (NotImplementedError, ValueError) as err:
         raise NotImplementedError(f"{where} cannot be converted: {err}") from err
     raise NotImplementedError(f"{where} is not supported; from_torch converts {_SUPPORTED}")

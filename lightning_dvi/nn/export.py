@@ -9,9 +9,11 @@ ONNX exporter (``.onnx``, ``torch.onnx.export(..., dynamo=True)``; needs the ``e
 operators: loading and running it needs torch (``torch.export.load``) or onnxruntime only, not
 lightning_dvi.
 
-Heads (``likelihood``):
+Heads (``likelihood``): each likelihood owns its exported predictive
+(:meth:`~lightning_dvi.likelihoods.Likelihood.export_head`, as it owns ``predictive``); this
+module only asks for it. ``None`` gives the network's output moments ``(mean [B, D], var [B, D])``.
+The built-in heads:
 
-* ``None``: the network's output moments ``(mean [B, D], var [B, D])``.
 * :class:`~lightning_dvi.likelihoods.HomoscedasticGaussian`: ``mean = m``,
   ``var = Σ_mm + e^λ`` (``[B]`` each).
 * :class:`~lightning_dvi.likelihoods.HeteroscedasticGaussian`: ``mean = ⟨m⟩``,
@@ -21,7 +23,8 @@ Heads (``likelihood``):
   :func:`~lightning_dvi.likelihoods.predictive.categorical_predictive` (the library's
   predictive), tempered by a classifier's ``predictive_temperature`` when it is not 1.
 
-``Bernoulli`` and ``Poisson`` have no exported head yet (a ``ValueError`` says so).
+``Bernoulli`` and ``Poisson`` have no exported head yet (the base class's ``ValueError`` says
+so).
 
 Regression moments are mapped to the original units with ``target_loc``/``target_scale``
 (``mean * scale + loc``, ``var * scale²``), read from a ``DVIRegressor`` when one is passed.
@@ -37,14 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ..gaussian import Gaussian
-from ..likelihoods import (
-    Categorical,
-    HeteroscedasticGaussian,
-    HomoscedasticGaussian,
-    Likelihood,
-)
-from ..likelihoods import functional as LF
-from ..likelihoods.predictive import categorical_predictive
+from ..likelihoods import ExportOptions, Likelihood, PredictiveHead
 from .base import BayesModule
 
 __all__ = ["PredictiveModule", "export_predictive"]
@@ -62,72 +58,62 @@ class _WrapsNetwork(Protocol):
 _MODULE_BUFFERS = ("predictive_temperature", "target_loc", "target_scale")
 
 
+class _MomentsHead(PredictiveHead):
+    """No likelihood: the network's output moments ``(mean [B, D], var [B, D])``."""
+
+    name = "moments"
+
+    def forward(self, out: Gaussian) -> tuple[Tensor, Tensor]:
+        return out.mean, out.var
+
+
 class PredictiveModule(nn.Module):
     """A frozen network plus likelihood head: ``forward(x)`` is the one-pass predictive.
 
     Built by :func:`export_predictive`; see there. Parameters are frozen copies (later training
     of the source network does not change it).
 
+    Args:
+        net: the declared network (frozen).
+        head: the likelihood's exported predictive
+            (:meth:`~lightning_dvi.likelihoods.Likelihood.export_head`).
+        mode: ``"diag"`` or ``"full"``.
+        input_loc: subtracted from ``x`` before the network.
+        input_scale: divides ``x - input_loc``.
+
     Attributes:
-        head: ``"moments"``, ``"homoscedastic"``, ``"heteroscedastic"`` or ``"categorical"``.
+        head: the :class:`~lightning_dvi.likelihoods.PredictiveHead` (its ``name``:
+            ``"moments"``, ``"homoscedastic"``, ``"heteroscedastic"``, ``"categorical"``, ...).
         mode: ``"diag"`` or ``"full"``.
     """
 
-    log_noise_variance: Tensor
-    target_loc: Tensor
-    target_scale: Tensor
     input_loc: Tensor
     input_scale: Tensor
-    temperature: Tensor
 
     def __init__(
         self,
         net: BayesModule,
-        head: str,
+        head: PredictiveHead,
         mode: ExportMode,
-        log_noise_variance: float = 0.0,
-        target_loc: float = 0.0,
-        target_scale: float = 1.0,
         input_loc: Tensor | None = None,
         input_scale: Tensor | None = None,
-        temperature: float = 1.0,
     ) -> None:
         super().__init__()
         self.net = net
         self.head = head
         self.mode = mode
         dtype = next(net.parameters()).dtype
-        self.register_buffer("log_noise_variance", torch.tensor(log_noise_variance, dtype=dtype))
-        self.register_buffer("target_loc", torch.tensor(target_loc, dtype=dtype))
-        self.register_buffer("target_scale", torch.tensor(target_scale, dtype=dtype))
         loc = torch.zeros((), dtype=dtype) if input_loc is None else input_loc
         scale = torch.ones((), dtype=dtype) if input_scale is None else input_scale
         self.register_buffer("input_loc", torch.as_tensor(loc).detach().clone().to(dtype))
         self.register_buffer("input_scale", torch.as_tensor(scale).detach().clone().to(dtype))
-        # decided once here, so the traced graph has no data-dependent branch
-        self.tempered = temperature != 1.0
-        self.register_buffer("temperature", torch.tensor(temperature, dtype=dtype))
 
     def forward(self, x: Tensor) -> Any:
         """Predictive of ``x [B, D_in]``: ``(mean, var)`` or class probabilities ``[B, K]``."""
         out = self.net.propagate((x - self.input_loc) / self.input_scale, self.mode)
         if not isinstance(out, Gaussian):
             raise ValueError("the network output is deterministic: it has no BayesLinear layer")
-        if self.head == "moments":
-            return out.mean, out.var
-        if self.head == "categorical":
-            probs = categorical_predictive(out.mean, out.cov if out.cov is not None else out.var)
-            if self.tempered:  # softmax(log p / T), as DVIClassifier's TemperatureScaling
-                probs = torch.softmax(probs.clamp_min(1e-30).log() / self.temperature, dim=-1)
-            return probs
-        var = out.var
-        if self.head == "homoscedastic":
-            mean, var = out.mean[..., 0], var[..., 0] + self.log_noise_variance.exp()
-        else:
-            mean, var = LF.heteroscedastic_predictive_moments(
-                out.mean[..., 0], var[..., 0], out.mean[..., 1], var[..., 1]
-            )
-        return mean * self.target_scale + self.target_loc, var * self.target_scale.square()
+        return self.head(out)
 
     def export(self, example: Tensor) -> torch.export.ExportedProgram:
         """Trace with ``torch.export`` (batch dimension dynamic where the kernels allow it).
@@ -168,7 +154,7 @@ class PredictiveModule(nn.Module):
 
     def extra_repr(self) -> str:
         """Head and mode."""
-        return f"head={self.head!r}, mode={self.mode!r}"
+        return f"head={self.head.name!r}, mode={self.mode!r}"
 
 
 def export_predictive(
@@ -230,35 +216,21 @@ def export_predictive(
             f"export_predictive needs a lightning_dvi.nn network, got {type(net).__name__} "
             "(convert a torch network with lightning_dvi.nn.from_torch first)"
         )
-    log_noise = 0.0
-    if likelihood is None:
-        head = "moments"
-    elif isinstance(likelihood, Categorical):
-        if likelihood.method == "mc":
-            raise ValueError(
-                "a Categorical(method='mc') predictive samples logits; export needs "
-                "a deterministic method: method='bound' (the default), method='clark' or "
-                "method='delta'"
-            )
-        head = "categorical"
-    elif isinstance(likelihood, HomoscedasticGaussian):
-        head, log_noise = "homoscedastic", float(likelihood.log_variance.detach())
-    elif isinstance(likelihood, HeteroscedasticGaussian):
-        head = "heteroscedastic"
-    else:
-        raise ValueError(f"no exportable predictive for {type(likelihood).__name__}")
     frozen = copy.deepcopy(net).eval()
     for p in frozen.parameters():
         p.requires_grad_(False)
-    module = PredictiveModule(
-        frozen,
-        head,
-        mode,
-        log_noise,
-        0.0 if target_loc is None else float(target_loc),
-        1.0 if target_scale is None else float(target_scale),
-        input_loc,
-        input_scale,
-        temperature,
+    dtype = next(frozen.parameters()).dtype
+    head = (
+        _MomentsHead()
+        if likelihood is None
+        else likelihood.export_head(
+            ExportOptions(
+                target_loc=0.0 if target_loc is None else float(target_loc),
+                target_scale=1.0 if target_scale is None else float(target_scale),
+                temperature=temperature,
+                dtype=dtype,
+            )
+        )
     )
+    module = PredictiveModule(frozen, head, mode, input_loc, input_scale)
     return module.eval()

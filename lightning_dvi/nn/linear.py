@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Literal, cast
 
 import torch
@@ -14,79 +10,28 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from .base import BayesModule, Moments
+from .posterior import (
+    ParameterGroup,
+    WeightMoments,
+    cached_scale,
+    given_weights,
+    posterior_moments,
+    shared_scales,
+)
+from .registry import ConversionOptions, copy_torch_posterior, register_layer
 
-__all__ = ["BayesLinear", "ParameterGroup", "WeightMoments", "given_weights", "shared_scales"]
+__all__ = [
+    "BayesLinear",
+    "FactorisedLayer",
+    "ParameterGroup",
+    "WeightMoments",
+    "given_weights",
+    "shared_scales",
+]
 
 ScaleTransform = Literal["softplus", "exp"]
-
-
-@dataclass(frozen=True)
-class ParameterGroup:
-    """One block of weights sharing a prior variance (a weight matrix or a bias vector).
-
-    Attributes:
-        name: ``"weight"`` or ``"bias"``.
-        loc: posterior means (differentiable).
-        scale: posterior standard deviations (differentiable, positive).
-        prior_variance: the layer's persistent prior-variance buffer for this group (0-dim).
-        module: the owning layer.
-    """
-
-    name: str
-    loc: Tensor
-    scale: Tensor
-    prior_variance: Tensor
-    module: _FactorisedLayer
-
-
-# .cache: (id(layer), version, grad mode, which) -> scale, or absent;
-# .given: {layer: WeightMoments} substituted by a front-end (given_weights), or absent
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def shared_scales() -> Iterator[None]:
-    """Within the block, each layer computes its posterior scales once and reuses them.
-
-    :func:`lightning_dvi.objective.elbo` opens it around the network pass and the prior's KL,
-    which both need ``softplus(raw_scale)`` of every layer: one ``softplus`` (and one
-    ``softplus_backward``) per tensor instead of two. A cached scale is reused only while its
-    raw parameter is unmodified (same version counter) and the grad mode is the same; the
-    cache is per thread and dropped when the block exits, so no graph outlives the step.
-    Nested blocks share the outer cache. Not used while ``torch.compile`` traces (the compiler
-    deduplicates the ops itself).
-    """
-    if getattr(_local, "cache", None) is not None or torch.compiler.is_compiling():
-        yield
-        return
-    _local.cache = {}
-    try:
-        yield
-    finally:
-        _local.cache = None
-
-
-WeightMoments = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
-"""``(w_loc, w_var, b_loc, b_var)``; ``w_var`` is ``None`` when the weights are values, not moments."""
-
-
-@contextlib.contextmanager
-def given_weights(weights: Mapping[BayesLinear, WeightMoments]) -> Iterator[None]:
-    """Within the block, the listed layers use these weights instead of their own posterior.
-
-    How a front-end that holds the posterior elsewhere (the Pyro guide) runs a declared network
-    through the modules' own ``propagate``: ``(w_loc, w_var, b_loc, b_var)`` are weight moments;
-    with ``w_var = None``, ``w_loc``/``b_loc`` are weight *values* (``[..., out, in]``, e.g. a
-    batch of Pyro samples) and the layer is the plain affine map. Per thread; nests.
-    """
-    outer = getattr(_local, "given", None)
-    _local.given = {**(outer or {}), **weights}
-    try:
-        yield
-    finally:
-        _local.given = outer
 
 
 def _affine_values(x: Moments, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -100,12 +45,13 @@ def _inverse_softplus(x: float) -> float:
     return x + math.log(-math.expm1(-x))
 
 
-class _FactorisedLayer(BayesModule):
+class FactorisedLayer(BayesModule):
     """What :class:`BayesLinear` and :class:`~lightning_dvi.nn.BayesConv2d` share.
 
     The factorised Gaussian posterior that :func:`init_factorised_posterior` registers (its
     attributes are declared here for the type checker), the positivity transform of the
-    scales, the per-step scale cache, the prior groups and the weight moments.
+    scales, the prior groups (:class:`~lightning_dvi.nn.HasPosterior`) and the weight moments.
+    A new weight layer may subclass it, or implement the protocol on its own.
     """
 
     weight_loc: nn.Parameter
@@ -135,16 +81,7 @@ class _FactorisedLayer(BayesModule):
                 self.bias_raw_scale.fill_(self._raw(self.init_bias_scale))
 
     def _scale(self, raw: Tensor, which: str) -> Tensor:
-        cache: dict[tuple[int, int, bool, str], Tensor] | None = (
-            None if torch.compiler.is_compiling() else getattr(_local, "cache", None)
-        )
-        if cache is None:
-            return self._positive(raw)
-        key = (id(self), raw._version, torch.is_grad_enabled(), which)
-        scale = cache.get(key)
-        if scale is None:
-            scale = cache[key] = self._positive(raw)
-        return scale
+        return cached_scale(self, raw, which, self._positive)
 
     @property
     def weight_scale(self) -> Tensor:
@@ -170,19 +107,14 @@ class _FactorisedLayer(BayesModule):
         return groups
 
     def _moments(self) -> WeightMoments:
-        given: Mapping[_FactorisedLayer, WeightMoments] | None = (
-            None if torch.compiler.is_compiling() else getattr(_local, "given", None)
-        )
-        if given is not None and self in given:
-            return given[self]
-        w_scale = self.weight_scale
-        b_scale = self.bias_scale
-        b_var = None if b_scale is None else b_scale * b_scale
-        return self.weight_loc, w_scale * w_scale, self.bias_loc, b_var
+        groups = posterior_moments(self)
+        w_loc, w_var = groups["weight"]
+        b_loc, b_var = groups.get("bias", (None, None))
+        return w_loc, w_var, b_loc, b_var
 
 
 def init_factorised_posterior(
-    layer: _FactorisedLayer,
+    layer: FactorisedLayer,
     weight_shape: tuple[int, ...],
     fan_in: int,
     bias: bool,
@@ -225,7 +157,20 @@ def init_factorised_posterior(
         layer.register_buffer("bias_prior_variance", None)
 
 
-class BayesLinear(_FactorisedLayer):
+def _from_torch_linear(module: nn.Module, options: ConversionOptions) -> BayesModule:
+    assert isinstance(module, nn.Linear)  # the registry converts only its torch_modules
+    layer = BayesLinear(
+        module.in_features,
+        module.out_features,
+        bias=module.bias is not None,
+        **options.layer_kwargs,
+    ).to(device=module.weight.device, dtype=module.weight.dtype)
+    copy_torch_posterior(layer, module, options)
+    return layer
+
+
+@register_layer("linear", kind="weight", torch_modules=(nn.Linear,), convert=_from_torch_linear)
+class BayesLinear(FactorisedLayer):
     r"""Linear layer :math:`a = hW^\top + b` with :math:`q(W_{kj}) = \mathcal N(M_{kj}, S_{kj}^2)`.
 
     Posterior scales are parameterised through ``softplus`` (default) or ``exp`` of an
@@ -288,7 +233,7 @@ class BayesLinear(_FactorisedLayer):
                 f"(input shape {tuple(x.shape)})"
             )
 
-    def propagate(self, x: Moments, mode: str) -> Moments:
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Moments (``full``/``diag``) or samples (``sample``/``local``) of the layer output."""
         w_loc, w_var, b_loc, b_var = self._moments()
         self._check_input(x, w_loc.dtype)
@@ -314,7 +259,7 @@ class BayesLinear(_FactorisedLayer):
             out = out + self.bias_loc + b_scale * b_eps
         return out
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: str) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         """``Cov(r, hW^T + b) = Cov(r, h) M^T`` (weights independent of ``r``)."""
         return M.cross_through_linear(cross, self._moments()[0])
 

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from .container import Sequential
-from .convert import _CONVERTERS, Init, from_torch
-from .registry import activation_specs
+from .convert import Init, from_torch
+from .registry import torch_module_types
 
 __all__ = [
     "TorchNetwork",
@@ -50,8 +50,7 @@ _Plain = (bool, int, float, str, type(None))
 
 def _layer_types() -> dict[str, type[nn.Module]]:
     """Every torch layer type a description may name: short names for ``torch.nn`` classes."""
-    types: list[type[nn.Module]] = [nn.Sequential, *_CONVERTERS]
-    types += [t for spec in activation_specs() for t in spec.torch_modules]
+    types: list[type[nn.Module]] = [nn.Sequential, *torch_module_types()]
     table: dict[str, type[nn.Module]] = {}
     for cls in types:
         short = cls.__name__

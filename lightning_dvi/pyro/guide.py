@@ -18,7 +18,7 @@ from pyro.poutine import get_mask
 from torch import Tensor
 from torch.distributions import biject_to
 
-from ..gaussian import MOMENT_MODES
+from ..gaussian import MOMENT_MODES, Mode
 from .distributions import unwrap_independent
 from .moment_tensor import MomentTensor
 
@@ -91,7 +91,7 @@ class DeterministicGuide(AutoNormal):
     def __init__(
         self,
         model: Callable[..., Any],
-        mode: str = "diag",
+        mode: Mode = "diag",
         *,
         init_scale: float = 0.05,
         init_loc_fn: Callable[[dict], Tensor] = init_to_he,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import moments as M
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from ..nn.conv import unsupported_conv2d_options, unsupported_pool2d_options
 from ..nn.registry import spec_for_function
 from .dispatch import Handler, op_name, register, register_resolver, unsupported
@@ -247,7 +247,7 @@ def _matmul(func: Callable[..., Any], x: Any, weight: Any) -> MomentTensor:
     if weight.dim() != 2 or (is_moment(weight) and weight.dvi_cov is not None):
         raise unsupported(f"`{op_name(func)}` unless the right operand is a [in, out] matrix")
 
-    def moments(h: Any, w_loc: Tensor, w_var: Tensor, *bias: Any, mode: str) -> Gaussian:
+    def moments(h: Any, w_loc: Tensor, w_var: Tensor, *bias: Any, mode: Mode) -> Gaussian:
         return M.linear_moments(h, w_loc.mT, w_var.mT, *bias, mode=mode)
 
     return _layer(func, x, weight, None, moments, head="matmul")
@@ -263,7 +263,7 @@ def _conv2d(
     if required is not None:
         raise unsupported(f"`{op_name(func)}`", f"only {required}")
 
-    def moments(h: Any, *weights: Any, mode: str) -> Gaussian:
+    def moments(h: Any, *weights: Any, mode: Mode) -> Gaussian:
         if mode != "diag":
             raise unsupported(
                 f"`{op_name(func)}` in mode='full'", "convolutions propagate diag moments"

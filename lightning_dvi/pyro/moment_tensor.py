@@ -33,7 +33,7 @@ from typing import Any, TypeGuard
 import torch
 from torch import Tensor
 
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, Mode
 from .dispatch import LAYER_OPS, handler_for, op_name, unsupported
 
 __all__ = ["MomentTensor", "SampledTensor", "unsupported"]
@@ -64,7 +64,7 @@ class MomentTensor(Tensor):
     dvi_mean: Tensor
     dvi_var: Tensor
     dvi_cov: Tensor | None
-    dvi_mode: str
+    dvi_mode: Mode
     dvi_sources: frozenset[str]
     dvi_marginal: bool
     dvi_link: str | None
@@ -76,7 +76,7 @@ class MomentTensor(Tensor):
         var: Tensor | None = None,
         cov: Tensor | None = None,
         *,
-        mode: str = "diag",
+        mode: Mode = "diag",
         sources: Iterable[str] = (),
         marginal: bool = False,
         link: str | None = None,
@@ -153,7 +153,7 @@ class MomentTensor(Tensor):
             )
 
     @classmethod
-    def of(cls, g: Gaussian, mode: str, sources: Iterable[str]) -> MomentTensor:
+    def of(cls, g: Gaussian, mode: Mode, sources: Iterable[str]) -> MomentTensor:
         """The moment tensor carrying the Gaussian ``g`` (all of its covariance is known)."""
         return cls(g.mean, var=None if g.is_full else g.var, cov=g.cov, mode=mode, sources=sources)
 

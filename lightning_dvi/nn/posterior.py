@@ -1,0 +1,277 @@
+r"""What holds a weight posterior, found by protocol; and the explicit context of a pass.
+
+**The protocol.** A layer *has a posterior* when it implements :class:`HasPosterior`: one
+method, :meth:`~HasPosterior.parameter_groups`, listing its blocks of weights that share a prior
+variance (a weight matrix, a bias vector), each with its posterior means ``loc``, standard
+deviations ``scale`` and persistent prior-variance buffer. Everything that needs the posterior
+finds layers by this protocol, never by a list of types: the KL term and both empirical-Bayes
+modes (:func:`lightning_dvi.nn.parameter_groups`), :func:`lightning_dvi.nn.bayes_layers`, the
+Pyro pass (:class:`lightning_dvi.pyro.PyroBayesNet` makes one sample site per group), export
+and conversion. A user's own weight layer that implements it gets all of them with no edit to
+the library.
+
+**The context.** A pass through declared layers may run inside a :class:`PosteriorContext`, an
+explicit object pushed on a stack for the duration of a ``with`` block, as Pyro's messengers
+are. It carries two things a layer consults, both optional:
+
+* ``weights``: per layer, substituted moments (or values) of its groups, which a front-end that
+  holds the posterior elsewhere hands to the declared network (:func:`given_weights`, used by
+  the Pyro pass);
+* ``scales``: a cache of ``softplus(raw_scale)`` per raw parameter, so the network pass and
+  the prior's KL of one ELBO step compute each scale once (:func:`shared_scales`).
+
+Layers read them with :func:`posterior_moments` and :func:`cached_scale`. Nothing is stored
+per thread or per layer; leaving the block pops the context and drops its cache, so no graph
+outlives a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol, cast, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "GroupMoments",
+    "HasPosterior",
+    "ParameterGroup",
+    "PosteriorContext",
+    "WeightMoments",
+    "cached_scale",
+    "given_weights",
+    "has_posterior",
+    "posterior_moments",
+    "set_posterior",
+    "shared_scales",
+]
+
+
+@dataclass(frozen=True)
+class ParameterGroup:
+    """One block of weights sharing a prior variance (a weight matrix or a bias vector).
+
+    Attributes:
+        name: the group's name within its layer (``"weight"``, ``"bias"``); also the last part
+            of its Pyro site name.
+        loc: posterior means (differentiable).
+        scale: posterior standard deviations (differentiable, positive).
+        prior_variance: the layer's persistent prior-variance buffer for this group (0-dim).
+        module: the owning layer.
+    """
+
+    name: str
+    loc: Tensor
+    scale: Tensor
+    prior_variance: Tensor
+    module: nn.Module
+
+
+@runtime_checkable
+class HasPosterior(Protocol):
+    r"""A layer with a factorised Gaussian posterior :math:`q(w) = \prod_i \mathcal N(\mu_i, \sigma_i^2)`.
+
+    The KL term :math:`\sum_g \mathrm{KL}(q_g \,\|\, \mathcal N(0, s_g))`, the empirical-Bayes
+    optimum of each :math:`s_g` (from the group's :math:`\mu, \sigma`) and its persistent buffer,
+    the Pyro sample sites (one per group, shaped like ``loc``) and the posterior scales all come
+    from :meth:`parameter_groups`. A layer that also wants the Pyro pass reads its weight moments
+    through :func:`posterior_moments`, which honours substitutions.
+    """
+
+    def parameter_groups(self) -> list[ParameterGroup]:
+        """The layer's prior groups, in a fixed order (weight before bias)."""
+        ...
+
+
+def has_posterior(module: object) -> bool:
+    """Whether ``module`` holds a weight posterior (implements :class:`HasPosterior`)."""
+    return isinstance(module, nn.Module) and isinstance(module, HasPosterior)
+
+
+GroupMoments = Mapping[str, tuple[Tensor, Tensor | None]]
+"""Per group name, ``(loc, var)`` moments, or ``(value, None)`` when the weights are values."""
+
+WeightMoments = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
+"""``(w_loc, w_var, b_loc, b_var)``; ``w_var`` is ``None`` when the weights are values, not moments."""
+
+
+def _as_groups(given: WeightMoments | GroupMoments) -> GroupMoments:
+    if isinstance(given, Mapping):
+        return given
+    w_loc, w_var, b_loc, b_var = given
+    groups: dict[str, tuple[Tensor, Tensor | None]] = {"weight": (w_loc, w_var)}
+    if b_loc is not None:
+        groups["bias"] = (b_loc, b_var)
+    return groups
+
+
+_STACK: list[PosteriorContext] = []
+# The active contexts, innermost last (one stack for the process, as Pyro's _PYRO_STACK).
+
+
+class PosteriorContext:
+    """An explicit context for passes through declared layers; see the module docstring.
+
+    Args:
+        weights: per layer, its groups' substituted moments (``{"weight": (loc, var), ...}``)
+            or the ``(w_loc, w_var, b_loc, b_var)`` tuple of a weight-and-bias layer; a ``None``
+            variance means the ``loc`` entries are weight *values*.
+        share_scales: cache each layer's posterior scales for the duration of the block.
+
+    Contexts nest: a layer's substitution is looked up innermost first, and the outermost
+    scale cache serves nested blocks.
+    """
+
+    def __init__(
+        self,
+        weights: Mapping[nn.Module, WeightMoments | GroupMoments] | None = None,
+        share_scales: bool = False,
+    ) -> None:
+        self.weights: dict[nn.Module, GroupMoments] = {
+            layer: _as_groups(given) for layer, given in (weights or {}).items()
+        }
+        self.scales: dict[tuple[int, int, bool, str], Tensor] | None = {} if share_scales else None
+
+    def __enter__(self) -> PosteriorContext:
+        _STACK.append(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not _STACK or _STACK[-1] is not self:  # pragma: no cover - misuse of the protocol
+            raise RuntimeError("PosteriorContext exited out of order")
+        _STACK.pop()
+        self.scales = None
+
+
+def _active() -> Iterator[PosteriorContext]:
+    # Not consulted while torch.compile traces: the compiler deduplicates the scale ops itself,
+    # and a substitution is a front-end's eager pass.
+    if torch.compiler.is_compiling():
+        return iter(())
+    return reversed(_STACK)
+
+
+def given_weights(weights: Mapping[nn.Module, WeightMoments | GroupMoments]) -> PosteriorContext:
+    """Within the block, the listed layers use these weights instead of their own posterior.
+
+    How a front-end that holds the posterior elsewhere (the Pyro guide) runs a declared network
+    through the modules' own ``propagate``: ``(w_loc, w_var, b_loc, b_var)`` (or
+    ``{group name: (loc, var)}``) are weight moments; with ``w_var = None``, ``w_loc``/``b_loc``
+    are weight *values* (``[..., out, in]``, e.g. a batch of Pyro samples) and the layer is the
+    plain affine map. Nests.
+    """
+    return PosteriorContext(weights=weights)
+
+
+def shared_scales() -> PosteriorContext:
+    """Within the block, each layer computes its posterior scales once and reuses them.
+
+    :func:`lightning_dvi.objective.elbo` opens it around the network pass and the prior's KL,
+    which both need ``softplus(raw_scale)`` of every layer: one ``softplus`` (and one
+    ``softplus_backward``) per tensor instead of two. A cached scale is reused only while its
+    raw parameter is unmodified (same version counter) and the grad mode is the same; the cache
+    is dropped when the block exits, so no graph outlives the step. Nested blocks share the
+    outer cache. Not used while ``torch.compile`` traces (the compiler deduplicates the ops
+    itself).
+    """
+    nested = any(ctx.scales is not None for ctx in _active())
+    return PosteriorContext(share_scales=not nested and not torch.compiler.is_compiling())
+
+
+def cached_scale(
+    layer: nn.Module, raw: Tensor, which: str, positive: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """``positive(raw)``, computed once per active :func:`shared_scales` block.
+
+    Args:
+        layer: the owning layer (part of the cache key).
+        raw: the unconstrained parameter (its version counter is part of the key, so an
+            in-place update invalidates the entry).
+        which: the group's name.
+        positive: the transform to a positive scale (``softplus`` or ``exp``).
+    """
+    cache = next((ctx.scales for ctx in _active() if ctx.scales is not None), None)
+    if cache is None:
+        return positive(raw)
+    key = (id(layer), raw._version, torch.is_grad_enabled(), which)
+    scale = cache.get(key)
+    if scale is None:
+        scale = cache[key] = positive(raw)
+    return scale
+
+
+def substituted(layer: nn.Module) -> GroupMoments | None:
+    """The innermost active substitution of ``layer``'s weights, or ``None``."""
+    for ctx in _active():
+        given = ctx.weights.get(layer)
+        if given is not None:
+            return given
+    return None
+
+
+def posterior_moments(layer: HasPosterior) -> GroupMoments:
+    r"""``{group name: (loc, var)}`` of ``layer``'s weights, as the current pass should see them.
+
+    The posterior's own :math:`(\mu, \sigma^2)` from :meth:`HasPosterior.parameter_groups`,
+    unless a front-end substituted the layer's weights (:func:`given_weights`): then those
+    moments, or ``(value, None)`` for weight values.
+    """
+    given = substituted(layer) if isinstance(layer, nn.Module) else None
+    if given is not None:
+        return given
+    return {g.name: (g.loc, g.scale * g.scale) for g in layer.parameter_groups()}
+
+
+def _raw_from_scale(scale: Tensor, transform: str) -> Tensor:
+    """Inverse of the layer's positive transform; a zero scale maps to ``-inf`` exactly."""
+    if transform == "exp":
+        return scale.log()
+    # softplus^{-1}(s) = s + log(-expm1(-s)); equals log(0) = -inf at s = 0
+    return scale + torch.log(-torch.expm1(-scale))
+
+
+@torch.no_grad()
+def set_posterior(
+    layer: nn.Module,
+    weight_loc: Tensor,
+    weight_scale: Tensor,
+    bias_loc: Tensor | None = None,
+    bias_scale: Tensor | None = None,
+) -> None:
+    """Write posterior means and standard deviations into a Bayesian layer in place.
+
+    Works for any layer with ``weight_loc``, ``weight_raw_scale`` (and ``bias_loc``,
+    ``bias_raw_scale``) parameters and a ``scale_transform`` attribute, such as
+    :class:`BayesLinear`. Scales must be non-negative; zero is represented exactly.
+
+    Raises:
+        ValueError: on shape mismatches or negative / non-finite values.
+    """
+    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [("weight", weight_loc, weight_scale)]
+    if bias_loc is not None or bias_scale is not None:
+        if getattr(layer, "bias_loc", None) is None:
+            raise ValueError(f"{type(layer).__name__} has no bias to set")
+        pairs.append(("bias", bias_loc, bias_scale))
+    for name, loc, scale in pairs:
+        param_loc = getattr(layer, f"{name}_loc")
+        param_raw = getattr(layer, f"{name}_raw_scale")
+        if loc is None or scale is None:
+            raise ValueError(f"{name}: give both the mean and the scale")
+        if loc.shape != param_loc.shape or scale.shape != param_loc.shape:
+            raise ValueError(
+                f"{name}: expected shape {tuple(param_loc.shape)}, got mean "
+                f"{tuple(loc.shape)} and scale {tuple(scale.shape)}"
+            )
+        if not torch.isfinite(loc).all() or not torch.isfinite(scale).all() or (scale < 0).any():
+            raise ValueError(f"{name}: means must be finite and scales finite and >= 0")
+        param_loc.copy_(loc)
+        transform = cast(str, layer.scale_transform)  # an attribute such layers have (above)
+        param_raw.copy_(_raw_from_scale(scale.to(param_raw), transform))
