@@ -8,6 +8,7 @@ the implementations live in :mod:`lightning_dvi.lightning`.
 
 from .lightning.callbacks import EmpiricalBayes, EmpiricalBayesRefresh
 from .lightning.checkpoint import RunCheckpoint
+from .lightning.early_stopping import RestoreBestWeights
 from .lightning.ood import OODEvaluation
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
 from .lightning.predictions import PredictionWriter
@@ -24,6 +25,7 @@ __all__ = [
     "PredictiveBandPlot",
     "ProgressLog",
     "ReliabilityDiagram",
+    "RestoreBestWeights",
     "RunCheckpoint",
     "TemperatureScaling",
 ]

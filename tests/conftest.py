@@ -14,6 +14,15 @@ def _seed() -> None:
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny networks: one torch thread (two spin against each other on shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def uci_dir() -> Path:
     """The shared UCI data; under CI its absence is an error, not a skip."""
     if not UCI_DIR.is_dir():

@@ -32,12 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny networks: one torch thread (two spin against each other on shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Tiny networks: one torch thread (the shared ``one_thread`` fixture of conftest.py)."""
 
 
 def _write(

@@ -1,4 +1,4 @@
-"""Fast checks of recipes/uci_benchmark.py: CLI validation, JSON schema, the real training path."""
+"""Fast checks of the UCI benchmark: lightning_dvi.benchmarks.uci/tables and the recipe over them."""
 
 from __future__ import annotations
 
@@ -6,10 +6,14 @@ import importlib.util
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from lightning_dvi.benchmarks import uci
+from lightning_dvi.benchmarks.tables import markdown_table, summarise
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "uci_benchmark.py"
 
@@ -53,7 +57,11 @@ def _check_schema(payload: dict, datasets: set[str], methods: set[str], n_splits
         assert len(r["splits"]) == n_splits
         assert [s["split"] for s in r["splits"]] == list(range(n_splits))
         lls = np.array([s["test_ll"] for s in r["splits"]])
-        assert all(set(s) >= {"split", "test_ll", "rmse", "seconds"} for s in r["splits"])
+        assert all(
+            set(s) >= {"split", "test_ll", "rmse", "seconds", "cpu_seconds", "steps"}
+            for s in r["splits"]
+        )
+        assert 0 < r["cpu_seconds_per_split"] < 600
         assert math.isclose(r["test_ll_mean"], lls.mean(), rel_tol=1e-9)
         assert math.isclose(r["test_ll_stderr"], lls.std() / math.sqrt(n_splits), abs_tol=1e-12)
         assert all(math.isfinite(v) for v in (r["test_ll_mean"], r["rmse_mean"], r["seconds"]))
@@ -75,6 +83,8 @@ def test_unknown_method_and_dataset_are_clear_errors(bench, tmp_path, capsys):
             ["--data-dir", str(tmp_path / "nope"), "--dataset", "toy", "--method", "dvi"]
         )
     base = ["--data-dir", str(tmp_path), "--dataset", "toy", "--method", "dvi"]
+    with pytest.raises(ValueError, match="--optimizer"):
+        bench.parse_args([*base, "--optimizer", "sgd"])
     for warm, ramp in (("0.7", "0.4"), ("-0.1", "0.2")):
         with pytest.raises(ValueError, match="fractions of the steps"):
             bench.parse_args([*base, "--kl-warmup", warm, "--kl-anneal", ramp])
@@ -100,19 +110,47 @@ def test_parse_defaults_all_splits_and_width(bench, tmp_path):
         + [("wide", m, k) for m in ("dvi", "mcvi") for k in range(2)]
     )
     assert {j.dataset: j.hidden for j in jobs} == {"toy": 50, "wide": 100}
-    assert all(j.settings == bench.DEFAULTS for j in jobs)
-    # the step budget: at least min_steps, at most max_steps, epochs in between
-    s = bench.DEFAULTS
-    assert bench.num_steps(10, s) == s.min_steps
-    assert bench.num_steps(10**7, s) == s.max_steps
+    assert all(j.settings == uci.DEFAULTS for j in jobs)
+    assert uci.DEFAULTS.optimizer == "lbfgs" and uci.DEFAULTS.early_stopping_fraction > 0
+    # the step budget: Adam at least min_steps, at most max_steps, epochs in between
+    s = uci.PRESETS["adam8000"]
+    assert uci.num_steps(10, s) == s.min_steps == 8000
+    assert uci.num_steps(10**7, s) == s.max_steps
+    assert uci.num_steps(10, uci.DEFAULTS) == uci.DEFAULTS.max_steps  # L-BFGS: a cap, ES decides
+    # MCVI cannot use L-BFGS: its jobs run the Adam protocol
+    mcvi = next(j for j in jobs if j.method == "mcvi")
+    assert mcvi.effective_settings.optimizer == "adam"
+    _, (old,) = bench.parse_args(["--data-dir", str(tmp_path), "--dataset", "toy", "--method",
+                                  "dvi", "--splits", "1", "--preset", "adam8000", "--lr", "0.01"])  # fmt: skip
+    assert old.settings == replace(uci.PRESETS["adam8000"], lr=0.01)
 
 
-def test_paper_reference_covers_every_method(bench):
-    assert set(bench.PAPER) == set(bench.METHODS)
-    for figures in bench.PAPER.values():
+def test_paper_reference_covers_every_method():
+    assert set(uci.PAPER) == set(uci.METHODS)
+    for figures in uci.PAPER.values():
         assert {"boston", "concrete", "energy", "power", "protein", "wine"} <= set(figures)
-    assert bench.PAPER["dvi"]["boston"] == (-2.41, 0.02)
-    assert bench.PAPER["dvi-fixed"]["wine"] == (-0.94, 0.01)
+    assert uci.PAPER["dvi"]["boston"] == (-2.41, 0.02)
+    assert uci.PAPER["dvi-fixed"]["wine"] == (-0.94, 0.01)
+
+
+def test_summary_and_table_by_hand():
+    splits = [
+        {"split": 1, "test_ll": -2.0, "rmse": 3.0, "seconds": 2.0, "cpu_seconds": 1.0, "steps": 5},
+        {"split": 0, "test_ll": -1.0, "rmse": 1.0, "seconds": 4.0, "cpu_seconds": 2.0, "steps": 7},
+    ]
+    row = summarise("boston", "dvi", splits)
+    assert [s["split"] for s in row["splits"]] == [0, 1]
+    assert row["test_ll_mean"] == -1.5 and row["test_ll_stderr"] == pytest.approx(0.5 / 2**0.5)
+    assert row["rmse_mean"] == 2.0 and row["seconds"] == 6.0
+    assert row["cpu_seconds_per_split"] == 1.5
+    table = markdown_table([row], uci.PAPER).splitlines()
+    assert table[0].endswith("| CPU s / split |")
+    assert table[2] == "| boston | dvi | 2 | -1.500 ± 0.354 | -2.41 ± 0.02 | 2.000 ± 0.707 | 1.50 |"
+    no_cpu = summarise("toy", "dvi", [{k: v for k, v in splits[0].items() if k != "cpu_seconds"}])
+    assert no_cpu["cpu_seconds_per_split"] is None
+    assert markdown_table([no_cpu]).splitlines()[2].endswith("| n/a | 3.000 ± 0.000 | n/a |")
+    with pytest.raises(ValueError, match="no splits"):
+        summarise("toy", "dvi", [])
 
 
 def test_synthetic_end_to_end_all_methods(bench, tmp_path, capsys):
@@ -142,7 +180,7 @@ def test_synthetic_end_to_end_all_methods(bench, tmp_path, capsys):
     assert code == 0
     payload = json.loads(out.read_text())
     _check_schema(payload, {"toy"}, set(methods), 1)
-    assert all(r["splits"][0]["steps"] == 15 for r in payload["results"])
+    assert all(1 <= r["splits"][0]["steps"] <= 15 for r in payload["results"])
     table = capsys.readouterr().out
     assert "| toy | dvi | 1 |" in table and "n/a" in table  # no paper figure for a new dataset
 
@@ -152,7 +190,7 @@ def test_seeded_runs_are_reproducible(bench, tmp_path):
     argv = ["--data-dir", str(tmp_path), "--dataset", "toy", "--method", "dvi", "--splits", "1",
             "--max-steps", "10"]  # fmt: skip
     _, jobs = bench.parse_args(argv)
-    first, second = bench.run_job(jobs[0]), bench.run_job(jobs[0])
+    first, second = uci.run_job(jobs[0]), uci.run_job(jobs[0])
     assert first["test_ll"] == second["test_ll"] and first["rmse"] == second["rmse"]
 
 
@@ -163,7 +201,16 @@ def test_validation_mode_scores_a_carve_out_of_the_training_split(bench, tmp_pat
     _, (test_job,) = bench.parse_args(argv)
     _, (val_job,) = bench.parse_args([*argv, "--validation", "0.2"])
     assert val_job.validation == 0.2
-    assert bench.run_job(test_job)["test_ll"] != bench.run_job(val_job)["test_ll"]
+    assert uci.run_job(test_job)["test_ll"] != uci.run_job(val_job)["test_ll"]
+
+
+def test_early_stopping_restores_the_best_validation_step(tmp_path):
+    """The default protocol stops on the carve-out's NLL and keeps the best step's weights."""
+    _write_dataset(tmp_path, rows=120)
+    (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], replace(uci.DEFAULTS, patience=2), 1)
+    result = uci.run_job(job)
+    assert 1 <= result["steps"] < uci.DEFAULTS.max_steps
+    assert math.isfinite(result["test_ll"]) and result["cpu_seconds"] > 0
 
 
 def test_boston_one_split_through_the_real_path(bench, uci_dir, tmp_path):
@@ -194,3 +241,25 @@ def test_boston_one_split_through_the_real_path(bench, uci_dir, tmp_path):
     # log-likelihood near -2.5 (standardised-unit numbers would be near -1 and RMSE < 1).
     assert 2.0 < result["rmse_mean"] < 8.0
     assert -4.0 < result["test_ll_mean"] < -2.0
+
+
+def test_time_to_quality_curve_and_plot(tmp_path):
+    """recipes/uci_time_to_quality.py: one point per budget and protocol, a PNG written."""
+    spec = importlib.util.spec_from_file_location(
+        "uci_time_to_quality", RECIPE.parent / "uci_time_to_quality.py"
+    )
+    ttq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ttq)
+    _write_dataset(tmp_path)
+    out, png = tmp_path / "ttq.json", tmp_path / "ttq.png"
+    argv = ["--data-dir", str(tmp_path), "--dataset", "toy", "--splits", "1", "--workers", "1",
+            "--adam-steps", "3", "--lbfgs-steps", "1", "--json", str(out), "--plot", str(png)]  # fmt: skip
+    assert ttq.main(argv) == 0
+    points = json.loads(out.read_text())
+    assert [p["steps_cap"] for p in points["adam8000"]] == [3]
+    assert [p["steps_cap"] for p in points["lbfgs"]] == [1, None]
+    assert points["lbfgs"][0]["steps"] == [1]
+    assert all(
+        p["cpu_seconds"] > 0 and math.isfinite(p["test_ll"]) for v in points.values() for p in v
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

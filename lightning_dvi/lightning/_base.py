@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, Literal, cast
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
@@ -32,7 +33,8 @@ from ..likelihoods import Likelihood
 from ..nn import BayesLinear, BayesModule, bayes_layers
 from ..nn.builders import Activation
 from ..objective import ELBOTerms, elbo
-from ._config import KLScheduleConfig, LRSchedule, OptimiserConfig, make_prior
+from ._config import KLScheduleConfig, LRSchedule, OptimiserConfig, OptimizerName, make_prior
+from ._convergence import ObjectiveConvergence
 from ._data import DataView
 from ._network import MLP_ARGUMENTS, MLPConfig, UnbuiltNetwork, primitive, setup_network
 from ._validation import one_of, optional_positive_int, positive_float, positive_int, sampling
@@ -120,6 +122,19 @@ class DVIModule(LightningModule):
         compile: run the ELBO's hot path (network, likelihood, KL) through ``torch.compile``:
             ``True``, or a ``torch.compile`` mode such as ``"reduce-overhead"`` (CUDA graphs);
             value checks stay on, outside the compiled region (:mod:`lightning_dvi.compile`).
+        optimizer: ``"adam"`` (default) or ``"lbfgs"``: L-BFGS with a strong-Wolfe line search,
+            for the deterministic objective of ``full``/``diag`` mode on full (or large, fixed)
+            batches; one optimisation step runs up to ``lbfgs_iterations`` iterations. It takes
+            no ``lr``, ``lr_schedule``, ``weight_decay`` or gradient clipping (see
+            :class:`~lightning_dvi.lightning._config.OptimiserConfig`).
+        lbfgs_iterations: L-BFGS iterations per optimisation step.
+        lbfgs_history: curvature pairs L-BFGS keeps.
+        convergence_tol: stop training once the epoch's mean training loss changes by at most
+            this much, relative, between consecutive epochs, :math:`|L_e - L_{e-1}| \le
+            \text{tol}\cdot\max(1, |L_e|)`, counted only once the KL schedule has reached its
+            final weight (``None``, the default: train for the trainer's budget). Meant for
+            deterministic full-batch runs (``optimizer="lbfgs"``); the decision is the same on
+            every DDP process. ``model.converged`` says whether it fired.
         kl_weight: constant factor :math:`\lambda` on the KL in the training loss (default 1:
             the ELBO). :math:`\lambda < 1` trains a tempered posterior, which is no longer the
             ELBO's optimum but can be better calibrated on small data sets (measured in
@@ -165,13 +180,26 @@ class DVIModule(LightningModule):
         net: BayesModule | None = None,
         kl_weight: float = 1.0,
         compile: bool | str = False,
+        optimizer: OptimizerName = "adam",
+        lbfgs_iterations: int = 20,
+        lbfgs_history: int = 20,
+        convergence_tol: float | None = None,
     ) -> None:
         super().__init__()
         self._compile = compile_options(compile)  # validated here; applied in _elbo
         self.mode, self.num_samples = sampling(mode, num_samples)
         num_samples = self.num_samples  # the hyper-parameters record it resolved
         self.num_data = optional_positive_int("num_data (the training-set size N)", num_data)
-        self.optimiser_config = OptimiserConfig(lr, lr_schedule, min_lr, weight_decay)
+        self.optimiser_config = OptimiserConfig(
+            lr, lr_schedule, min_lr, weight_decay, optimizer, lbfgs_iterations, lbfgs_history
+        )
+        if optimizer == "lbfgs" and self.mode in _MC_MODES:
+            raise ValueError(
+                f"optimizer='lbfgs' needs a deterministic objective (mode='full' or 'diag'); "
+                f"mode={self.mode!r} draws new samples at every evaluation, which breaks its line "
+                "search. Use optimizer='adam' for Monte Carlo modes"
+            )
+        self.convergence = ObjectiveConvergence(convergence_tol)
         self.kl_config = KLScheduleConfig(
             kl_warmup_steps, kl_anneal_steps, kl_warmup_fraction, kl_anneal_fraction
         )
@@ -189,6 +217,7 @@ class DVIModule(LightningModule):
             type(self).__name__, net, self._mlp, in_features, out_features
         )
         self.calibration_curves: dict[str, dict[str, Tensor]] = {}
+        self.converged = False
         # Collects this frame's and the subclass's arguments.
         self.save_hyperparameters(ignore=["net", "out_features"])
         self._finish_hparams()
@@ -306,6 +335,9 @@ class DVIModule(LightningModule):
         """
         if self.optimiser_config.lr_schedule == "cosine":
             self._total_steps("lr_schedule='cosine'")
+        if self.optimiser_config.optimizer == "lbfgs":
+            self._check_lbfgs_trainer()
+        self.convergence.reset()
         total: float = self.trainer.estimated_stepping_batches
         finite = math.isfinite(total) and total >= 1
         if self.kl_config.by_fraction:
@@ -327,6 +359,29 @@ class DVIModule(LightningModule):
                 f"kl_anneal_steps={anneal}) ends after the run's {int(total)} optimisation steps, "
                 "so the KL never reaches full weight; consider kl_warmup_fraction/"
                 "kl_anneal_fraction"
+            )
+
+    def _check_lbfgs_trainer(self) -> None:
+        trainer = self.trainer
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                "optimizer='lbfgs' cannot be combined with gradient clipping (Trainer("
+                f"gradient_clip_val={trainer.gradient_clip_val})): a clipped gradient is not the "
+                "gradient of the loss its line search evaluates; drop gradient_clip_val"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "optimizer='lbfgs' evaluates the whole batch's loss several times per step and "
+                "cannot accumulate gradients over batches (Trainer(accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches})); use a larger batch instead"
+            )
+        batches = trainer.num_training_batches
+        if isinstance(batches, (int, float)) and math.isfinite(batches) and batches > 1:
+            rank_zero_warn(
+                f"{type(self).__name__}(optimizer='lbfgs') sees {int(batches)} batches per epoch: "
+                "each step's objective is then a different minibatch, which L-BFGS's curvature "
+                "memory does not expect; a full-batch loader (batch_size = the training-set "
+                "size) is what it is for"
             )
 
     @classmethod
@@ -402,9 +457,15 @@ class DVIModule(LightningModule):
                 "datamodule that has `num_train`"
             )
         y = self._network_targets(y)
+        # L-BFGS's line search may try a point where the loss overflows; an infinite trial
+        # fails its sufficient-decrease test and it backs off, so only the parameters it
+        # accepts are checked (on_train_batch_end).
+        check_finite = stage != "train" or self.optimiser_config.optimizer != "lbfgs"
         try:
             if self._compile is not None:  # value checks run eagerly around the compiled part
-                return self._compiled_elbo()(x, y, self.num_data, kl_weight, check_finite=True)
+                return self._compiled_elbo()(
+                    x, y, self.num_data, kl_weight, check_finite=check_finite
+                )
             return elbo(
                 self.net,
                 self.likelihood,
@@ -415,7 +476,7 @@ class DVIModule(LightningModule):
                 mode=self.mode,
                 num_samples=self.num_samples,
                 kl_weight=kl_weight,
-                check_finite=True,
+                check_finite=check_finite,
             )
         except FloatingPointError as err:
             raise FloatingPointError(
@@ -453,6 +514,69 @@ class DVIModule(LightningModule):
             self._log_terms(terms, "train", batch[0].shape[0])
             self.log("train/kl_weight", kl_weight, on_step=True, on_epoch=False, batch_size=1)
         return terms.loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """L-BFGS forgets its curvature pairs when the KL weight changes: the objective did."""
+        if self.optimiser_config.optimizer != "lbfgs":
+            return
+        weight = self.kl_schedule(self.global_step)
+        if self.convergence.kl_weight_changed(weight):
+            self._forget_curvature()
+        # the parameters before the step, to restart from if the line search fails (below)
+        self._lbfgs_snapshot = [p.detach().clone() for p in self.parameters()]
+
+    def _forget_curvature(self) -> None:
+        for optimiser in self.trainer.optimizers:
+            optimiser.state.clear()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Add the batch's loss (the last evaluation's, under L-BFGS) to the epoch's objective."""
+        if self.optimiser_config.optimizer == "lbfgs":
+            self._restart_if_not_finite()
+        if self.convergence.enabled and isinstance(outputs, Mapping) and "loss" in outputs:
+            self.convergence.add(outputs["loss"])
+
+    def _restart_if_not_finite(self) -> None:
+        """After an L-BFGS step: restart from the step's start if its parameters are not finite.
+
+        An overflowing trial point can make the line search's cubic interpolation return a NaN
+        step length (torch's ``_strong_wolfe`` mixes float32 gradients into it). The step is then
+        undone and the curvature memory cleared, so the next step starts along the steepest
+        descent direction with a short first trial; a second failure in a row is an error.
+        """
+        total = torch.stack([p.detach().sum() for p in self.parameters()]).sum()
+        if math.isfinite(float(total)):  # one host read per L-BFGS step
+            self._lbfgs_restarts = 0
+            return
+        restarts = getattr(self, "_lbfgs_restarts", 0)
+        snapshot = getattr(self, "_lbfgs_snapshot", None)
+        if restarts >= 1 or snapshot is None:
+            raise FloatingPointError(
+                f"the parameters are not finite after L-BFGS step {self.global_step} (epoch "
+                f"{self.current_epoch}), also after restarting it; training stopped. Typical "
+                "causes: unstandardised inputs or targets, or a log-variance output far from "
+                "the data's scale"
+            )
+        with torch.no_grad():
+            for parameter, saved in zip(self.parameters(), snapshot, strict=True):
+                parameter.copy_(saved)
+        self._forget_curvature()
+        self._lbfgs_restarts = restarts + 1
+        rank_zero_warn(
+            f"{type(self).__name__}: L-BFGS step {self.global_step} left non-finite parameters "
+            "(its line search overflowed); undone, restarting with no curvature memory"
+        )
+
+    def on_train_epoch_end(self) -> None:
+        """Stop the trainer once the objective has converged (``convergence_tol``)."""
+        if not self.convergence.enabled:
+            return
+        final_weight = self.kl_schedule(self.global_step) == 1.0
+        stop = self.convergence.epoch_end(final_weight)
+        stop = bool(self.trainer.strategy.reduce_boolean_decision(stop, all=True))
+        if stop:
+            self.trainer.should_stop = True
+        self.converged = self.convergence.converged = stop
 
     def _eval_step(self, batch: tuple[Tensor, Tensor], stage: str) -> None:
         terms = self._elbo(batch, 1.0, stage)

@@ -1,6 +1,7 @@
 r"""Argument groups of the DVI LightningModules, each checked once by the object it becomes.
 
-:class:`OptimiserConfig` (Adam and its learning-rate schedule), :class:`KLScheduleConfig` (the
+:class:`OptimiserConfig` (Adam and its learning-rate schedule, or full-batch L-BFGS with a line
+search), :class:`KLScheduleConfig` (the
 KL warm-up and ramp, in steps or as fractions of the run) and :func:`make_prior` take the
 constructor's arguments as given and raise ``ValueError`` naming the argument.
 """
@@ -17,28 +18,45 @@ from torch import nn
 
 from ..objective import KLSchedule
 from ..priors import EmpiricalBayes, GaussianPrior, Prior
-from ._validation import check, fraction, one_of, positive_float
+from ._validation import check, fraction, one_of, positive_float, positive_int
 
-__all__ = ["KLScheduleConfig", "LRSchedule", "OptimiserConfig", "make_prior"]
+__all__ = ["KLScheduleConfig", "LRSchedule", "OptimiserConfig", "OptimizerName", "make_prior"]
 
 LRSchedule = Literal["constant", "cosine"]
+OptimizerName = Literal["adam", "lbfgs"]
 
 
 @dataclass
 class OptimiserConfig:
-    r"""Adam's learning rate, weight decay and learning-rate schedule, checked on construction.
+    r"""The optimiser: Adam with a learning-rate schedule, or L-BFGS with a line search.
+
+    Adam (``optimizer="adam"``, the default) takes ``lr``, ``lr_schedule``, ``min_lr`` and
+    ``weight_decay``. L-BFGS (``optimizer="lbfgs"``, :class:`torch.optim.LBFGS` with the
+    strong-Wolfe line search) is for a deterministic objective, DVI/dDVI on full batches (or
+    large fixed ones): one optimisation step runs up to ``lbfgs_iterations`` quasi-Newton
+    iterations, each step length chosen by the line search from a unit first trial, with the
+    curvature of the last ``lbfgs_history`` steps; a step ends early once the largest gradient
+    entry is below ``1e-7`` or the loss changes by less than ``1e-9`` between iterations. ``lr``
+    is Adam's and L-BFGS does not use it; a learning-rate schedule or weight decay with L-BFGS
+    is an error (the line search picks step lengths; the objective is the ELBO, nothing added).
 
     Args:
-        lr: the learning rate :math:`\eta > 0`.
+        lr: Adam's learning rate :math:`\eta > 0`.
         lr_schedule: ``"constant"`` or ``"cosine"`` (per-step cosine decay to ``min_lr``).
         min_lr: :math:`\eta_{\min}`, where the cosine ends (``0 <= min_lr <= lr``).
         weight_decay: Adam's weight decay (``>= 0``).
+        optimizer: ``"adam"`` or ``"lbfgs"``.
+        lbfgs_iterations: L-BFGS iterations per optimisation step (``>= 1``).
+        lbfgs_history: curvature pairs L-BFGS keeps (``>= 1``).
     """
 
     lr: float = 1e-3
     lr_schedule: LRSchedule = "constant"
     min_lr: float = 0.0
     weight_decay: float = 0.0
+    optimizer: OptimizerName = "adam"
+    lbfgs_iterations: int = 20
+    lbfgs_history: int = 20
 
     def __post_init__(self) -> None:
         lr, min_lr = self.lr, self.min_lr
@@ -47,17 +65,39 @@ class OptimiserConfig:
         one_of("lr_schedule", self.lr_schedule, ("constant", "cosine"))
         self.min_lr = positive_float("min_lr", min_lr, allow_zero=True)
         check(self.min_lr <= self.lr, f"min_lr ({min_lr}) must not exceed lr ({lr})")
+        one_of("optimizer", self.optimizer, ("adam", "lbfgs"))
+        self.lbfgs_iterations = positive_int("lbfgs_iterations", self.lbfgs_iterations)
+        self.lbfgs_history = positive_int("lbfgs_history", self.lbfgs_history)
+        if self.optimizer == "lbfgs":
+            check(
+                self.lr_schedule == "constant" and self.weight_decay == 0.0,
+                "optimizer='lbfgs' takes no lr_schedule or weight_decay (its line search picks "
+                f"each step length), got lr_schedule={self.lr_schedule!r}, "
+                f"weight_decay={self.weight_decay}; use optimizer='adam' for those",
+            )
 
     def configure(
         self, parameters: Iterable[nn.Parameter], total_steps: Callable[[], int]
     ) -> torch.optim.Optimizer | dict[str, Any]:
-        """Adam over ``parameters``, with the per-step cosine schedule of ``lr_schedule="cosine"``.
+        """The optimiser over ``parameters``, with the cosine schedule of ``lr_schedule="cosine"``.
 
         The schedule (:meth:`DVIModule.configure_optimizers
         <lightning_dvi.lightning._base.DVIModule.configure_optimizers>`) calls ``total_steps``
         once, at step 1: estimating the run's steps loads the training data, which before a
         checkpoint is restored would lose a resumed loader's position.
         """
+        if self.optimizer == "lbfgs":
+            return torch.optim.LBFGS(
+                parameters,
+                lr=1.0,
+                max_iter=self.lbfgs_iterations,
+                # the line search's evaluations count too; a quarter more than the iterations
+                max_eval=self.lbfgs_iterations + max(1, self.lbfgs_iterations // 4),
+                history_size=self.lbfgs_history,
+                tolerance_grad=1e-7,
+                tolerance_change=1e-9,
+                line_search_fn="strong_wolfe",
+            )
         optimiser = torch.optim.Adam(parameters, lr=self.lr, weight_decay=self.weight_decay)
         if self.lr_schedule == "constant":
             return optimiser

@@ -1,0 +1,67 @@
+"""``RestoreBestWeights``: keep, in memory, the weights of the best validation epoch, and restore them.
+
+Lightning's ``EarlyStopping`` stops a run once a monitored value has not improved for
+``patience`` validations, but leaves the model at its last weights, ``patience`` epochs past
+the best ones; ``ModelCheckpoint`` would write every improvement to disk. This callback copies
+the module's ``state_dict`` whenever the monitored value improves and loads the best copy back
+when fitting ends, so early stopping on a validation carve-out costs one in-memory copy per
+improvement.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
+
+__all__ = ["RestoreBestWeights"]
+
+
+class RestoreBestWeights(Callback):
+    """Restore the weights of the epoch with the best ``monitor`` value when ``fit`` ends.
+
+    Args:
+        monitor: a logged validation value, e.g. ``"val/nll"``.
+        mode: ``"min"`` or ``"max"``: which direction is better.
+
+    Attributes:
+        best_score: the best value seen (``None`` before the first validation).
+        best_epoch: the epoch it was logged at.
+    """
+
+    def __init__(self, monitor: str = "val/nll", mode: Literal["min", "max"] = "min") -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        self.monitor, self.mode = monitor, mode
+        self.best_score: float | None = None
+        self.best_epoch: int | None = None
+        self._best_state: dict[str, Tensor] | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Forget a previous fit's best weights."""
+        self.best_score, self.best_epoch, self._best_state = None, None, None
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Copy the weights if the monitored value improved (only finite values count)."""
+        if trainer.sanity_checking or self.monitor not in trainer.callback_metrics:
+            return
+        value = float(trainer.callback_metrics[self.monitor])
+        if not math.isfinite(value):
+            return
+        better = self.best_score is None or (
+            value < self.best_score if self.mode == "min" else value > self.best_score
+        )
+        if better:
+            self.best_score, self.best_epoch = value, trainer.current_epoch
+            with torch.no_grad():
+                self._best_state = {
+                    k: v.detach().clone() for k, v in pl_module.state_dict().items()
+                }
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Load the best weights back into the module."""
+        if self._best_state is not None:
+            pl_module.load_state_dict(self._best_state)
