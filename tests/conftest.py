@@ -7,6 +7,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 UCI_DIR = REPO.parent / "shared" / "data" / "uci"
 
+# The suite runs as two xdist workers on two cores: one intra-op thread per worker (and per
+# subprocess it starts), instead of two threads each spinning against the other worker's. The
+# networks under test are tiny, so a second thread buys nothing and oversubscription costs a lot
+# (a diabetes fit: 232 s with 2 threads on a loaded machine, 2.6 s with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
