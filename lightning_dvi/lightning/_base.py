@@ -539,20 +539,23 @@ class DVIModule(LightningModule):
     def _restart_if_not_finite(self) -> None:
         """After an L-BFGS step: restart from the step's start if its parameters are not finite.
 
+        A finite step that moved no parameter away from a non-stationary point is reported
+        instead (:meth:`_warn_stalled`).
+
         An overflowing trial point can make the line search's cubic interpolation return a NaN
         step length (torch's ``_strong_wolfe`` mixes float32 gradients into it). The step is then
         undone and the curvature memory cleared, so the next step starts along the steepest
         descent direction with a short first trial; a second failure in a row is an error.
         """
         snapshot = getattr(self, "_lbfgs_snapshot", None)
-        params = [p.detach() for p in self.parameters()]
-        total = torch.stack([p.sum() for p in params]).sum()
+        params = list(self.parameters())
+        total = torch.stack([p.detach().sum() for p in params]).sum()
         moved = total.new_ones(())
         if snapshot is not None:  # a step below 10 ulps of every parameter does not count
             pairs = zip(params, snapshot, strict=True)
-            step = [(p - q).abs().max() / (1 + q.abs().max()) for p, q in pairs]
+            step = [(p.detach() - q).abs().max() / (1 + q.abs().max()) for p, q in pairs]
             moved = (torch.stack(step).max() > 10 * torch.finfo(total.dtype).eps).to(total.dtype)
-        grads = [p.grad.abs().max() for p in self.parameters() if p.grad is not None]
+        grads = [p.grad.abs().max() for p in params if p.grad is not None]
         grad = torch.stack(grads).max().to(total.dtype) if grads else total.new_zeros(())
         # one host read per step
         total_host, moved_host, grad_host = torch.stack([total, moved, grad]).tolist()
@@ -590,8 +593,9 @@ class DVIModule(LightningModule):
 
         The strong-Wolfe line search found no point with a sufficient decrease. Seen on UCI
         protein split 2 (a 41,000-row full batch, the float32 objective varying in its 7th digit
-        between evaluations of the same parameters): every later step stalled too, and the
-        model scored was the initial one, without a word before this warning existed.
+        between evaluations of the same parameters): the first step moved the parameters by at
+        most 0.03, every later one by 4.5e-13, and the model scored was essentially the initial
+        one, without a word before this warning existed.
         """
         if getattr(self, "_lbfgs_stall_warned", False):
             return
