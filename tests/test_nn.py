@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lightning_dvi import Gaussian
-from lightning_dvi.moments import HEAD_WIDTH
 from lightning_dvi.diagnostics import compare_with_monte_carlo, monte_carlo_moments
+from lightning_dvi.moments import HEAD_WIDTH
 from lightning_dvi.nn import (
     BayesLinear,
     Heaviside,
