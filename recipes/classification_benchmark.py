@@ -50,7 +50,8 @@ ROWS = {
     "defaults": Row("dvi"),  # DVIClassifier's defaults, the protocol's architecture and lr
     "elbo": Row("dvi", settings={"kl_weight": 1.0}),  # the defaults with the untempered ELBO
     "old_defaults": Row("dvi", settings=OLD_DEFAULTS),
-    "true_defaults": Row("dvi", hidden=(64,), settings={"lr": 1e-3}),  # DVIClassifier()
+    "true_defaults": Row("dvi", hidden=(64,), settings={"lr": 3e-3}),  # DVIClassifier()
+    "true_defaults_lr1e-3": Row("dvi", hidden=(64,), settings={"lr": 1e-3}),  # before the lr
     "plain_64": Row("plain", hidden=(64,)),
 }
 PROTOCOLS = {
@@ -75,7 +76,7 @@ SWEEP = [
 def _row(name: str, arch: str, hidden: tuple[int, ...]) -> Row:
     """The named row on the protocol's architecture (the true defaults keep their own shape)."""
     row = ROWS[name]
-    if name in ("true_defaults", "plain_64"):
+    if name in ("true_defaults", "true_defaults_lr1e-3", "plain_64"):
         return row
     return Row(row.kind, arch, hidden, row.settings)  # type: ignore[arg-type]  # arch: a PROTOCOLS literal
 

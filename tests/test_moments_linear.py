@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from lightning_dvi.moments import (
@@ -15,6 +16,7 @@ from lightning_dvi.moments import (
     relu_slope,
     residual_full,
 )
+from lightning_dvi.moments.linear import NARROW_OUTPUTS
 
 N = 400_000
 DT = torch.float64
@@ -120,11 +122,15 @@ def test_skip_connection_total_moments_match_mc():
     assert ((mc_cov - cov).abs() / torch.outer(sd, sd)).max() < 2e-2
 
 
-def test_full_from_diag_equals_full_with_diagonal_covariance():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("d_out", [1, 3, NARROW_OUTPUTS, NARROW_OUTPUTS + 1, 40])
+def test_full_from_diag_equals_full_with_diagonal_covariance(d_out, dtype):
+    # both evaluations: the [D, K^2] weight products (narrow outputs) and per-example products
     gen = torch.Generator().manual_seed(5)
-    m = torch.randn(6, 4, generator=gen, dtype=DT)
-    v = torch.rand(6, 4, generator=gen, dtype=DT)
-    params = _params(gen, 4, 3)
-    fast = linear_full_from_diag(m, v, *params)
+    m = torch.randn(2, 6, 4, generator=gen, dtype=DT)
+    v = torch.rand(2, 6, 4, generator=gen, dtype=DT)
+    params = _params(gen, 4, d_out)
+    fast = linear_full_from_diag(*(t.to(dtype) for t in (m, v, *params)))
     slow = linear_full(m, torch.diag_embed(v), *params)
-    torch.testing.assert_close(fast, slow)
+    torch.testing.assert_close(fast, tuple(t.to(dtype) for t in slow))
+    torch.testing.assert_close(fast[1], fast[1].mT, rtol=0, atol=0)  # exactly symmetric

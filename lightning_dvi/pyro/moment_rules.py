@@ -11,7 +11,7 @@ shape ops and broadcasting, addition of independent terms, scaling by constants,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -175,12 +175,10 @@ def _param_moments(p: Any) -> tuple[Tensor, Tensor | None]:
     return p.dvi_mean, p.dvi_var
 
 
-#: In ``diag`` mode, a linear layer of at most this many outputs fed a moment tensor keeps the
-#: exact covariance of its outputs (:func:`lightning_dvi.moments.linear_full_from_diag`; the
-#: outputs share their inputs, so they are correlated even when the inputs are independent).
-#: A likelihood reading the network output then sees it (for a softmax it matters: dropping it
-#: made a digits classifier's loss 7 % optimistic); the next activation or layer drops it again.
-HEAD_WIDTH = 16
+#: In ``diag`` mode a linear layer of at most this many outputs keeps their covariance
+#: (:data:`lightning_dvi.moments.layers.HEAD_WIDTH`, the rule of every front end; for a softmax
+#: it matters: dropping it made a digits classifier's loss 7 % optimistic).
+HEAD_WIDTH = M.HEAD_WIDTH
 
 
 def _layer(
@@ -189,14 +187,12 @@ def _layer(
     weight: Any,
     bias: Any,
     moments: Any,
-    head: Literal["linear", "matmul"] | None = None,
 ) -> MomentTensor:
     """Convert the operands to (weight moments, input moments) and call ``moments`` on them.
 
     ``moments(h, w_loc, w_var, b_loc, b_var, *, mode) -> Gaussian`` is a function of
-    :mod:`lightning_dvi.moments.layers`; a deterministic weight has zero variance. ``head``: the
-    layout of a dense layer's weight (``[out, in]`` for ``F.linear``, ``[in, out]`` for
-    ``matmul``), whose outputs keep their covariance in ``diag`` mode up to :data:`HEAD_WIDTH`.
+    :mod:`lightning_dvi.moments.layers` (a dense layer's outputs keep their covariance in
+    ``diag`` mode up to :data:`HEAD_WIDTH` there); a deterministic weight has zero variance.
     """
     if isinstance(weight, SampledTensor) or isinstance(bias, SampledTensor):
         raise sampled_weight_error(func)
@@ -207,38 +203,12 @@ def _layer(
     b_mean, b_var = _param_moments(bias)
     w_var = torch.zeros_like(w_mean) if w_var is None else w_var
     h = x.gaussian(op) if is_moment(x) else x
-    dense = None if head is None else (w_mean if head == "linear" else w_mean.mT)  # [out, in]
-    if dense is not None and mode == "diag" and is_moment(x) and dense.shape[0] <= HEAD_WIDTH:
-        if h.cov is not None:  # correlated inputs (a head fed a head): the general full form
-            out = moments(h, w_mean, w_var, b_mean, b_var, mode="full")
-        else:
-            out = _with_head_covariance(
-                moments(h, w_mean, w_var, b_mean, b_var, mode=mode), h, dense
-            )
-        return MomentTensor.of(out, mode, sources)
     return MomentTensor.of(moments(h, w_mean, w_var, b_mean, b_var, mode=mode), mode, sources)
-
-
-def _with_head_covariance(out: Gaussian, h: Gaussian, m: Tensor) -> Gaussian:
-    r"""``out`` (diag) with the covariances of a dense layer's outputs on independent inputs.
-
-    :math:`\operatorname{Cov}(a_k, a_l) = \sum_d M_{kd}M_{ld}\,v_d` for :math:`k \ne l` (the
-    off-diagonal of :func:`lightning_dvi.moments.linear_full_from_diag`'s
-    :math:`M\operatorname{diag}(v)M^\top`; its diagonal is ``out``'s exact variances), evaluated
-    as one ``[B, D] x [D, K^2]`` product: forward and backward about 6x faster than the
-    per-example ``[K, D] x [D, K]`` products at ``B = 1401, D = 64, K = 10`` (one CPU thread).
-    ``m``: the mean weights ``[K, D]``.
-    """
-    k, d = m.shape
-    pairs = (m.mT.unsqueeze(-1) * m.mT.unsqueeze(-2)).reshape(d, k * k)
-    cross = (h.var @ pairs).reshape(*h.var.shape[:-1], k, k)
-    off = cross - torch.diag_embed(cross.diagonal(dim1=-2, dim2=-1))
-    return Gaussian(out.mean, cov=off + torch.diag_embed(out.var), validate=False)
 
 
 @register(F.linear)
 def _linear(func: Callable[..., Any], x: Any, weight: Any, bias: Any = None) -> MomentTensor:
-    return _layer(func, x, weight, bias, M.linear_moments, head="linear")
+    return _layer(func, x, weight, bias, M.linear_moments)
 
 
 @register(torch.matmul, _T.matmul, _T.__matmul__)
@@ -250,7 +220,7 @@ def _matmul(func: Callable[..., Any], x: Any, weight: Any) -> MomentTensor:
     def moments(h: Any, w_loc: Tensor, w_var: Tensor, *bias: Any, mode: Mode) -> Gaussian:
         return M.linear_moments(h, w_loc.mT, w_var.mT, *bias, mode=mode)
 
-    return _layer(func, x, weight, None, moments, head="matmul")
+    return _layer(func, x, weight, None, moments)
 
 
 @register(F.conv2d)
