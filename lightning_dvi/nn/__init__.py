@@ -15,6 +15,7 @@ from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
 from .linear import BayesLinear, FactorisedLayer
+from .normalization import BatchNorm1d, BatchNorm2d
 from .posterior import (
     HasPosterior,
     ParameterGroup,
@@ -40,6 +41,8 @@ __all__ = [
     "GELU",
     "ActivationSpec",
     "AvgPool2d",
+    "BatchNorm1d",
+    "BatchNorm2d",
     "BayesConv2d",
     "BayesLinear",
     "BayesModule",
