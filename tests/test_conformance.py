@@ -19,6 +19,8 @@ from lightning_dvi.nn import (
     BayesConv2d,
     BayesLinear,
     Flatten,
+    GroupNorm,
+    LayerNorm,
     MaxPool2d,
     ReLU,
     Residual,
@@ -85,6 +87,16 @@ def _with_statistics(module):
     return module.eval()
 
 
+def _with_affine(module):
+    """``module`` with non-trivial normalization gains and shifts."""
+    for m in module.modules():
+        if isinstance(m, (nn.LayerNorm, nn.GroupNorm, LayerNorm, GroupNorm)):
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return module
+
+
 SHAPED_CASES: dict[str, LayerCase] = {
     "linear": LayerCase(
         net=lambda: Sequential(BayesLinear(3, 4, init_scale=_S)).double(),
@@ -122,6 +134,29 @@ SHAPED_CASES: dict[str, LayerCase] = {
             nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
         ),
         pyro=False,  # PyroBayesNet takes posterior-holding layers only (gamma, beta are points)
+    ),
+    "layer_norm": LayerCase(
+        net=lambda: _with_affine(
+            Sequential(
+                BayesLinear(3, 5, init_scale=_S),
+                LayerNorm(5),
+                ReLU(),
+                BayesLinear(5, 2, init_scale=_S),
+            ).double()
+        ),
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+        torch_twin=lambda: _with_affine(
+            nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5), nn.ReLU(), nn.Linear(5, 2))
+        ),
+        exact_diag=False,  # diag mode drops the correlations LayerNorm creates between units
+        pyro=False,
+    ),
+    "group_norm": LayerCase(
+        net=lambda: _with_affine(_conv_net(GroupNorm(1, 3))()),
+        x=_image(),
+        torch_twin=lambda: _with_affine(_conv_twin(nn.GroupNorm(1, 3))()),
+        pyro=False,
+        tol=_POOL_TOL,  # a convolution's correlated output pixels are dropped (see above)
     ),
     "batch_norm2d": LayerCase(
         net=lambda: _with_statistics(_conv_net(BatchNorm2d(3))()),

@@ -21,6 +21,7 @@ from .activations import (
 )
 from .algebra import add_independent, reindex_gaussian, scale_gaussian
 from .conv import conv2d_deterministic, conv2d_diag, conv2d_sample
+from .layer_norm import normalize_diag, normalize_full, normalize_jacobian
 from .layers import (
     activation_moments,
     as_storage,
@@ -102,6 +103,9 @@ __all__ = [
     "normal_cdf",
     "normal_pdf",
     "normalization_scale_shift",
+    "normalize_diag",
+    "normalize_full",
+    "normalize_jacobian",
     "policy",
     "reindex_gaussian",
     "relu_diag",

@@ -14,6 +14,7 @@ from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
+from .layer_norm import GroupNorm, LayerNorm
 from .linear import BayesLinear, FactorisedLayer
 from .normalization import BatchNorm1d, BatchNorm2d
 from .posterior import (
@@ -48,8 +49,10 @@ __all__ = [
     "BayesModule",
     "FactorisedLayer",
     "Flatten",
+    "GroupNorm",
     "HasPosterior",
     "Heaviside",
+    "LayerNorm",
     "LayerSpec",
     "LeakyReLU",
     "MaxPool2d",
