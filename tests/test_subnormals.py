@@ -92,6 +92,7 @@ DIAG = {
     ),
     "scale_gaussian": lambda m, v: _moments_of(M.scale_gaussian(Gaussian(m, var=v), 0.5)),
     "batch_norm_statistics": lambda m, v: M.batch_norm_statistics(*_image(m, v), (0, 2, 3)),
+    "batch_normalize_diag": lambda m, v: M.batch_normalize_diag(*_image(m, v), 1e-5),
     "normalization_scale_shift": lambda m, v: M.normalization_scale_shift(
         m, v, 0.5 * v.sqrt(), m, 1e-5
     ),

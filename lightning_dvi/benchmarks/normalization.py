@@ -53,7 +53,7 @@ __all__ = [
     "main",
 ]
 
-RULES: tuple[BatchRule, ...] = ("total", "means")
+RULES: tuple[BatchRule, ...] = ("independent", "total", "means")
 RATIOS = (0.01, 0.1, 1.0, 10.0)
 SCALES = (0.03, 0.1, 0.3, 1.0)
 WIDTHS = (4, 16, 64, 256)
@@ -188,9 +188,12 @@ def batch_rule_independent(
     gen = torch.Generator().manual_seed(seed)
     mean = torch.randn(batch, channels, generator=gen, dtype=torch.float64)
     var = ratio * (0.5 + torch.rand(batch, channels, generator=gen, dtype=torch.float64))
-    mu, sigma2 = N.batch_norm_statistics(mean, var, (0,), rule)
-    scale, shift = N.normalization_scale_shift(mu, sigma2, None, None, 1e-5)
-    m, v = N.affine_diag(mean, var, scale, shift)
+    if rule == "independent":
+        m, v = N.batch_normalize_diag(mean, var, 1e-5)
+    else:
+        mu, sigma2 = N.batch_norm_statistics(mean, var, (0,), rule)
+        scale, shift = N.normalization_scale_shift(mu, sigma2, None, None, 1e-5)
+        m, v = N.affine_diag(mean, var, scale, shift)
     a = mean + var.sqrt() * torch.randn(draws, batch, channels, generator=gen, dtype=torch.float64)
     y = F.batch_norm(
         a.transpose(0, 1).reshape(batch, draws * channels), None, None, training=True, eps=1e-5

@@ -41,6 +41,7 @@ from .normalization import (
     affine_diag,
     affine_full,
     batch_norm_statistics,
+    batch_normalize_diag,
     normalization_scale_shift,
 )
 from .policy import (
@@ -76,6 +77,7 @@ __all__ = [
     "asin_residual_over_x3",
     "avg_pool2d_diag",
     "batch_norm_statistics",
+    "batch_normalize_diag",
     "clip_correlation",
     "conv2d_deterministic",
     "conv2d_diag",

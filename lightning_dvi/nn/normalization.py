@@ -12,7 +12,7 @@ on a Gaussian once the statistics :math:`(\mu_c, \sigma^2_c)` are fixed:
 
 * eval mode (or ``freeze_statistics=True``): the running statistics;
 * train mode: batch statistics of the propagated moments (``batch_rule``, see
-  :func:`lightning_dvi.moments.batch_norm_statistics`), with torch's running-statistic update
+  :mod:`lightning_dvi.moments.normalization`), with torch's running-statistic update
   (momentum, or the cumulative average for ``momentum=None``; the unbiased batch variance);
   in the Monte Carlo modes each draw of ``[S, B, ...]`` is normalized by its own batch
   statistics, as the sampled network would be, and the running statistics take their average
@@ -68,7 +68,7 @@ class _BatchNorm(BayesModule):
         affine: bool = True,
         track_running_stats: bool = True,
         *,
-        batch_rule: BatchRule = "total",
+        batch_rule: BatchRule = "auto",
         freeze_statistics: bool = False,
     ) -> None:
         super().__init__()
@@ -77,9 +77,10 @@ class _BatchNorm(BayesModule):
             raise ValueError(f"{self._name}: eps must be positive, got {eps!r}")
         if momentum is not None and not 0 <= momentum <= 1:
             raise ValueError(f"{self._name}: momentum must be None or in [0, 1], got {momentum!r}")
-        if batch_rule not in ("total", "means"):
+        if batch_rule not in ("auto", "independent", "total", "means"):
             raise ValueError(
-                f"{self._name}: batch_rule must be 'total' or 'means', got {batch_rule!r}"
+                f"{self._name}: batch_rule must be 'auto', 'independent', 'total' or 'means', "
+                f"got {batch_rule!r}"
             )
         if freeze_statistics and not track_running_stats:
             raise ValueError(f"{self._name}: freeze_statistics needs track_running_stats=True")
@@ -206,6 +207,8 @@ class _BatchNorm(BayesModule):
             dims = (0, *range(2, rank))
             mu, sigma2 = N.batch_norm_statistics(g.mean, g.var, dims, self.batch_rule)
             self._update(mu, sigma2, n)
+            if N.resolve_batch_rule(self.batch_rule, n) == "independent":
+                return self._independent(g, rank)
         else:
             mu, sigma2 = self._running(rank)
         scale, shift = self._affine(mu, sigma2, rank)
@@ -215,11 +218,33 @@ class _BatchNorm(BayesModule):
         mean, var = N.affine_diag(g.mean, g.var, scale, shift)
         return Gaussian(mean, var=var, validate=False)
 
+    def _independent(self, g: Gaussian, rank: int) -> Gaussian:
+        """The ``"independent"`` train rule: each channel layer-normalized over its batch."""
+        mean, var = N.batch_normalize_diag(g.mean, g.var, self.eps)
+        ones = torch.ones((), dtype=mean.dtype, device=mean.device)
+        gain = self._channel(self.weight, rank)
+        shift = self._channel(self.bias, rank)
+        gain, shift = (ones if gain is None else gain), (0 * ones if shift is None else shift)
+        mean, var = N.affine_diag(mean, var, gain, shift)
+        if g.cov is None:
+            return Gaussian(mean, var=var, validate=False)
+        # keep the correlations across channels: Sigma'_cc' = Sigma_cc' r_c r_c'
+        sd_in = g.var.sqrt()
+        ratio = torch.where(
+            sd_in > 0, var.sqrt() / sd_in.clamp_min(torch.finfo(sd_in.dtype).tiny), 0
+        )
+        cov = g.cov * (ratio.unsqueeze(-1) * ratio.unsqueeze(-2))
+        return Gaussian(
+            mean, cov=cov + torch.diag_embed(var - torch.diagonal(cov, 0, -2, -1)), validate=False
+        )
+
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         r""":math:`\operatorname{Cov}(r, s \circ a + t) = \operatorname{Cov}(r, a)\operatorname{diag}(s)`.
 
         The statistics are those :meth:`propagate` uses (it runs after this, and it is what
-        updates the running statistics, once per batch).
+        updates the running statistics, once per batch); under the ``"independent"`` rule,
+        the ``"total"`` statistics (the cross-covariance of a skip connection then passes the
+        constant-statistics gain :math:`s`).
         """
         user = self._check(x, mode)
         if len(user) != 2:
@@ -233,7 +258,7 @@ class _BatchNorm(BayesModule):
 
     def extra_repr(self) -> str:
         """Options for ``repr``."""
-        extra = "" if self.batch_rule == "total" else f", batch_rule={self.batch_rule!r}"
+        extra = "" if self.batch_rule == "auto" else f", batch_rule={self.batch_rule!r}"
         if self.freeze_statistics:
             extra += ", freeze_statistics=True"
         return (
@@ -283,9 +308,11 @@ class BatchNorm1d(_BatchNorm):
         momentum: running-statistics factor (``None``: cumulative average), as in torch.
         affine: learn :math:`\gamma, \beta` (point parameters).
         track_running_stats: keep running statistics (eval mode uses them).
-        batch_rule: train-mode statistics from moments, ``"total"`` (the mean variance added
-            to the variance of the means) or ``"means"`` (see
-            :func:`lightning_dvi.moments.batch_norm_statistics`).
+        batch_rule: the train-mode rule on moments: ``"independent"`` (each channel
+            layer-normalized over its batch, exact for independent examples), ``"total"``
+            (constant statistics, the mean variance added to the variance of the means),
+            ``"means"``, or ``"auto"``: ``"independent"`` up to 1024 values per channel,
+            ``"total"`` above (see :mod:`lightning_dvi.moments.normalization`).
         freeze_statistics: use (and keep) the running statistics in train mode too, e.g. to
             fine-tune a converted network with small batches.
 
