@@ -71,11 +71,25 @@ def _from_torch_layer_norm(module: nn.Module, options: ConversionOptions) -> Bay
     return layer
 
 
+def _layer_norm_from_call(
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> BayesModule:
+    """``F.layer_norm(x, ...)`` in a Pyro model: a LayerNorm holding the caller's own tensors."""
+    layer = LayerNorm(normalized_shape, eps, elementwise_affine=False)
+    layer.weight, layer.bias = weight, bias  # the caller's tensors: gradients reach them
+    return layer
+
+
 @register_layer(
     "layer_norm",
     kind="normalization",
     torch_modules=(nn.LayerNorm,),
+    torch_functions=(F.layer_norm,),
     convert=_from_torch_layer_norm,
+    from_call=_layer_norm_from_call,
 )
 class LayerNorm(BayesModule):
     r"""Layer normalization over the trailing ``normalized_shape`` dimensions, on Gaussians.
@@ -120,8 +134,8 @@ class LayerNorm(BayesModule):
             raise ValueError(f"LayerNorm: eps must be positive, got {eps!r}")
         self.eps = float(eps)
         self.elementwise_affine = elementwise_affine
-        self.weight: nn.Parameter | None = None
-        self.bias: nn.Parameter | None = None
+        self.weight: Tensor | None = None
+        self.bias: Tensor | None = None
         if elementwise_affine:
             self.weight = nn.Parameter(torch.ones(self.normalized_shape))
             if bias:

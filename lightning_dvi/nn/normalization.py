@@ -293,11 +293,60 @@ def _from_torch_batch_norm(module: nn.Module, options: ConversionOptions) -> Bay
     return layer
 
 
+class _FunctionalBatchNorm(_BatchNorm):
+    """``F.batch_norm(x, ...)`` on moments (the Pyro pass): the caller's tensors, its factor."""
+
+    _name = "batch_norm"
+    _ranks = (2, 3, 4, 5)
+    _shapes = "[B, C, *]"
+
+    def __init__(
+        self,
+        num_features: int,
+        running: tuple[Tensor | None, Tensor | None],
+        affine: tuple[Tensor | None, Tensor | None],
+        training: bool,
+        factor: float,
+        eps: float,
+    ) -> None:
+        super().__init__(num_features, eps, factor, affine=False, track_running_stats=False)
+        self.running_mean, self.running_var = running  # updated in place, as torch does
+        self.weight, self.bias = affine  # type: ignore[assignment]  # the caller's tensors
+        self.track_running_stats = running[0] is not None
+        self.training = training
+        self._factor = factor
+
+    def _momentum(self) -> float:
+        return self._factor  # the torch module computed it (and counted the batch)
+
+
+def _batch_norm_from_call(
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> BayesModule:
+    known = [t for t in (running_mean, weight, bias) if t is not None]
+    if not known:
+        raise NotImplementedError(
+            "F.batch_norm without running statistics or affine parameters (the channel count "
+            "is unknown)"
+        )
+    return _FunctionalBatchNorm(
+        known[0].numel(), (running_mean, running_var), (weight, bias), training, momentum, eps
+    )
+
+
 @register_layer(
     "batch_norm1d",
     kind="normalization",
     torch_modules=(nn.BatchNorm1d,),
+    torch_functions=(F.batch_norm,),
     convert=_from_torch_batch_norm,
+    from_call=_batch_norm_from_call,
 )
 class BatchNorm1d(_BatchNorm):
     r"""Batch normalization of ``[B, C]`` or ``[B, C, L]`` inputs (moments, module docstring).
