@@ -164,8 +164,8 @@ def test_train_rules_against_the_batch_statistics_of_independent_draws():
         assert means.std_rel_error > exact.std_rel_error, (means, exact)
 
 
-@pytest.mark.parametrize("rule", ["auto", "independent", "total", "means"])
-def test_every_train_rule_equals_torch_at_zero_variance_and_auto_picks_by_size(rule):
+@pytest.mark.parametrize("rule", ["total", "independent", "means"])
+def test_every_train_rule_equals_torch_at_zero_variance(rule):
     torch.manual_seed(0)
     theirs = _torch_bn(nn.BatchNorm2d).train()
     ours = BatchNorm2d(3, batch_rule=rule).double().train()
@@ -174,15 +174,11 @@ def test_every_train_rule_equals_torch_at_zero_variance_and_auto_picks_by_size(r
     got = ours(Gaussian(x, var=torch.zeros_like(x)), mode="diag").mean
     torch.testing.assert_close(got, theirs(x), rtol=0, atol=1e-12)
     torch.testing.assert_close(ours.running_var, theirs.running_var)
-    from lightning_dvi.moments.normalization import AUTO_MAX_VALUES, resolve_batch_rule
-
-    assert resolve_batch_rule("auto", AUTO_MAX_VALUES) == "independent"
-    assert resolve_batch_rule("auto", AUTO_MAX_VALUES + 1) == "total"
 
 
 def test_the_independent_rule_keeps_the_correlations_across_channels():
     torch.manual_seed(0)
-    bn = BatchNorm1d(3).double().train()
+    bn = BatchNorm1d(3, batch_rule="independent").double().train()
     a = torch.randn(6, 3, 3, dtype=torch.float64)
     g = Gaussian(torch.randn(6, 3, dtype=torch.float64), cov=a @ a.mT + 0.1 * torch.eye(3))
     full, diag = bn(g, mode="full"), bn(g.to_diag(), mode="diag")
@@ -230,7 +226,7 @@ def test_bad_inputs_name_the_layer_and_the_shapes():
         BatchNorm1d(3)(torch.randn(1, 3), mode="diag")
     with pytest.raises(ValueError, match="float64"):
         BatchNorm1d(3)(torch.randn(2, 3, dtype=torch.float64), mode="diag")
-    with pytest.raises(ValueError, match="batch_rule must be 'auto'"):
+    with pytest.raises(ValueError, match="batch_rule must be 'total'"):
         BatchNorm1d(3, batch_rule="median")  # type: ignore[arg-type]  # the error under test
     with pytest.raises(ValueError, match="num_features"):
         BatchNorm1d(0)
@@ -248,3 +244,11 @@ def test_a_saved_torch_network_with_batch_norm_loads_as_data(tmp_path):
     x = torch.randn(5, 3)
     with torch.no_grad():
         torch.testing.assert_close(net(x, mode="diag").mean, theirs(x))
+
+
+def test_the_rule_benchmark_prints_its_tables(capsys):
+    from lightning_dvi.benchmarks.normalization import main
+
+    main(["--skip-grid", "--draws", "200"])
+    out = capsys.readouterr().out
+    assert out.count("\n| independent |") == 12 and "| network (deep) | 1 | means |" in out

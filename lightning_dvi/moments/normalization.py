@@ -18,27 +18,25 @@ by column (:func:`~lightning_dvi.moments.cross_through_activation` with slope :m
 the statistics of its batch: over the batch and the spatial positions, :math:`n` values
 :math:`a_k \sim \mathcal N(m_k, v_k)`, three rules (``batch_rule`` of the modules):
 
-* ``"independent"``: the values are independent Gaussians and
-  the batch-normalized channel is exactly layer normalization of the vector
-  :math:`(a_1, \dots, a_n)`, whose moments :func:`batch_normalize_diag` takes from
-  :func:`~lightning_dvi.moments.layer_norm.normalize_diag` (exact up to quadrature: the
-  fluctuation of the batch statistics from draw to draw included). A full covariance across
-  channels keeps its correlations: :math:`\Sigma'_{cc'} = \Sigma_{cc'} r_c r_{c'}` with
-  :math:`r_c` the ratio of output to input standard deviation;
-* ``"total"``: constant statistics :math:`\mu_c = \bar m`,
+* ``"total"`` (the default of the modules): constant statistics :math:`\mu_c = \bar m`,
   :math:`\sigma^2_c = \frac1n\sum_k (m_k - \bar m)^2 + \frac1n\sum_k v_k` (the expected
   batch variance up to the factor :math:`(n-1)/n` on the second term) in the affine map;
+* ``"independent"``: the values are independent Gaussians and the batch-normalized channel is
+  exactly layer normalization of the vector :math:`(a_1, \dots, a_n)`, whose moments
+  :func:`batch_normalize_diag` takes from :func:`~lightning_dvi.moments.layer_norm.normalize_diag`
+  (exact up to quadrature: the fluctuation of the batch statistics from draw to draw included;
+  memory 81 times the channel's activations). A full covariance across channels keeps its
+  correlations: :math:`\Sigma'_{cc'} = \Sigma_{cc'} r_c r_{c'}` with :math:`r_c` the ratio of
+  output to input standard deviation;
 * ``"means"``: :math:`\sigma^2_c = \frac1n\sum_k (m_k - \bar m)^2`, the statistic a
-  deterministic network with the mean activations would see;
-* ``"auto"`` (the default of the modules): ``"independent"`` for :math:`n \le`
-  :data:`AUTO_MAX_VALUES` (1024) values per channel, ``"total"`` above, where the two differ by
-  :math:`O(z^2/n)` relative in the variance of an example :math:`z` batch standard deviations
-  out (under 1 % for :math:`|z| \le 3`) and the quadrature over :math:`n` values would cost
-  81 times the activations' memory.
+  deterministic network with the mean activations would see.
 
 All three equal torch's batch normalization when the variances are zero; the running
 statistics follow the ``"total"`` statistics (``"means"``: its own). The measurement that chose
-the default is in ``docs/moments.md`` ("Batch normalization").
+the default is in ``docs/moments.md`` ("Normalization layers"): ``"independent"`` is exact on a
+batch of independent Gaussians, but in networks, whose examples share each weight draw, no
+per-example rule is, and ``"total"`` had the smaller standard-deviation errors behind a hidden
+layer.
 """
 
 from __future__ import annotations
@@ -58,22 +56,10 @@ __all__ = [
     "batch_norm_statistics",
     "batch_normalize_diag",
     "normalization_scale_shift",
-    "resolve_batch_rule",
 ]
 
-BatchRule = Literal["auto", "independent", "total", "means"]
+BatchRule = Literal["total", "independent", "means"]
 """How train-mode batch statistics are formed from propagated moments (module docstring)."""
-
-
-AUTO_MAX_VALUES = 1024
-"""Largest number of values per channel for which ``batch_rule="auto"`` is ``"independent"``."""
-
-
-def resolve_batch_rule(rule: BatchRule, n: int) -> BatchRule:
-    """The rule ``"auto"`` stands for with ``n`` values per channel (others are themselves)."""
-    if rule == "auto":
-        return "independent" if n <= AUTO_MAX_VALUES else "total"
-    return rule
 
 
 def batch_norm_statistics(
@@ -92,9 +78,9 @@ def batch_norm_statistics(
     Returns:
         ``(mu, sigma2)``, shaped like ``mean`` with size 1 on ``dims``.
     """
-    if rule not in ("auto", "independent", "total", "means"):
+    if rule not in ("total", "independent", "means"):
         raise ValueError(
-            f"batch statistics rule must be 'auto', 'independent', 'total' or 'means', got {rule!r}"
+            f"batch statistics rule must be 'total', 'independent' or 'means', got {rule!r}"
         )
     dims = tuple(dims)
     sigma2, mu = torch.var_mean(mean, dim=dims, correction=0, keepdim=True)

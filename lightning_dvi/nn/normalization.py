@@ -68,7 +68,7 @@ class _BatchNorm(BayesModule):
         affine: bool = True,
         track_running_stats: bool = True,
         *,
-        batch_rule: BatchRule = "auto",
+        batch_rule: BatchRule = "total",
         freeze_statistics: bool = False,
     ) -> None:
         super().__init__()
@@ -77,10 +77,10 @@ class _BatchNorm(BayesModule):
             raise ValueError(f"{self._name}: eps must be positive, got {eps!r}")
         if momentum is not None and not 0 <= momentum <= 1:
             raise ValueError(f"{self._name}: momentum must be None or in [0, 1], got {momentum!r}")
-        if batch_rule not in ("auto", "independent", "total", "means"):
+        if batch_rule not in ("total", "independent", "means"):
             raise ValueError(
-                f"{self._name}: batch_rule must be 'auto', 'independent', 'total' or 'means', "
-                f"got {batch_rule!r}"
+                f"{self._name}: batch_rule must be 'total', 'independent' or 'means', got "
+                f"{batch_rule!r}"
             )
         if freeze_statistics and not track_running_stats:
             raise ValueError(f"{self._name}: freeze_statistics needs track_running_stats=True")
@@ -207,7 +207,7 @@ class _BatchNorm(BayesModule):
             dims = (0, *range(2, rank))
             mu, sigma2 = N.batch_norm_statistics(g.mean, g.var, dims, self.batch_rule)
             self._update(mu, sigma2, n)
-            if N.resolve_batch_rule(self.batch_rule, n) == "independent":
+            if self.batch_rule == "independent":
                 return self._independent(g, rank)
         else:
             mu, sigma2 = self._running(rank)
@@ -258,7 +258,7 @@ class _BatchNorm(BayesModule):
 
     def extra_repr(self) -> str:
         """Options for ``repr``."""
-        extra = "" if self.batch_rule == "auto" else f", batch_rule={self.batch_rule!r}"
+        extra = "" if self.batch_rule == "total" else f", batch_rule={self.batch_rule!r}"
         if self.freeze_statistics:
             extra += ", freeze_statistics=True"
         return (
@@ -357,11 +357,10 @@ class BatchNorm1d(_BatchNorm):
         momentum: running-statistics factor (``None``: cumulative average), as in torch.
         affine: learn :math:`\gamma, \beta` (point parameters).
         track_running_stats: keep running statistics (eval mode uses them).
-        batch_rule: the train-mode rule on moments: ``"independent"`` (each channel
-            layer-normalized over its batch, exact for independent examples), ``"total"``
-            (constant statistics, the mean variance added to the variance of the means),
-            ``"means"``, or ``"auto"``: ``"independent"`` up to 1024 values per channel,
-            ``"total"`` above (see :mod:`lightning_dvi.moments.normalization`).
+        batch_rule: the train-mode rule on moments: ``"total"`` (constant statistics, the
+            mean variance added to the variance of the means), ``"independent"`` (each channel
+            layer-normalized over its batch: exact for independent examples, 81 times the
+            activations' memory) or ``"means"`` (see :mod:`lightning_dvi.moments.normalization`).
         freeze_statistics: use (and keep) the running statistics in train mode too, e.g. to
             fine-tune a converted network with small batches.
 
