@@ -97,6 +97,27 @@ def _with_affine(module):
     return module
 
 
+def _dense_norm_case(ours, theirs, prepare, exact_diag=True):
+    """``Linear -> norm -> ReLU -> Linear`` around a normalization kind and its torch twin.
+
+    ``exact_diag=False`` for LayerNorm: diag mode drops the correlations it creates. PyroBayesNet
+    takes posterior-holding layers only (the norms' gamma, beta are point parameters).
+    """
+    return LayerCase(
+        net=lambda: prepare(
+            Sequential(
+                BayesLinear(3, 5, init_scale=_S), ours(5), ReLU(), BayesLinear(5, 2, init_scale=_S)
+            ).double()
+        ),
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+        torch_twin=lambda: prepare(
+            nn.Sequential(nn.Linear(3, 5), theirs(5), nn.ReLU(), nn.Linear(5, 2))
+        ),
+        exact_diag=exact_diag,
+        pyro=False,
+    )
+
+
 SHAPED_CASES: dict[str, LayerCase] = {
     "linear": LayerCase(
         net=lambda: Sequential(BayesLinear(3, 4, init_scale=_S)).double(),
@@ -119,38 +140,9 @@ SHAPED_CASES: dict[str, LayerCase] = {
         tol=_POOL_TOL,
     ),
     "flatten": LayerCase(net=_conv_net(), x=_image(), pyro=False),
-    # eval mode: the exact affine map of the running statistics (train mode: test_normalization)
-    "batch_norm1d": LayerCase(
-        net=lambda: _with_statistics(
-            Sequential(
-                BayesLinear(3, 4, init_scale=_S),
-                BatchNorm1d(4),
-                ReLU(),
-                BayesLinear(4, 2, init_scale=_S),
-            ).double()
-        ),
-        x=lambda: torch.randn(4, 3, dtype=torch.float64),
-        torch_twin=lambda: _with_statistics(
-            nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
-        ),
-        pyro=False,  # PyroBayesNet takes posterior-holding layers only (gamma, beta are points)
-    ),
-    "layer_norm": LayerCase(
-        net=lambda: _with_affine(
-            Sequential(
-                BayesLinear(3, 5, init_scale=_S),
-                LayerNorm(5),
-                ReLU(),
-                BayesLinear(5, 2, init_scale=_S),
-            ).double()
-        ),
-        x=lambda: torch.randn(4, 3, dtype=torch.float64),
-        torch_twin=lambda: _with_affine(
-            nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5), nn.ReLU(), nn.Linear(5, 2))
-        ),
-        exact_diag=False,  # diag mode drops the correlations LayerNorm creates between units
-        pyro=False,
-    ),
+    # eval mode: the exact affine map of the running statistics (train mode: test_batch_norm.py)
+    "batch_norm1d": _dense_norm_case(BatchNorm1d, nn.BatchNorm1d, _with_statistics),
+    "layer_norm": _dense_norm_case(LayerNorm, nn.LayerNorm, _with_affine, exact_diag=False),
     "group_norm": LayerCase(
         net=lambda: _with_affine(_conv_net(GroupNorm(1, 3))()),
         x=_image(),

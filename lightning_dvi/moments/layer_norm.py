@@ -125,20 +125,7 @@ def _tight_ratio(trace: Tensor, m: Tensor, eps: float) -> Tensor:
 
 
 def _normalize_diag(mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    r"""Mean and variance of :math:`y = Ca/\sqrt{\lVert Ca\rVert^2/D + \epsilon}` over the last dim.
-
-    :math:`a \sim \mathcal N(\mu, \operatorname{diag}(v))` (independent units); the exact
-    route by the rank-one tilt, or the tight form (module docstring).
-
-    Args:
-        mean: :math:`\mu` ``[..., D]``.
-        var: :math:`v \ge 0` ``[..., D]``.
-        eps: :math:`\epsilon > 0`.
-
-    Returns:
-        ``(mean, var)`` of :math:`y`, each ``[..., D]`` (the output units are correlated; this
-        returns their marginals).
-    """
+    """The body of :func:`normalize_diag` (float64 inputs)."""
     d = mean.shape[-1]
     m = _centre(mean)
     trace = var.sum(-1) * (1 - 1 / d)
@@ -234,19 +221,7 @@ def _linear_jacobian(m: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 
 def _normalize_full(mean: Tensor, cov: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    r"""Mean and covariance of :math:`y = Ca/\sqrt{\lVert Ca\rVert^2/D + \epsilon}`.
-
-    :math:`a \sim \mathcal N(\mu, \Sigma)` with any covariance; the exact route through the
-    eigendecomposition of :math:`C\Sigma C`, or the tight form (module docstring).
-
-    Args:
-        mean: :math:`\mu` ``[..., D]``.
-        cov: :math:`\Sigma` ``[..., D, D]``.
-        eps: :math:`\epsilon > 0`.
-
-    Returns:
-        ``(mean [..., D], cov [..., D, D])`` of :math:`y`.
-    """
+    """The body of :func:`normalize_full` (float64 inputs)."""
     vec, m, parts = _tilted(mean, cov, eps, (0.5, 1.0))
     first, second = parts[0.5][0], parts[1.0][1]
     ey = (vec @ first.unsqueeze(-1)).squeeze(-1)
@@ -263,13 +238,7 @@ def _normalize_full(mean: Tensor, cov: Tensor, eps: float) -> tuple[Tensor, Tens
 
 
 def _normalize_jacobian(mean: Tensor, cov: Tensor, eps: float) -> Tensor:
-    r""":math:`E[\nabla_a y]` ``[..., D, D]``: maps :math:`\operatorname{Cov}(r, a)` to :math:`\operatorname{Cov}(r, y)`.
-
-    Stein's lemma (exact for :math:`r, a` jointly Gaussian):
-    :math:`\operatorname{Cov}(r, y) = \operatorname{Cov}(r, a)\,E[\nabla y]^\top` with
-    :math:`E[\nabla y] = \big(E[s^{-1/2}]I - \tfrac1D E[zz^\top s^{-3/2}]\big)C`; :math:`J` of
-    the tight form where :math:`\rho < 10^{-3}`.
-    """
+    """The body of :func:`normalize_jacobian` (float64 inputs)."""
     d = mean.shape[-1]
     vec, m, parts = _tilted(mean, cov, eps, (0.5, 1.5))
     e_half, second = parts[0.5][2], parts[1.5][1]
