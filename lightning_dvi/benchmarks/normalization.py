@@ -33,6 +33,7 @@ the relative error of the standard deviation.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ __all__ = [
     "RuleError",
     "batch_rule_independent",
     "batch_rule_network",
+    "gaussian_monte_carlo",
     "layer_norm_cell",
     "main",
 ]
@@ -88,22 +90,33 @@ def _gaussian_input(
     return mean, ratio * cov
 
 
-def _layer_norm_mc(
-    mean: torch.Tensor, cov: torch.Tensor, draws: int, gen: torch.Generator, eps: float
+def gaussian_monte_carlo(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    mean: torch.Tensor,
+    cov: torch.Tensor,
+    draws: int,
+    gen: torch.Generator,
+    chunk: int = 10_000,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MC mean ``[B, D]`` and covariance ``[B, D, D]`` of ``layer_norm(a)``, in chunks."""
+    """MC mean ``[B, D']`` and covariance ``[B, D', D']`` of ``fn(a)``, ``a ~ N(mean, cov)``.
+
+    The oracle of the closed forms (in the style of GPyTorch's likelihood tests): draw inputs
+    from the Gaussian ``[B, D]``, apply the torch function to ``[n, B, D]`` draws, accumulate
+    first and second moments in chunks of ``chunk`` draws.
+    """
     chol = torch.linalg.cholesky(cov)
-    total = torch.zeros_like(mean)
-    outer = torch.zeros_like(cov)
+    total: torch.Tensor | None = None
+    outer: torch.Tensor | None = None
     done = 0
     while done < draws:
-        n = min(10_000, draws - done)
-        eps_draw = torch.randn(mean.shape[0], mean.shape[1], n, generator=gen, dtype=mean.dtype)
-        a = mean.unsqueeze(-1) + chol @ eps_draw  # [B, D, n]
-        y = F.layer_norm(a.transpose(1, 2), mean.shape[-1:], eps=eps).transpose(1, 2)
-        total += y.sum(-1)
-        outer += y @ y.transpose(1, 2)
+        n = min(chunk, draws - done)
+        noise = torch.randn(n, *mean.shape, 1, generator=gen, dtype=mean.dtype)
+        y = fn(mean + (chol @ noise).squeeze(-1))  # [n, B, D']
+        part, part_outer = y.sum(0), torch.einsum("nbi,nbj->bij", y, y)
+        total = part if total is None else total + part
+        outer = part_outer if outer is None else outer + part_outer
         done += n
+    assert total is not None and outer is not None
     mc_mean = total / draws
     mc_cov = (outer - draws * mc_mean.unsqueeze(-1) * mc_mean.unsqueeze(-2)) / (draws - 1)
     return mc_mean, mc_cov
@@ -132,7 +145,9 @@ def layer_norm_cell(
     else:
         out_mean, out_cov = L.normalize_full(mean, cov, eps)
         out_var = torch.diagonal(out_cov, 0, -2, -1)
-    mc_mean, mc_cov = _layer_norm_mc(mean, cov, draws, gen, eps)
+    mc_mean, mc_cov = gaussian_monte_carlo(
+        lambda a: F.layer_norm(a, a.shape[-1:], eps=eps), mean, cov, draws, gen
+    )
     mc_var = torch.diagonal(mc_cov, 0, -2, -1)
     p_mean, p_var = _plugin(mean, cov, eps)
     cov_error = float("nan")
