@@ -210,8 +210,8 @@ def test_conversion_keeps_the_options_and_the_training_flag():
     assert (ours.eps, ours.momentum, ours.training) == (1e-3, 0.3, False)
     assert ours.weight is not None and ours.weight.dtype == torch.float64
     assert {n for n, _ in ours.named_parameters()} == set(ours.point_parameters)
-    ours = from_torch(nn.Sequential(nn.BatchNorm1d(3)), freeze_statistics=True)[0]
-    assert isinstance(ours, BatchNorm1d) and ours.freeze_statistics
+    net = from_torch(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)), prior_variance=0.5)
+    assert isinstance(net[1], BatchNorm1d) and not net[1].freeze_statistics
 
 
 def test_bad_inputs_name_the_layer_and_the_shapes():

@@ -25,7 +25,7 @@ zero input variance the module is torch's ``BatchNorm`` (outputs and running sta
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -270,16 +270,12 @@ class _BatchNorm(BayesModule):
 def _from_torch_batch_norm(module: nn.Module, options: ConversionOptions) -> BayesModule:
     assert isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d))  # the registry's torch_modules
     cls = BatchNorm1d if isinstance(module, nn.BatchNorm1d) else BatchNorm2d
-    kwargs: dict[str, Any] = {
-        k: v for k, v in options.layer_kwargs.items() if k in ("batch_rule", "freeze_statistics")
-    }
     layer = cls(
         module.num_features,
         module.eps,
         module.momentum,
         module.affine,
         module.track_running_stats,
-        **kwargs,
     )
     ref = module.weight if module.weight is not None else module.running_mean
     if ref is not None:
@@ -362,7 +358,8 @@ class BatchNorm1d(_BatchNorm):
             layer-normalized over its batch: exact for independent examples, 81 times the
             activations' memory) or ``"means"`` (see :mod:`lightning_dvi.moments.normalization`).
         freeze_statistics: use (and keep) the running statistics in train mode too, e.g. to
-            fine-tune a converted network with small batches.
+            fine-tune a converted network with small batches (an attribute: set it on the
+            converted modules, ``for m in net.modules(): ...``).
 
     Examples:
         >>> from lightning_dvi import Gaussian
