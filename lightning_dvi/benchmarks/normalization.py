@@ -110,8 +110,8 @@ def gaussian_monte_carlo(
     done = 0
     while done < draws:
         n = min(chunk, draws - done)
-        noise = torch.randn(n, *mean.shape, 1, generator=gen, dtype=mean.dtype)
-        y = fn(mean + (chol @ noise).squeeze(-1))  # [n, B, D']
+        noise = torch.randn(n, *mean.shape, generator=gen, dtype=mean.dtype)
+        y = fn(mean + torch.einsum("nbj,bij->nbi", noise, chol))  # [n, B, D']
         part, part_outer = y.sum(0), torch.einsum("nbi,nbj->bij", y, y)
         total = part if total is None else total + part
         outer = part_outer if outer is None else outer + part_outer
