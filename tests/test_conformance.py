@@ -14,9 +14,13 @@ from torch import nn
 
 from lightning_dvi.nn import (
     AvgPool2d,
+    BatchNorm1d,
+    BatchNorm2d,
     BayesConv2d,
     BayesLinear,
     Flatten,
+    GroupNorm,
+    LayerNorm,
     MaxPool2d,
     ReLU,
     Residual,
@@ -70,6 +74,50 @@ def _conv_twin(*middle, flat=48):
 # (tests/test_conv.py checks them at 5 %).
 _POOL_TOL = 0.25
 
+
+def _with_statistics(module):
+    """``module`` in eval mode with non-trivial running statistics and affine parameters."""
+    for m in module.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, BatchNorm1d, BatchNorm2d)):
+            with torch.no_grad():
+                m.running_mean.uniform_(-1.0, 1.0)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return module.eval()
+
+
+def _with_affine(module):
+    """``module`` with non-trivial normalization gains and shifts."""
+    for m in module.modules():
+        if isinstance(m, (nn.LayerNorm, nn.GroupNorm, LayerNorm, GroupNorm)):
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return module
+
+
+def _dense_norm_case(ours, theirs, prepare, exact_diag=True):
+    """``Linear -> norm -> ReLU -> Linear`` around a normalization kind and its torch twin.
+
+    ``exact_diag=False`` for LayerNorm: diag mode drops the correlations it creates. PyroBayesNet
+    takes posterior-holding layers only (the norms' gamma, beta are point parameters).
+    """
+    return LayerCase(
+        net=lambda: prepare(
+            Sequential(
+                BayesLinear(3, 5, init_scale=_S), ours(5), ReLU(), BayesLinear(5, 2, init_scale=_S)
+            ).double()
+        ),
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+        torch_twin=lambda: prepare(
+            nn.Sequential(nn.Linear(3, 5), theirs(5), nn.ReLU(), nn.Linear(5, 2))
+        ),
+        exact_diag=exact_diag,
+        pyro=False,
+    )
+
+
 SHAPED_CASES: dict[str, LayerCase] = {
     "linear": LayerCase(
         net=lambda: Sequential(BayesLinear(3, 4, init_scale=_S)).double(),
@@ -92,6 +140,22 @@ SHAPED_CASES: dict[str, LayerCase] = {
         tol=_POOL_TOL,
     ),
     "flatten": LayerCase(net=_conv_net(), x=_image(), pyro=False),
+    # eval mode: the exact affine map of the running statistics (train mode: test_batch_norm.py)
+    "batch_norm1d": _dense_norm_case(BatchNorm1d, nn.BatchNorm1d, _with_statistics),
+    "layer_norm": _dense_norm_case(LayerNorm, nn.LayerNorm, _with_affine, exact_diag=False),
+    "group_norm": LayerCase(
+        net=lambda: _with_affine(_conv_net(GroupNorm(1, 3))()),
+        x=_image(),
+        torch_twin=lambda: _with_affine(_conv_twin(nn.GroupNorm(1, 3))()),
+        pyro=False,
+        tol=_POOL_TOL,  # a convolution's correlated output pixels are dropped (see above)
+    ),
+    "batch_norm2d": LayerCase(
+        net=lambda: _with_statistics(_conv_net(BatchNorm2d(3))()),
+        x=_image(),
+        torch_twin=lambda: _with_statistics(_conv_twin(nn.BatchNorm2d(3))()),
+        pyro=False,
+    ),
     "torch_flatten": LayerCase(
         net=lambda: Sequential(TorchFlatten(), BayesLinear(8, 2, init_scale=_S)).double(),
         x=_image(size=2),

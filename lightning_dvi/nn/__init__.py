@@ -14,7 +14,9 @@ from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
+from .layer_norm import GroupNorm, LayerNorm
 from .linear import BayesLinear, FactorisedLayer
+from .normalization import BatchNorm1d, BatchNorm2d
 from .posterior import (
     HasPosterior,
     ParameterGroup,
@@ -40,13 +42,17 @@ __all__ = [
     "GELU",
     "ActivationSpec",
     "AvgPool2d",
+    "BatchNorm1d",
+    "BatchNorm2d",
     "BayesConv2d",
     "BayesLinear",
     "BayesModule",
     "FactorisedLayer",
     "Flatten",
+    "GroupNorm",
     "HasPosterior",
     "Heaviside",
+    "LayerNorm",
     "LayerSpec",
     "LeakyReLU",
     "MaxPool2d",
