@@ -14,7 +14,9 @@ from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
+from .graph import GraphNetwork
 from .linear import BayesLinear, FactorisedLayer
+from .pooling import AdaptiveAvgPool2d
 from .posterior import (
     HasPosterior,
     ParameterGroup,
@@ -39,12 +41,14 @@ __all__ = [
     "ELU",
     "GELU",
     "ActivationSpec",
+    "AdaptiveAvgPool2d",
     "AvgPool2d",
     "BayesConv2d",
     "BayesLinear",
     "BayesModule",
     "FactorisedLayer",
     "Flatten",
+    "GraphNetwork",
     "HasPosterior",
     "Heaviside",
     "LayerSpec",
