@@ -14,6 +14,8 @@ from torch import nn
 
 from lightning_dvi.nn import (
     AvgPool2d,
+    BatchNorm1d,
+    BatchNorm2d,
     BayesConv2d,
     BayesLinear,
     Flatten,
@@ -70,6 +72,19 @@ def _conv_twin(*middle, flat=48):
 # (tests/test_conv.py checks them at 5 %).
 _POOL_TOL = 0.25
 
+
+def _with_statistics(module):
+    """``module`` in eval mode with non-trivial running statistics and affine parameters."""
+    for m in module.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, BatchNorm1d, BatchNorm2d)):
+            with torch.no_grad():
+                m.running_mean.uniform_(-1.0, 1.0)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return module.eval()
+
+
 SHAPED_CASES: dict[str, LayerCase] = {
     "linear": LayerCase(
         net=lambda: Sequential(BayesLinear(3, 4, init_scale=_S)).double(),
@@ -92,6 +107,28 @@ SHAPED_CASES: dict[str, LayerCase] = {
         tol=_POOL_TOL,
     ),
     "flatten": LayerCase(net=_conv_net(), x=_image(), pyro=False),
+    # eval mode: the exact affine map of the running statistics (train mode: test_normalization)
+    "batch_norm1d": LayerCase(
+        net=lambda: _with_statistics(
+            Sequential(
+                BayesLinear(3, 4, init_scale=_S),
+                BatchNorm1d(4),
+                ReLU(),
+                BayesLinear(4, 2, init_scale=_S),
+            ).double()
+        ),
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+        torch_twin=lambda: _with_statistics(
+            nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+        ),
+        pyro=False,  # PyroBayesNet takes posterior-holding layers only (gamma, beta are points)
+    ),
+    "batch_norm2d": LayerCase(
+        net=lambda: _with_statistics(_conv_net(BatchNorm2d(3))()),
+        x=_image(),
+        torch_twin=lambda: _with_statistics(_conv_twin(nn.BatchNorm2d(3))()),
+        pyro=False,
+    ),
     "torch_flatten": LayerCase(
         net=lambda: Sequential(TorchFlatten(), BayesLinear(8, 2, init_scale=_S)).double(),
         x=_image(size=2),

@@ -107,9 +107,9 @@ def test_fresh_init_keeps_only_the_architecture():
 
 
 def test_unsupported_layers_are_named_with_their_position():
-    bad = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.ReLU(), nn.BatchNorm1d(4)))
+    bad = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.ReLU(), nn.InstanceNorm1d(4)))
     with pytest.raises(
-        NotImplementedError, match=r"layer 3 \(1\.1\): BatchNorm1d is not supported"
+        NotImplementedError, match=r"layer 3 \(1\.1\): InstanceNorm1d is not supported"
     ):
         from_torch(bad)
 

@@ -36,6 +36,12 @@ from .linear import (
     linear_full_from_diag,
     symmetrize,
 )
+from .normalization import (
+    affine_diag,
+    affine_full,
+    batch_norm_statistics,
+    normalization_scale_shift,
+)
 from .policy import (
     get_kernel_backend,
     get_memory_budget,
@@ -62,10 +68,13 @@ from .special import (
 __all__ = [
     "activation_moments",
     "add_independent",
+    "affine_diag",
+    "affine_full",
     "as_storage",
     "asin_over_x",
     "asin_residual_over_x3",
     "avg_pool2d_diag",
+    "batch_norm_statistics",
     "clip_correlation",
     "conv2d_deterministic",
     "conv2d_diag",
@@ -92,6 +101,7 @@ __all__ = [
     "min_variance",
     "normal_cdf",
     "normal_pdf",
+    "normalization_scale_shift",
     "policy",
     "reindex_gaussian",
     "relu_diag",

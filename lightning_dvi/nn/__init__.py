@@ -16,6 +16,7 @@ from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
 from .graph import GraphNetwork
 from .linear import BayesLinear, FactorisedLayer
+from .normalization import BatchNorm1d, BatchNorm2d
 from .pooling import AdaptiveAvgPool2d
 from .posterior import (
     HasPosterior,
@@ -43,6 +44,8 @@ __all__ = [
     "ActivationSpec",
     "AdaptiveAvgPool2d",
     "AvgPool2d",
+    "BatchNorm1d",
+    "BatchNorm2d",
     "BayesConv2d",
     "BayesLinear",
     "BayesModule",
