@@ -9,10 +9,12 @@ networks need shapes, have one case each below. A registered kind without a case
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from conformance import LayerCase, LayerConformance
 from torch import nn
 
 from lightning_dvi.nn import (
+    AdaptiveAvgPool2d,
     AvgPool2d,
     BatchNorm1d,
     BatchNorm2d,
@@ -23,6 +25,7 @@ from lightning_dvi.nn import (
     ReLU,
     Residual,
     Sequential,
+    from_torch,
     layer_specs,
 )
 from lightning_dvi.nn.convert import TorchFlatten
@@ -85,6 +88,24 @@ def _with_statistics(module):
     return module.eval()
 
 
+class _SkipNet(nn.Module):
+    """A torch module with a functional ReLU, a tanh skip branch and a concatenation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = F.relu(self.l1(x))
+        h = h + torch.tanh(self.l2(h))
+        return self.l3(torch.cat([h, F.relu(h)], 1))
+
+
+def _graph_net():
+    net = from_torch(_SkipNet().double(), scale_fraction=0.3, min_scale=1e-3)
+    return net
+
+
 SHAPED_CASES: dict[str, LayerCase] = {
     "linear": LayerCase(
         net=lambda: Sequential(BayesLinear(3, 4, init_scale=_S)).double(),
@@ -107,6 +128,20 @@ SHAPED_CASES: dict[str, LayerCase] = {
         tol=_POOL_TOL,
     ),
     "flatten": LayerCase(net=_conv_net(), x=_image(), pyro=False),
+    "adaptive_avg_pool2d": LayerCase(
+        net=_conv_net(AdaptiveAvgPool2d(2), flat=12),
+        x=_image(),
+        torch_twin=_conv_twin(nn.AdaptiveAvgPool2d(2), flat=12),
+        pyro=False,
+        tol=_POOL_TOL,
+    ),
+    "graph": LayerCase(
+        net=_graph_net,
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+        torch_twin=_SkipNet,
+        exact_diag=False,  # diag mode drops the covariances between units, as Residual's
+        pyro=False,  # PyroBayesNet walks Sequential/Residual containers only
+    ),
     # eval mode: the exact affine map of the running statistics (train mode: test_normalization)
     "batch_norm1d": LayerCase(
         net=lambda: _with_statistics(

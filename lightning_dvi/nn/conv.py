@@ -88,7 +88,8 @@ def unsupported_pool2d_options(
         or divisor_override is not None
         or return_indices
     ):
-        return "padding=0 and ceil_mode=False (and the default dilation, divisor and indices)"
+        padded = "" if allow_padding else "padding=0 and "
+        return f"{padded}ceil_mode=False (and the default dilation, divisor and indices)"
     return None
 
 

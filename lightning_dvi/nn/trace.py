@@ -62,7 +62,7 @@ def _where(node: fx.Node) -> str:
     target = (
         node.target
         if isinstance(node.target, str)
-        else getattr(node.target, "__qualname__", repr(node.target))
+        else getattr(node.target, "__name__", repr(node.target))
     )
     text = f"node {node.name!r} ({node.op} {target}) in {module}"
     frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.stack_trace or "")
@@ -73,15 +73,25 @@ def _where(node: fx.Node) -> str:
     return text
 
 
-def _unsupported(node: fx.Node, why: str = "is not supported") -> NotImplementedError:
-    return NotImplementedError(
-        f"from_torch: {_where(node)} {why}; graph conversion supports {SUPPORTED_GRAPH_OPS}"
-    )
+class _NodeError(NotImplementedError):
+    """A node that cannot be converted; the message is written once its source line is known."""
+
+    def __init__(self, node: fx.Node, why: str, listing: bool = True) -> None:
+        super().__init__(why)
+        self.node, self.why, self.listing = node, why, listing
+
+    def message(self, traced: fx.Node | None) -> str:
+        text = f"from_torch: {_where(traced or self.node)} {self.why}"
+        return f"{text}; graph conversion supports {SUPPORTED_GRAPH_OPS}" if self.listing else text
 
 
-def _trace(module: nn.Module) -> fx.Graph:
+def _unsupported(node: fx.Node, why: str = "is not supported") -> _NodeError:
+    return _NodeError(node, why)
+
+
+def _trace(module: nn.Module, stacks: bool = False) -> fx.Graph:
     tracer = fx.Tracer()
-    tracer.record_stack_traces = True
+    tracer.record_stack_traces = stacks  # slow (seconds per node on a cold start): errors only
     try:
         return tracer.trace(module)
     except Exception as err:  # fx raises TraceError, TypeError, RuntimeError, ... by construct
@@ -174,13 +184,11 @@ class _Builder:
             return
         spec = spec_for_module(module)
         if spec is None:
-            raise _unsupported(node, f"calls {type(module).__name__}, which")
+            raise _unsupported(node, f"calls {type(module).__name__}, which has no layer kind")
         try:
             converted = spec.convert_module(module, self.options)
         except (NotImplementedError, ValueError) as err:
-            raise NotImplementedError(
-                f"from_torch: {_where(node)} cannot be converted: {err}"
-            ) from err
+            raise _NodeError(node, f"cannot be converted: {err}", listing=False) from err
         if converted is None:
             self.alias[node.name] = self.ref(node.args[0], node)
             return
@@ -220,7 +228,7 @@ class _Builder:
                 args[1:] if not (len(args) == 2 and isinstance(args[1], (list, tuple))) else args[1]
             )
             if len(shape) != 2 or shape[1] != -1 or not _is_batch_size(shape[0], args[0]):
-                raise _unsupported(node, "is a reshape other than x.view(x.size(0), -1), which")
+                raise _unsupported(node, "is a reshape other than x.view(x.size(0), -1)")
             self.function(node, spec_for_function(torch.flatten), args[0], [1, -1], {})
         elif fn in _NO_OP:
             self.alias[node.name] = self.ref(args[0], node)
@@ -234,13 +242,12 @@ class _Builder:
     def function(
         self, node: fx.Node, spec: Any, source: Any, args: list[Any], kwargs: dict[str, Any]
     ) -> None:
-        where = _where(node)
         try:
-            args = [plain(a, f"{where} argument") for a in args]
-            kwargs = {k: plain(v, f"{where} argument {k}") for k, v in kwargs.items()}
+            args = [plain(a, "argument") for a in args]
+            kwargs = {k: plain(v, f"argument {k}") for k, v in kwargs.items()}
             module = spec.build_from_call(*args, **kwargs)
         except (NotImplementedError, ValueError, TypeError) as err:
-            raise NotImplementedError(f"from_torch: {where} cannot be converted: {err}") from err
+            raise _NodeError(node, f"cannot be converted: {err}", listing=False) from err
         key = self.add_module(
             node.name, module, {"kind": spec.name, "args": args, "kwargs": kwargs}
         )
@@ -248,7 +255,7 @@ class _Builder:
 
     def visit_add(self, node: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> None:
         if kwargs or len(args) != 2:
-            raise _unsupported(node, "is an add with alpha or other arguments, which")
+            raise _unsupported(node, "is an add with alpha or other keyword arguments")
         operands: list[Any] = []
         for a in args:
             if isinstance(a, fx.Node):
@@ -277,8 +284,12 @@ def graph_from_torch(module: nn.Module, options: ConversionOptions) -> GraphNetw
             has no declared equivalent (naming it, its op/target, module and source line).
     """
     builder = _Builder(module, options)
-    for node in _trace(module).nodes:
-        builder.visit(node)
+    try:
+        for node in _trace(module).nodes:
+            builder.visit(node)
+    except _NodeError as err:  # trace again, with source lines, to name the line
+        traced = {n.name: n for n in _trace(module, stacks=True).nodes}
+        raise NotImplementedError(err.message(traced.get(err.node.name))) from err
     used = {v for n in builder.nodes for v in n.get("inputs", []) if isinstance(v, str)}
     if builder.nodes[-1]["inputs"][0] == builder.nodes[0]["name"] or not builder.built:
         raise ValueError("from_torch: nothing left to convert (only dropped layers)")
