@@ -377,3 +377,27 @@ def test_converted_resnet_checkpoint_round_trip_without_the_torch_file(tmp_path)
         want, got = model.net(x, mode="diag"), loaded.net(x, mode="diag")
     torch.testing.assert_close(got.mean, want.mean)
     torch.testing.assert_close(got.var, want.var)
+
+
+class DenseInput(nn.Module):
+    """The input concatenated with a feature (a deterministic operand of torch.cat)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 4), nn.Linear(7, 2)
+
+    def forward(self, x):
+        return self.l2(torch.cat([x, F.relu(self.l1(x))], -1))
+
+
+def test_cat_with_the_deterministic_input_matches_torch_and_monte_carlo():
+    torch.manual_seed(0)
+    torch_net = DenseInput().to(F64)
+    x = _x(4, 3)
+    with torch.no_grad():
+        zero = from_torch(torch_net, scale_fraction=0.0)
+        torch.testing.assert_close(zero(x, mode="full").mean, torch_net(x))
+    net = from_torch(torch_net, scale_fraction=0.3)
+    torch.manual_seed(2)
+    res = compare_with_monte_carlo(net, x, mode="full", num_samples=20_000)
+    assert res.mean_error < 0.05 and res.std_rel_error < 0.05, res

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -63,12 +64,13 @@ class _Part(nn.Module):
             return out
         if isinstance(b, Bottleneck):
             h = b.relu(b.bn2(b.conv2(b.relu(b.bn1(b.conv1(x))))))
-            branch = b.bn3(b.conv3(h))
+            branch: Tensor = b.bn3(b.conv3(h))
         else:
+            assert isinstance(b, BasicBlock)
             branch = b.bn2(b.conv2(b.relu(b.bn1(b.conv1(x)))))
         if self.part == "branch":
             return branch
-        shortcut = x if b.downsample is None else b.downsample(x)
+        shortcut: Tensor = x if b.downsample is None else b.downsample(x)
         if self.part == "pair":
             return torch.cat([branch, shortcut], 1)
         return branch + shortcut
@@ -128,7 +130,7 @@ def block_error(
         for chunk in range(0, num_samples, 2_000):
             s = min(2_000, num_samples - chunk)
             xs = mean + var.sqrt() * torch.randn(s, *shape, dtype=torch.float64)
-            draws.append(net.propagate(xs, "sample"))
+            draws.append(cast(Tensor, net.propagate(xs, "sample")))
         mc = torch.cat(draws)
     mc_mean, mc_std = mc.mean(0), mc.std(0)
     live = mc_std > 1e-3 * mc_std.max()  # a ReLU output that is zero in every draw has no std
@@ -139,7 +141,7 @@ def block_error(
         pair = from_torch(_Part(block, "pair"), scale_fraction=scale_fraction)
         with torch.no_grad():
             xs = mean + var.sqrt() * torch.randn(num_samples, *shape, dtype=torch.float64)
-            ab = pair.propagate(xs, "sample")
+            ab = cast(Tensor, pair.propagate(xs, "sample"))
         a, b = ab.chunk(2, dim=2)
         cov = ((a - a.mean(0)) * (b - b.mean(0))).mean(0)
         dropped = (2 * cov).abs()[live] / mc_std[live] ** 2

@@ -208,11 +208,16 @@ class GraphNetwork(BayesModule):
         node = by_name[self.nodes[-1]["inputs"][0]]
         while node["op"] != "input":
             if node["op"] == "call":
-                image = self.layers[node["module"]].image_output
+                image = self._layer(node["module"]).image_output
                 if image is not None:
                     return image
             node = by_name[next(v for v in node["inputs"] if isinstance(v, str))]
         return False
+
+    def _layer(self, key: str) -> BayesModule:
+        layer = self.layers[key]
+        assert isinstance(layer, BayesModule)  # built from the registry's declared kinds
+        return layer
 
     def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Run the nodes in order (moments with their cross-covariances, or samples)."""
@@ -231,8 +236,10 @@ def _flat(value: Moments) -> bool:
 
 
 def _zero_cross(w: Moments, v: Moments) -> Tensor:
-    """A zero ``Cov(w, v)`` ``[..., D_w, D_v]`` for independent flat values."""
-    return w.mean.new_zeros(*v.mean.shape[:-1], w.mean.shape[-1], v.mean.shape[-1])
+    """A zero ``Cov(w, v)`` ``[..., D_w, D_v]`` for independent flat values (or constants)."""
+    mw = w.mean if isinstance(w, Gaussian) else w
+    mv = v.mean if isinstance(v, Gaussian) else v
+    return mw.new_zeros(*mv.shape[:-1], mw.shape[-1], mv.shape[-1])
 
 
 def _cat_blocks(blocks: Sequence[Tensor], dim: int) -> Tensor:
@@ -267,7 +274,7 @@ class _Walk:
             elif op == "output":
                 return self.values[inputs[0]]
             elif op == "call":
-                self._call(name, self.net.layers[node["module"]], inputs[0])
+                self._call(name, self.net._layer(node["module"]), inputs[0])
             elif op == "add":
                 self._add(name, inputs[0], inputs[1])
             else:

@@ -227,7 +227,13 @@ class _Builder:
             shape = (
                 args[1:] if not (len(args) == 2 and isinstance(args[1], (list, tuple))) else args[1]
             )
-            if len(shape) != 2 or shape[1] != -1 or not _is_batch_size(shape[0], args[0]):
+            source = args[0]
+            if (
+                not isinstance(source, fx.Node)
+                or len(shape) != 2
+                or shape[1] != -1
+                or not _is_batch_size(shape[0], source)
+            ):
                 raise _unsupported(node, "is a reshape other than x.view(x.size(0), -1)")
             self.function(node, spec_for_function(torch.flatten), args[0], [1, -1], {})
         elif fn in _NO_OP:
