@@ -88,6 +88,17 @@ def _with_statistics(module):
     return module.eval()
 
 
+def _pool_case(pool, twin_pool) -> LayerCase:
+    """A conv, the pool (to 2x2), a dense head; PyroBayesNet has no conv path."""
+    return LayerCase(
+        net=_conv_net(pool, flat=12),
+        x=_image(),
+        torch_twin=_conv_twin(twin_pool, flat=12),
+        pyro=False,
+        tol=_POOL_TOL,
+    )
+
+
 class _SkipNet(nn.Module):
     """A torch module with a functional ReLU, a tanh skip branch and a concatenation."""
 
@@ -113,28 +124,10 @@ SHAPED_CASES: dict[str, LayerCase] = {
         torch_twin=lambda: nn.Linear(3, 4),
     ),
     "conv2d": LayerCase(net=_conv_net(), x=_image(), torch_twin=_conv_twin(), pyro=False),
-    "avg_pool2d": LayerCase(
-        net=_conv_net(AvgPool2d(2), flat=12),
-        x=_image(),
-        torch_twin=_conv_twin(nn.AvgPool2d(2), flat=12),
-        pyro=False,
-        tol=_POOL_TOL,
-    ),
-    "max_pool2d": LayerCase(
-        net=_conv_net(MaxPool2d(2), flat=12),
-        x=_image(),
-        torch_twin=_conv_twin(nn.MaxPool2d(2), flat=12),
-        pyro=False,
-        tol=_POOL_TOL,
-    ),
+    "avg_pool2d": _pool_case(AvgPool2d(2), nn.AvgPool2d(2)),
+    "max_pool2d": _pool_case(MaxPool2d(2), nn.MaxPool2d(2)),
     "flatten": LayerCase(net=_conv_net(), x=_image(), pyro=False),
-    "adaptive_avg_pool2d": LayerCase(
-        net=_conv_net(AdaptiveAvgPool2d(2), flat=12),
-        x=_image(),
-        torch_twin=_conv_twin(nn.AdaptiveAvgPool2d(2), flat=12),
-        pyro=False,
-        tol=_POOL_TOL,
-    ),
+    "adaptive_avg_pool2d": _pool_case(AdaptiveAvgPool2d(2), nn.AdaptiveAvgPool2d(2)),
     "graph": LayerCase(
         net=_graph_net,
         x=lambda: torch.randn(4, 3, dtype=torch.float64),
