@@ -21,6 +21,8 @@ from lightning_dvi.nn import (
     BayesConv2d,
     BayesLinear,
     Flatten,
+    GroupNorm,
+    LayerNorm,
     MaxPool2d,
     ReLU,
     Residual,
@@ -117,6 +119,37 @@ def _graph_net():
     return net
 
 
+def _with_affine(module):
+    """``module`` with non-trivial normalization gains and shifts."""
+    for m in module.modules():
+        if isinstance(m, (nn.LayerNorm, nn.GroupNorm, LayerNorm, GroupNorm)):
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return module
+
+
+def _dense_norm_case(ours, theirs, prepare, exact_diag=True):
+    """``Linear -> norm -> ReLU -> Linear`` around a normalization kind and its torch twin.
+
+    ``exact_diag=False`` for LayerNorm: diag mode drops the correlations it creates. PyroBayesNet
+    takes posterior-holding layers only (the norms' gamma, beta are point parameters).
+    """
+    return LayerCase(
+        net=lambda: prepare(
+            Sequential(
+                BayesLinear(3, 5, init_scale=_S), ours(5), ReLU(), BayesLinear(5, 2, init_scale=_S)
+            ).double()
+        ),
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+        torch_twin=lambda: prepare(
+            nn.Sequential(nn.Linear(3, 5), theirs(5), nn.ReLU(), nn.Linear(5, 2))
+        ),
+        exact_diag=exact_diag,
+        pyro=False,
+    )
+
+
 SHAPED_CASES: dict[str, LayerCase] = {
     "linear": LayerCase(
         net=lambda: Sequential(BayesLinear(3, 4, init_scale=_S)).double(),
@@ -135,21 +168,15 @@ SHAPED_CASES: dict[str, LayerCase] = {
         exact_diag=False,  # diag mode drops the covariances between units, as Residual's
         pyro=False,  # PyroBayesNet walks Sequential/Residual containers only
     ),
-    # eval mode: the exact affine map of the running statistics (train mode: test_normalization)
-    "batch_norm1d": LayerCase(
-        net=lambda: _with_statistics(
-            Sequential(
-                BayesLinear(3, 4, init_scale=_S),
-                BatchNorm1d(4),
-                ReLU(),
-                BayesLinear(4, 2, init_scale=_S),
-            ).double()
-        ),
-        x=lambda: torch.randn(4, 3, dtype=torch.float64),
-        torch_twin=lambda: _with_statistics(
-            nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
-        ),
-        pyro=False,  # PyroBayesNet takes posterior-holding layers only (gamma, beta are points)
+    # eval mode: the exact affine map of the running statistics (train mode: test_batch_norm.py)
+    "batch_norm1d": _dense_norm_case(BatchNorm1d, nn.BatchNorm1d, _with_statistics),
+    "layer_norm": _dense_norm_case(LayerNorm, nn.LayerNorm, _with_affine, exact_diag=False),
+    "group_norm": LayerCase(
+        net=lambda: _with_affine(_conv_net(GroupNorm(1, 3))()),
+        x=_image(),
+        torch_twin=lambda: _with_affine(_conv_twin(nn.GroupNorm(1, 3))()),
+        pyro=False,
+        tol=_POOL_TOL,  # a convolution's correlated output pixels are dropped (see above)
     ),
     "batch_norm2d": LayerCase(
         net=lambda: _with_statistics(_conv_net(BatchNorm2d(3))()),

@@ -21,6 +21,7 @@ from .activations import (
 )
 from .algebra import add_independent, reindex_gaussian, scale_gaussian
 from .conv import conv2d_deterministic, conv2d_diag, conv2d_sample
+from .layer_norm import normalize_diag, normalize_full, normalize_jacobian
 from .layers import (
     activation_moments,
     as_storage,
@@ -40,6 +41,7 @@ from .normalization import (
     affine_diag,
     affine_full,
     batch_norm_statistics,
+    batch_normalize_diag,
     normalization_scale_shift,
 )
 from .policy import (
@@ -75,6 +77,7 @@ __all__ = [
     "asin_residual_over_x3",
     "avg_pool2d_diag",
     "batch_norm_statistics",
+    "batch_normalize_diag",
     "clip_correlation",
     "conv2d_deterministic",
     "conv2d_diag",
@@ -102,6 +105,9 @@ __all__ = [
     "normal_cdf",
     "normal_pdf",
     "normalization_scale_shift",
+    "normalize_diag",
+    "normalize_full",
+    "normalize_jacobian",
     "policy",
     "reindex_gaussian",
     "relu_diag",

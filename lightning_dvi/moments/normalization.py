@@ -14,21 +14,29 @@ variances scaled by :math:`s_c^2`, covariances (flat ``[B, D]`` inputs, one chan
 :math:`s_i s_j`, and a cross-covariance :math:`\operatorname{Cov}(r, a)` by :math:`s` column
 by column (:func:`~lightning_dvi.moments.cross_through_activation` with slope :math:`s`).
 
-*Eval mode* takes the running statistics (exact). *Train mode* takes batch statistics of the
-propagated Gaussians (:func:`batch_norm_statistics`), over the batch and the spatial
-positions of each channel, :math:`n` values :math:`m_k` with variances :math:`v_k`:
+*Eval mode* takes the running statistics (exact). *Train mode* normalizes each channel by
+the statistics of its batch: over the batch and the spatial positions, :math:`n` values
+:math:`a_k \sim \mathcal N(m_k, v_k)`, three rules (``batch_rule`` of the modules):
 
-* ``rule="total"`` (the default of the modules): :math:`\mu_c = \bar m`,
-  :math:`\sigma^2_c = \frac1n\sum_k (m_k - \bar m)^2 + \frac1n\sum_k v_k`, the expected
-  (biased) batch variance of a batch of independent draws :math:`a_k \sim \mathcal N(m_k,
-  v_k)` up to the factor :math:`(n-1)/n` on the second term: the statistic the sampled network
-  sees, on average;
-* ``rule="means"``: :math:`\sigma^2_c = \frac1n\sum_k (m_k - \bar m)^2`, the statistic a
+* ``"total"`` (the default of the modules): constant statistics :math:`\mu_c = \bar m`,
+  :math:`\sigma^2_c = \frac1n\sum_k (m_k - \bar m)^2 + \frac1n\sum_k v_k` (the expected
+  batch variance up to the factor :math:`(n-1)/n` on the second term) in the affine map;
+* ``"independent"``: the values are independent Gaussians and the batch-normalized channel is
+  exactly layer normalization of the vector :math:`(a_1, \dots, a_n)`, whose moments
+  :func:`batch_normalize_diag` takes from :func:`~lightning_dvi.moments.layer_norm.normalize_diag`
+  (exact up to quadrature: the fluctuation of the batch statistics from draw to draw included;
+  memory 81 times the channel's activations). A full covariance across channels keeps its
+  correlations: :math:`\Sigma'_{cc'} = \Sigma_{cc'} r_c r_{c'}` with :math:`r_c` the ratio of
+  output to input standard deviation;
+* ``"means"``: :math:`\sigma^2_c = \frac1n\sum_k (m_k - \bar m)^2`, the statistic a
   deterministic network with the mean activations would see.
 
-Both equal torch's batch statistics when the variances are zero. The statistics are then
-constants of the affine map (their fluctuation from draw to draw is not propagated); the
-measurement that chose the default is in ``docs/moments.md`` ("Batch normalization").
+All three equal torch's batch normalization when the variances are zero; the running
+statistics follow the ``"total"`` statistics (``"means"``: its own). The measurement that chose
+the default is in ``docs/moments.md`` ("Normalization layers"): ``"independent"`` is exact on a
+batch of independent Gaussians, but in networks, whose examples share each weight draw, no
+per-example rule is, and ``"total"`` had the smaller standard-deviation errors behind a hidden
+layer.
 """
 
 from __future__ import annotations
@@ -39,16 +47,18 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .layer_norm import normalize_diag
 from .special import flush
 
 __all__ = [
     "affine_diag",
     "affine_full",
     "batch_norm_statistics",
+    "batch_normalize_diag",
     "normalization_scale_shift",
 ]
 
-BatchRule = Literal["total", "means"]
+BatchRule = Literal["total", "independent", "means"]
 """How train-mode batch statistics are formed from propagated moments (module docstring)."""
 
 
@@ -61,17 +71,20 @@ def batch_norm_statistics(
         mean: the propagated means :math:`m`, e.g. ``[B, C, H, W]``.
         var: their variances :math:`v` (same shape), or ``None`` for deterministic inputs.
         dims: the dimensions reduced (batch and spatial: every one but the channel's).
-        rule: ``"total"`` adds the mean variance :math:`\bar v` to the variance of the means;
-            ``"means"`` does not (see the module docstring).
+        rule: ``"total"`` (and ``"independent"``, whose running statistics these are) adds the
+            mean variance :math:`\bar v` to the variance of the means; ``"means"`` does not
+            (see the module docstring).
 
     Returns:
         ``(mu, sigma2)``, shaped like ``mean`` with size 1 on ``dims``.
     """
-    if rule not in ("total", "means"):
-        raise ValueError(f"batch statistics rule must be 'total' or 'means', got {rule!r}")
+    if rule not in ("total", "independent", "means"):
+        raise ValueError(
+            f"batch statistics rule must be 'total', 'independent' or 'means', got {rule!r}"
+        )
     dims = tuple(dims)
     sigma2, mu = torch.var_mean(mean, dim=dims, correction=0, keepdim=True)
-    if rule == "total" and var is not None:
+    if rule != "means" and var is not None:
         sigma2 = sigma2 + var.mean(dim=dims, keepdim=True)
     return mu, sigma2
 
@@ -105,3 +118,19 @@ def affine_full(mean: Tensor, cov: Tensor, scale: Tensor, shift: Tensor) -> tupl
     """
     scale = scale.expand_as(mean)
     return scale * mean + shift, flush(cov * (scale.unsqueeze(-1) * scale.unsqueeze(-2)))
+
+
+def batch_normalize_diag(mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    r"""Moments of batch normalization (no affine) of independent Gaussians ``[B, C, *]``.
+
+    Per channel, the :math:`n = B\cdot\prod\text{spatial}` values are normalized together:
+    :func:`~lightning_dvi.moments.layer_norm.normalize_diag` over that vector (the
+    ``"independent"`` rule of the module docstring).
+    """
+    perm = (1, 0, *range(2, mean.dim()))
+    c = mean.shape[1]
+    out_mean, out_var = normalize_diag(
+        mean.permute(perm).reshape(c, -1), var.permute(perm).reshape(c, -1), eps
+    )
+    shape = tuple(mean.permute(perm).shape)
+    return out_mean.reshape(shape).permute(perm), out_var.reshape(shape).permute(perm)

@@ -15,6 +15,7 @@ from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
 from .graph import GraphNetwork
+from .layer_norm import GroupNorm, LayerNorm
 from .linear import BayesLinear, FactorisedLayer
 from .normalization import BatchNorm1d, BatchNorm2d
 from .pooling import AdaptiveAvgPool2d
@@ -52,8 +53,10 @@ __all__ = [
     "FactorisedLayer",
     "Flatten",
     "GraphNetwork",
+    "GroupNorm",
     "HasPosterior",
     "Heaviside",
+    "LayerNorm",
     "LayerSpec",
     "LeakyReLU",
     "MaxPool2d",

@@ -12,7 +12,7 @@ on a Gaussian once the statistics :math:`(\mu_c, \sigma^2_c)` are fixed:
 
 * eval mode (or ``freeze_statistics=True``): the running statistics;
 * train mode: batch statistics of the propagated moments (``batch_rule``, see
-  :func:`lightning_dvi.moments.batch_norm_statistics`), with torch's running-statistic update
+  :mod:`lightning_dvi.moments.normalization`), with torch's running-statistic update
   (momentum, or the cumulative average for ``momentum=None``; the unbiased batch variance);
   in the Monte Carlo modes each draw of ``[S, B, ...]`` is normalized by its own batch
   statistics, as the sampled network would be, and the running statistics take their average
@@ -25,7 +25,7 @@ zero input variance the module is torch's ``BatchNorm`` (outputs and running sta
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +77,10 @@ class _BatchNorm(BayesModule):
             raise ValueError(f"{self._name}: eps must be positive, got {eps!r}")
         if momentum is not None and not 0 <= momentum <= 1:
             raise ValueError(f"{self._name}: momentum must be None or in [0, 1], got {momentum!r}")
-        if batch_rule not in ("total", "means"):
+        if batch_rule not in ("total", "independent", "means"):
             raise ValueError(
-                f"{self._name}: batch_rule must be 'total' or 'means', got {batch_rule!r}"
+                f"{self._name}: batch_rule must be 'total', 'independent' or 'means', got "
+                f"{batch_rule!r}"
             )
         if freeze_statistics and not track_running_stats:
             raise ValueError(f"{self._name}: freeze_statistics needs track_running_stats=True")
@@ -206,6 +207,8 @@ class _BatchNorm(BayesModule):
             dims = (0, *range(2, rank))
             mu, sigma2 = N.batch_norm_statistics(g.mean, g.var, dims, self.batch_rule)
             self._update(mu, sigma2, n)
+            if self.batch_rule == "independent":
+                return self._independent(g, rank)
         else:
             mu, sigma2 = self._running(rank)
         scale, shift = self._affine(mu, sigma2, rank)
@@ -215,11 +218,33 @@ class _BatchNorm(BayesModule):
         mean, var = N.affine_diag(g.mean, g.var, scale, shift)
         return Gaussian(mean, var=var, validate=False)
 
+    def _independent(self, g: Gaussian, rank: int) -> Gaussian:
+        """The ``"independent"`` train rule: each channel layer-normalized over its batch."""
+        mean, var = N.batch_normalize_diag(g.mean, g.var, self.eps)
+        ones = torch.ones((), dtype=mean.dtype, device=mean.device)
+        gain = self._channel(self.weight, rank)
+        shift = self._channel(self.bias, rank)
+        gain, shift = (ones if gain is None else gain), (0 * ones if shift is None else shift)
+        mean, var = N.affine_diag(mean, var, gain, shift)
+        if g.cov is None:
+            return Gaussian(mean, var=var, validate=False)
+        # keep the correlations across channels: Sigma'_cc' = Sigma_cc' r_c r_c'
+        sd_in = g.var.sqrt()
+        ratio = torch.where(
+            sd_in > 0, var.sqrt() / sd_in.clamp_min(torch.finfo(sd_in.dtype).tiny), 0
+        )
+        cov = g.cov * (ratio.unsqueeze(-1) * ratio.unsqueeze(-2))
+        return Gaussian(
+            mean, cov=cov + torch.diag_embed(var - torch.diagonal(cov, 0, -2, -1)), validate=False
+        )
+
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         r""":math:`\operatorname{Cov}(r, s \circ a + t) = \operatorname{Cov}(r, a)\operatorname{diag}(s)`.
 
         The statistics are those :meth:`propagate` uses (it runs after this, and it is what
-        updates the running statistics, once per batch).
+        updates the running statistics, once per batch); under the ``"independent"`` rule,
+        the ``"total"`` statistics (the cross-covariance of a skip connection then passes the
+        constant-statistics gain :math:`s`).
         """
         user = self._check(x, mode)
         if len(user) != 2:
@@ -245,16 +270,12 @@ class _BatchNorm(BayesModule):
 def _from_torch_batch_norm(module: nn.Module, options: ConversionOptions) -> BayesModule:
     assert isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d))  # the registry's torch_modules
     cls = BatchNorm1d if isinstance(module, nn.BatchNorm1d) else BatchNorm2d
-    kwargs: dict[str, Any] = {
-        k: v for k, v in options.layer_kwargs.items() if k in ("batch_rule", "freeze_statistics")
-    }
     layer = cls(
         module.num_features,
         module.eps,
         module.momentum,
         module.affine,
         module.track_running_stats,
-        **kwargs,
     )
     ref = module.weight if module.weight is not None else module.running_mean
     if ref is not None:
@@ -268,11 +289,60 @@ def _from_torch_batch_norm(module: nn.Module, options: ConversionOptions) -> Bay
     return layer
 
 
+class _FunctionalBatchNorm(_BatchNorm):
+    """``F.batch_norm(x, ...)`` on moments (the Pyro pass): the caller's tensors, its factor."""
+
+    _name = "batch_norm"
+    _ranks = (2, 3, 4, 5)
+    _shapes = "[B, C, *]"
+
+    def __init__(
+        self,
+        num_features: int,
+        running: tuple[Tensor | None, Tensor | None],
+        affine: tuple[Tensor | None, Tensor | None],
+        training: bool,
+        factor: float,
+        eps: float,
+    ) -> None:
+        super().__init__(num_features, eps, factor, affine=False, track_running_stats=False)
+        self.running_mean, self.running_var = running  # updated in place, as torch does
+        self.weight, self.bias = affine  # type: ignore[assignment]  # the caller's tensors
+        self.track_running_stats = running[0] is not None
+        self.training = training
+        self._factor = factor
+
+    def _momentum(self) -> float:
+        return self._factor  # the torch module computed it (and counted the batch)
+
+
+def _batch_norm_from_call(
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> BayesModule:
+    known = [t for t in (running_mean, weight, bias) if t is not None]
+    if not known:
+        raise NotImplementedError(
+            "F.batch_norm without running statistics or affine parameters (the channel count "
+            "is unknown)"
+        )
+    return _FunctionalBatchNorm(
+        known[0].numel(), (running_mean, running_var), (weight, bias), training, momentum, eps
+    )
+
+
 @register_layer(
     "batch_norm1d",
     kind="normalization",
     torch_modules=(nn.BatchNorm1d,),
+    torch_functions=(F.batch_norm,),
     convert=_from_torch_batch_norm,
+    from_call=_batch_norm_from_call,
 )
 class BatchNorm1d(_BatchNorm):
     r"""Batch normalization of ``[B, C]`` or ``[B, C, L]`` inputs (moments, module docstring).
@@ -283,11 +353,13 @@ class BatchNorm1d(_BatchNorm):
         momentum: running-statistics factor (``None``: cumulative average), as in torch.
         affine: learn :math:`\gamma, \beta` (point parameters).
         track_running_stats: keep running statistics (eval mode uses them).
-        batch_rule: train-mode statistics from moments, ``"total"`` (the mean variance added
-            to the variance of the means) or ``"means"`` (see
-            :func:`lightning_dvi.moments.batch_norm_statistics`).
+        batch_rule: the train-mode rule on moments: ``"total"`` (constant statistics, the
+            mean variance added to the variance of the means), ``"independent"`` (each channel
+            layer-normalized over its batch: exact for independent examples, 81 times the
+            activations' memory) or ``"means"`` (see :mod:`lightning_dvi.moments.normalization`).
         freeze_statistics: use (and keep) the running statistics in train mode too, e.g. to
-            fine-tune a converted network with small batches.
+            fine-tune a converted network with small batches (an attribute: set it on the
+            converted modules, ``for m in net.modules(): ...``).
 
     Examples:
         >>> from lightning_dvi import Gaussian
