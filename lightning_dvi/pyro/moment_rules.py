@@ -314,7 +314,7 @@ def _registered_activation(func: Callable[..., Any]) -> Handler | None:
         spec = None if base is None else spec_for_function(base)
         if spec is None:
             return None
-    if spec.kind != "activation":  # shape ops and pools registered for from_torch have own rules
+    if spec.kind == "shape":  # torch.flatten keeps its own rule (a reshape of the moments)
         return None
     found = spec
 
