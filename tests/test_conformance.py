@@ -9,10 +9,12 @@ networks need shapes, have one case each below. A registered kind without a case
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from conformance import LayerCase, LayerConformance
 from torch import nn
 
 from lightning_dvi.nn import (
+    AdaptiveAvgPool2d,
     AvgPool2d,
     BatchNorm1d,
     BatchNorm2d,
@@ -25,6 +27,7 @@ from lightning_dvi.nn import (
     ReLU,
     Residual,
     Sequential,
+    from_torch,
     layer_specs,
 )
 from lightning_dvi.nn.convert import TorchFlatten
@@ -87,6 +90,35 @@ def _with_statistics(module):
     return module.eval()
 
 
+def _pool_case(pool, twin_pool) -> LayerCase:
+    """A conv, the pool (to 2x2), a dense head; PyroBayesNet has no conv path."""
+    return LayerCase(
+        net=_conv_net(pool, flat=12),
+        x=_image(),
+        torch_twin=_conv_twin(twin_pool, flat=12),
+        pyro=False,
+        tol=_POOL_TOL,
+    )
+
+
+class _SkipNet(nn.Module):
+    """A torch module with a functional ReLU, a tanh skip branch and a concatenation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = F.relu(self.l1(x))
+        h = h + torch.tanh(self.l2(h))
+        return self.l3(torch.cat([h, F.relu(h)], 1))
+
+
+def _graph_net():
+    net = from_torch(_SkipNet().double(), scale_fraction=0.3, min_scale=1e-3)
+    return net
+
+
 def _with_affine(module):
     """``module`` with non-trivial normalization gains and shifts."""
     for m in module.modules():
@@ -125,21 +157,17 @@ SHAPED_CASES: dict[str, LayerCase] = {
         torch_twin=lambda: nn.Linear(3, 4),
     ),
     "conv2d": LayerCase(net=_conv_net(), x=_image(), torch_twin=_conv_twin(), pyro=False),
-    "avg_pool2d": LayerCase(
-        net=_conv_net(AvgPool2d(2), flat=12),
-        x=_image(),
-        torch_twin=_conv_twin(nn.AvgPool2d(2), flat=12),
-        pyro=False,
-        tol=_POOL_TOL,
-    ),
-    "max_pool2d": LayerCase(
-        net=_conv_net(MaxPool2d(2), flat=12),
-        x=_image(),
-        torch_twin=_conv_twin(nn.MaxPool2d(2), flat=12),
-        pyro=False,
-        tol=_POOL_TOL,
-    ),
+    "avg_pool2d": _pool_case(AvgPool2d(2), nn.AvgPool2d(2)),
+    "max_pool2d": _pool_case(MaxPool2d(2), nn.MaxPool2d(2)),
     "flatten": LayerCase(net=_conv_net(), x=_image(), pyro=False),
+    "adaptive_avg_pool2d": _pool_case(AdaptiveAvgPool2d(2), nn.AdaptiveAvgPool2d(2)),
+    "graph": LayerCase(
+        net=_graph_net,
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+        torch_twin=_SkipNet,
+        exact_diag=False,  # diag mode drops the covariances between units, as Residual's
+        pyro=False,  # PyroBayesNet walks Sequential/Residual containers only
+    ),
     # eval mode: the exact affine map of the running statistics (train mode: test_batch_norm.py)
     "batch_norm1d": _dense_norm_case(BatchNorm1d, nn.BatchNorm1d, _with_statistics),
     "layer_norm": _dense_norm_case(LayerNorm, nn.LayerNorm, _with_affine, exact_diag=False),

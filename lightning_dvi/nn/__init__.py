@@ -14,9 +14,11 @@ from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
+from .graph import GraphNetwork
 from .layer_norm import GroupNorm, LayerNorm
 from .linear import BayesLinear, FactorisedLayer
 from .normalization import BatchNorm1d, BatchNorm2d
+from .pooling import AdaptiveAvgPool2d
 from .posterior import (
     HasPosterior,
     ParameterGroup,
@@ -41,6 +43,7 @@ __all__ = [
     "ELU",
     "GELU",
     "ActivationSpec",
+    "AdaptiveAvgPool2d",
     "AvgPool2d",
     "BatchNorm1d",
     "BatchNorm2d",
@@ -49,6 +52,7 @@ __all__ = [
     "BayesModule",
     "FactorisedLayer",
     "Flatten",
+    "GraphNetwork",
     "GroupNorm",
     "HasPosterior",
     "Heaviside",

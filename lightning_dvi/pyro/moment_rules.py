@@ -284,6 +284,8 @@ def _registered_activation(func: Callable[..., Any]) -> Handler | None:
         spec = None if base is None else spec_for_function(base)
         if spec is None:
             return None
+    if spec.kind == "shape":  # torch.flatten keeps its own rule (a reshape of the moments)
+        return None
     found = spec
 
     def activation(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
