@@ -129,9 +129,12 @@ def mehler_cov(cov: Tensor, derivs: Tensor, out_var: Tensor) -> Tensor:
     var_in = cov.diagonal(dim1=-2, dim2=-1)
     parseval = flush(parseval_sum(var_in, derivs))  # squares of tail values: no subnormals
     # a no-op (factor 1) unless quadrature error put V below P; safe arguments on both branches
+    # (the unselected branch divides by 1, not by a floored parseval: its backward would form
+    # 0 * tiny / tiny**2 = 0 * inf = NaN at a zero input variance)
     tiny = torch.finfo(cov.dtype).tiny
-    ratio = out_var.clamp_min(tiny) / parseval.clamp_min(tiny)
-    shrink = torch.where(parseval > out_var, ratio.clamp(max=1).sqrt(), 1.0)
+    shrinks = parseval > out_var
+    ratio = out_var.clamp_min(tiny) / torch.where(shrinks, parseval, torch.ones_like(parseval))
+    shrink = torch.where(shrinks, ratio.clamp(max=1).sqrt(), 1.0)
     derivs = derivs * shrink[..., None]
     d = cov.shape[-1]
     lead = torch.broadcast_shapes(cov.shape[:-2], derivs.shape[:-2], out_var.shape[:-1])

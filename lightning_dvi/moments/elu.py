@@ -112,11 +112,14 @@ def _stats(alpha: float, mean: Tensor, var: Tensor, order: int) -> Tensor:
     inv_s = s.clamp_min(1e-8 if var.dtype == torch.float32 else 1e-60).reciprocal_()
     scale = pdf * inv_s
     delta = [scale]
-    he_prev, he = torch.ones_like(mu), mu
+    # phi(mu) underflows to exactly 0 beyond |mu| = 40 (both dtypes); the Hermite factor is
+    # evaluated there at the clamp, where it is finite: He_j(mu) itself overflows (inf * 0 = NaN)
+    mu_he = mu.clamp(-40.0, 40.0)
+    he_prev, he = torch.ones_like(mu), mu_he
     for j in range(1, order - 1):
         scale = scale * inv_s
         delta.append(he * scale * (-1) ** j)
-        he_prev, he = he, mu * he - j * he_prev
+        he_prev, he = he, mu_he * he - j * he_prev
     a_t1 = alpha * t1
     e = [cdf + a_t1]
     acc = torch.zeros_like(mu)  # sum of the delta^(j), j <= k - 3
