@@ -165,7 +165,7 @@ def test_bad_last_layers_are_refused():
         def forward(self, x):
             return self.fc(x) if x.sum() > 0 else x
 
-    with pytest.raises(NotImplementedError, match="torch.fx cannot trace Branchy"):
+    with pytest.raises(NotImplementedError, match=r"torch\.fx cannot trace Branchy"):
         from_torch(Branchy(), last_layers=1)
 
 
