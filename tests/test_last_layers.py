@@ -83,8 +83,16 @@ def test_an_unfrozen_backbone_trains():
     assert net.backbone.training
     out = net(torch.randn(8, 1, 8, 8, dtype=torch.float64), mode="diag")
     out.mean.sum().backward()
-    assert net.backbone.conv1.weight.grad is not None  # the torch weights are shared
-    assert model.conv1.weight.requires_grad
+    assert net.backbone.conv1.weight.grad is not None
+    assert model.conv1.weight.grad is None  # a copy: the caller's model is untouched
+
+
+def test_conversion_leaves_the_torch_model_as_it_was():
+    model = _resnet().train()
+    net = from_torch(model, last_layers=1)
+    assert model.training and model.bn1.training
+    assert all(p.requires_grad for p in model.parameters())
+    assert net.backbone.conv1.weight is not model.conv1.weight
 
 
 def test_the_backbone_runs_once_in_the_sampling_modes():

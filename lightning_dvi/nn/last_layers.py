@@ -6,9 +6,9 @@ layers (``call_module`` nodes whose module is a registered weight kind: ``nn.Lin
 :math:`k`:
 
 * the **backbone** is every node that the rest needs and that does not depend on one of those
-  :math:`k` layers. It stays *plain torch* (a :class:`torch.fx.GraphModule` over the model's own
-  submodules), runs on tensors with point weights and carries no covariance, so it costs what it
-  costs in torch. It is frozen by default (``requires_grad=False``, and kept in eval mode while
+  :math:`k` layers. It stays *plain torch* (a :class:`torch.fx.GraphModule` over a copy of the
+  model's submodules), runs on tensors with point weights and carries no covariance, so it
+  costs what it costs in torch. It is frozen by default (``requires_grad=False``, and kept in eval mode while
   the network trains, so BatchNorm's running statistics do not move); ``freeze_backbone=False``
   fine-tunes it by maximum likelihood inside the ELBO.
 * the **head** (everything that depends on a Bayesian layer) is converted to declared DVI
@@ -29,6 +29,7 @@ correlated under ``head_covariance="full"`` (:class:`~lightning_dvi.nn.BayesLine
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -92,7 +93,7 @@ def split(model: nn.Module, last_layers: int) -> Cut:
     if isinstance(last_layers, bool) or not isinstance(last_layers, int) or last_layers < 1:
         raise ValueError(f"last_layers must be a positive int, got {last_layers!r}")
     try:
-        traced = fx.symbolic_trace(model)
+        traced = fx.symbolic_trace(copy.deepcopy(model))  # the caller's model stays untouched
     except Exception as err:  # torch.fx raises TraceError, TypeError, ... on untraceable code
         raise NotImplementedError(
             f"from_torch(last_layers={last_layers}): torch.fx cannot trace "
@@ -261,8 +262,9 @@ def last_layer_network(
     """:func:`split` ``model``, convert the head with ``convert``, and package both.
 
     What ``from_torch(model, last_layers=k, ...)`` calls (see :mod:`this module
-    <lightning_dvi.nn.last_layers>`). The backbone shares the model's tensors (no copy); the
-    head's posterior is initialised by ``convert``.
+    <lightning_dvi.nn.last_layers>`). The backbone is a copy of the model's modules (freezing or
+    fine-tuning it leaves ``model`` as it was); the head's posterior is initialised by
+    ``convert``.
 
     Raises:
         ValueError: for a ``head_covariance`` other than ``"diag"`` or ``"full"``, and as
