@@ -89,7 +89,7 @@ def _fit_head(
     )
     start = time.process_time()
     if cached:
-        x, y = dm.train_dataloader().dataset.tensors  # type: ignore[attr-defined]
+        x, y = dm.train_dataloader().dataset.tensors
         with torch.no_grad():
             features = net.features(x)
         loader = DataLoader(TensorDataset(features, y), batch_size=128, shuffle=True)
@@ -122,8 +122,8 @@ def main() -> None:
     dm.setup("fit")
     dm.setup("test")
     splits = {
-        "val": dm.val_dataloader().dataset.tensors,  # type: ignore[attr-defined]
-        "test": dm.test_dataloader().dataset.tensors,  # type: ignore[attr-defined]
+        "val": dm.val_dataloader().dataset.tensors,
+        "test": dm.test_dataloader().dataset.tensors,
     }
     model = resnet18(num_classes=10, in_channels=1, small_input=True, width=8)
     done = 0
