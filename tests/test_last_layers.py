@@ -196,3 +196,22 @@ def test_a_full_covariance_head_covers_the_output_layer_only():
         a, b = net(x, mode=mode), factorised(x, mode=mode)
         torch.testing.assert_close(a.mean, b.mean)
         torch.testing.assert_close(a.var, b.var)
+
+
+def test_a_flatten_call_inside_the_head_converts():
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(5, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc2(torch.flatten(torch.relu(self.fc1(x)), 1))
+
+    torch.manual_seed(0)
+    model = Flat().double()
+    net = from_torch(model, last_layers=2, scale_fraction=0.0)
+    assert [type(m).__name__ for m in net.head] == [
+        "BayesLinear", "ReLU", "TorchFlatten", "BayesLinear"
+    ]  # fmt: skip
+    x = torch.randn(4, 5, dtype=torch.float64)
+    torch.testing.assert_close(net(x, mode="diag").mean, model(x))

@@ -61,6 +61,8 @@ class BayesLinearFullCov(BayesModule):
 
     Examples:
         >>> layer = BayesLinearFullCov(3, 2)
+        >>> with torch.no_grad():  # L starts diagonal (independent weights); training correlates
+        ...     _ = layer.tril.normal_(0.0, 0.1)
         >>> out = layer(torch.randn(5, 3), mode="full")
         >>> tuple(out.cov.shape), bool(out.cov[0, 0, 1] != 0)
         ((5, 2, 2), True)

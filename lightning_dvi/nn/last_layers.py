@@ -40,10 +40,9 @@ from torch import Tensor, fx, nn
 from ..gaussian import Gaussian, Mode, all_finite, validate_mode
 from .base import BayesModule, Moments
 from .container import Sequential
-from .convert import TorchFlatten
 from .full_cov import BayesLinearFullCov
 from .linear import BayesLinear
-from .registry import register_layer, spec_for_function, spec_for_module
+from .registry import layer_specs, register_layer, spec_for_function, spec_for_module
 
 __all__ = [
     "Cut",
@@ -220,7 +219,10 @@ def _convert_node(
     if node.target in _FLATTEN:
         start = int(cast(int, extra[0] if extra else kwargs.get("start_dim", 0)))
         end = int(cast(int, extra[1] if len(extra) > 1 else kwargs.get("end_dim", -1)))
-        return [TorchFlatten(start, end)]
+        # torch.nn.Flatten's declared kind, found in the registry (nn.convert imports this module)
+        flatten = next(s.cls for s in layer_specs("shape") if s.name == "torch_flatten")
+        assert flatten is not None  # registered with its class in nn.convert
+        return [flatten(start, end)]  # TorchFlatten(start_dim, end_dim)
     spec = spec_for_function(node.target) if callable(node.target) else None
     if spec is None:
         raise NotImplementedError(f"{where} has no declared equivalent")
