@@ -14,7 +14,9 @@ from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
+from .full_cov import BayesLinearFullCov
 from .graph import GraphNetwork
+from .last_layers import LastLayerNetwork
 from .layer_norm import GroupNorm, LayerNorm
 from .linear import BayesLinear, FactorisedLayer
 from .normalization import BatchNorm1d, BatchNorm2d
@@ -49,6 +51,7 @@ __all__ = [
     "BatchNorm2d",
     "BayesConv2d",
     "BayesLinear",
+    "BayesLinearFullCov",
     "BayesModule",
     "FactorisedLayer",
     "Flatten",
@@ -56,6 +59,7 @@ __all__ = [
     "GroupNorm",
     "HasPosterior",
     "Heaviside",
+    "LastLayerNetwork",
     "LayerNorm",
     "LayerSpec",
     "LeakyReLU",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +47,9 @@ from .registry import (
     spec_for_module,
 )
 from .trace import graph_from_torch
+
+if TYPE_CHECKING:
+    from .last_layers import LastLayerNetwork
 
 __all__ = [
     "ConversionOptions",
@@ -148,13 +151,45 @@ _SUPPORTED = (
 )
 
 
+@overload
+def from_torch(
+    module: nn.Module,
+    init: Init = ...,
+    scale_fraction: float = ...,
+    min_scale: float = ...,
+    *,
+    last_layers: None = None,
+    freeze_backbone: bool = ...,
+    head_covariance: Literal["diag", "full"] = ...,
+    **layer_kwargs: Any,
+) -> Sequential | GraphNetwork: ...
+
+
+@overload
+def from_torch(
+    module: nn.Module,
+    init: Init = ...,
+    scale_fraction: float = ...,
+    min_scale: float = ...,
+    *,
+    last_layers: int,
+    freeze_backbone: bool = ...,
+    head_covariance: Literal["diag", "full"] = ...,
+    **layer_kwargs: Any,
+) -> LastLayerNetwork: ...
+
+
 def from_torch(
     module: nn.Module,
     init: Init = "torch",
     scale_fraction: float = 0.1,
     min_scale: float = 1e-8,
+    *,
+    last_layers: int | None = None,
+    freeze_backbone: bool = True,
+    head_covariance: Literal["diag", "full"] = "diag",
     **layer_kwargs: Any,
-) -> Sequential | GraphNetwork:
+) -> Sequential | GraphNetwork | LastLayerNetwork:
     r"""Convert a torch network into a declared DVI network.
 
     A plain ``nn.Sequential`` of registered layers (or a single layer) converts layer by layer
@@ -173,13 +208,22 @@ def from_torch(
         scale_fraction: :math:`\delta \ge 0`; ``0`` gives exactly zero posterior scales, a
             deterministic copy of the torch network (infinite KL: for export and checks).
         min_scale: floor of the posterior std when ``scale_fraction > 0``.
+        last_layers: make only the last ``k`` weight layers Bayesian: the network is traced
+            with ``torch.fx`` and cut before them; the rest stays a plain-torch backbone
+            (:mod:`lightning_dvi.nn.last_layers`). ``None``: convert the whole network.
+        freeze_backbone: with ``last_layers``: freeze the backbone (no gradients, eval mode).
+        head_covariance: with ``last_layers``: ``"diag"`` (factorised posterior) or
+            ``"full"`` (a full-covariance posterior over the weights and bias of the head's
+            output Linear layer, :class:`~lightning_dvi.nn.BayesLinearFullCov`: correlated
+            logits).
         **layer_kwargs: forwarded to every :class:`BayesLinear` (e.g. ``prior_variance``,
             ``scale_transform``, and ``init_scale`` for ``init="fresh"``).
 
     Returns:
         A :class:`~lightning_dvi.nn.Sequential` (layer path) or a
         :class:`~lightning_dvi.nn.GraphNetwork` (graph path) of declared modules, on the torch
-        weights' device and dtype.
+        weights' device and dtype; with ``last_layers``, a
+        :class:`~lightning_dvi.nn.LastLayerNetwork` (backbone and head).
 
     Raises:
         NotImplementedError: for a layer that cannot be converted, naming its position and
@@ -212,6 +256,16 @@ def from_torch(
             raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
     if scale_fraction > 0 and min_scale <= 0:
         raise ValueError("min_scale must be > 0 when scale_fraction > 0 (finite KL)")
+    if last_layers is not None:
+        from .last_layers import last_layer_network
+
+        def convert(layer: nn.Module) -> BayesModule:
+            converted: BayesModule = from_torch(
+                layer, init, scale_fraction, min_scale, **layer_kwargs
+            )
+            return converted
+
+        return last_layer_network(module, last_layers, convert, freeze_backbone, head_covariance)
     options = ConversionOptions(init, float(scale_fraction), float(min_scale), dict(layer_kwargs))
     if _by_graph(module):
         return graph_from_torch(module, options)
