@@ -45,6 +45,7 @@ from .data import Budget, ClassificationSplit, plain_cnn, plain_mlp
 __all__ = [
     "METRICS",
     "Row",
+    "evaluate",
     "fit_dvi",
     "markdown_table",
     "run_row",
@@ -188,7 +189,15 @@ def run_row(
     validation metrics (``history``).
     """
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    fitted = fit_row(split, row, budget, seed)
+    return evaluate(split, fit_row(split, row, budget, seed), mc_eval)
+
+
+def evaluate(split: ClassificationSplit, fitted: Fitted, mc_eval: int = 64) -> dict[str, Any]:
+    """The test metrics of a trained row (see :func:`run_row`), its ``train_s`` and ``best_epoch``.
+
+    The OOD inputs are :meth:`~lightning_dvi.benchmarks.data.ClassificationSplit.ood_inputs`;
+    rows with ``samples`` also get the mutual-information detector from ``mc_eval`` draws.
+    """
     x, ood = split.x_test, split.ood_inputs()
     samples = ood_samples = None
     if fitted.samples is not None:
