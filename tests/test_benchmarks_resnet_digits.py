@@ -16,7 +16,8 @@ import torch
 
 from lightning_dvi.benchmarks import resnet_digits
 from lightning_dvi.benchmarks.baselines import Fitted
-from lightning_dvi.benchmarks.data import ClassificationSplit
+from lightning_dvi.benchmarks.classification import fit_dvi
+from lightning_dvi.benchmarks.data import Budget, ClassificationSplit, digits_split, plain_cnn
 from lightning_dvi.benchmarks.resnet_digits import COLUMNS, Config, as_sequential, main, run
 from lightning_dvi.benchmarks.torch_resnet import ResNet
 
@@ -85,3 +86,15 @@ def test_bad_rows_and_options_are_refused() -> None:
         main(["--quick", "--seeds", "0"])
     with pytest.raises(ValueError, match="--threads"):
         main(["--quick", "--threads", "0"])
+
+
+def test_fit_dvi_trains_the_declared_network_it_is_given() -> None:
+    from lightning_dvi.nn import from_torch
+
+    split = digits_split("global", images=True, num_train=60)
+    net = from_torch(plain_cnn(split.num_classes, channels=(4,), hidden=(8,)))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    fitted = fit_dvi(split, Budget(epochs=1, batch_size=32), 0, mc_eval=4, net=net)
+    assert fitted.net is not None and fitted.net.net is net  # trained in place, not rebuilt
+    assert any(not torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert fitted.predict(split.x_test[:3]).shape == (3, split.num_classes)

@@ -106,12 +106,15 @@ def fit_dvi(
     seed: int,
     row: Row = Row("dvi"),
     mc_eval: int = 64,
+    net: nn.Module | None = None,
 ) -> Fitted:
     """:class:`~lightning_dvi.DVIClassifier` with ``row.settings``, trained by ``lightning.Trainer``.
 
     The learning rate comes from ``budget`` unless the settings give one. The shapes are read
     from the data at ``setup()``; ``details["history"]`` holds every epoch's logged metrics
     (the collapse diagnostics among them). MCVI rows predict with ``mc_eval`` weight samples.
+    ``net``: a declared network to train (e.g. one made by ``from_torch`` from a trained
+    network) instead of the one ``row.arch`` builds.
     """
     from lightning.pytorch import Trainer, seed_everything
 
@@ -120,10 +123,12 @@ def fit_dvi(
 
     seed_everything(seed, verbose=False)
     settings = {"lr": budget.lr, **row.settings}
-    if row.arch == "cnn":
-        size = split.input_shape[-1]
-        net = CNN(split.input_shape[0], split.num_classes, size, hidden=list(row.hidden))
+    if net is not None:
         model = DVIClassifier(net=net, **settings)
+    elif row.arch == "cnn":
+        size = split.input_shape[-1]
+        cnn = CNN(split.input_shape[0], split.num_classes, size, hidden=list(row.hidden))
+        model = DVIClassifier(net=cnn, **settings)
     else:
         model = DVIClassifier(hidden=list(row.hidden), **settings)
     history = _History()
