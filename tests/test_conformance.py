@@ -16,7 +16,9 @@ from lightning_dvi.nn import (
     AvgPool2d,
     BayesConv2d,
     BayesLinear,
+    BayesLinearFullCov,
     Flatten,
+    LastLayerNetwork,
     MaxPool2d,
     ReLU,
     Residual,
@@ -109,6 +111,21 @@ SHAPED_CASES: dict[str, LayerCase] = {
             nn.Sequential(nn.Linear(3, 5), nn.ReLU()), nn.Linear(5, 2)
         ),
     ),
+    # a correlated head after a factorised layer: its input units are independent, so diag
+    # mode (which keeps the diagonal of the output covariance) is exact too
+    "linear_full_cov": LayerCase(
+        net=lambda: _full_cov_net(BayesLinear(3, 5, init_scale=_S), ReLU()),
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+    ),
+    # a plain-torch backbone without parameters (a trained one is frozen: no posterior, no
+    # gradient, which the shared checks ask of every parameter) before a declared head
+    "last_layers": LayerCase(
+        net=lambda: LastLayerNetwork(
+            nn.Tanh(),
+            Sequential(BayesLinear(3, 4, init_scale=_S), ReLU(), BayesLinear(4, 2, init_scale=_S)),
+        ).double(),
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+    ),
     "residual": LayerCase(
         net=lambda: Sequential(
             BayesLinear(3, 4, init_scale=_S),
@@ -119,6 +136,13 @@ SHAPED_CASES: dict[str, LayerCase] = {
         exact_diag=False,  # the skip's cross-covariance is dropped in diag mode
     ),
 }
+
+
+def _full_cov_net(*before):
+    head = BayesLinearFullCov(5, 3, init_scale=_S)
+    with torch.no_grad():  # correlated weights: a random strictly lower triangle of L
+        head.tril.normal_(0.0, 0.1)
+    return Sequential(*before, head).double()
 
 
 def _registered() -> dict[str, LayerSpec]:

@@ -30,7 +30,7 @@ from typing_extensions import Self
 from ..compile import CompiledELBO, compile_options
 from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode
 from ..likelihoods import Likelihood
-from ..nn import BayesLinear, BayesModule, bayes_layers
+from ..nn import BayesModule, HasPosterior, bayes_layers
 from ..nn.builders import Activation
 from ..objective import ELBOTerms, elbo
 from ._config import KLScheduleConfig, LRSchedule, OptimiserConfig, OptimizerName, make_prior
@@ -261,8 +261,19 @@ class DVIModule(LightningModule):
         draw_mode = "local" if self.mode == "local" else "sample"
         return cast(Tensor, self.net(x, mode=draw_mode, num_samples=num_samples))
 
-    def _last_layer(self) -> BayesLinear:
-        return cast(BayesLinear, list(bayes_layers(self.net))[-1])  # the dense head
+    def _last_layer(self) -> HasPosterior:
+        """The network's last layer with a posterior (its head), found by protocol."""
+        return list(bayes_layers(self.net))[-1]
+
+    def _output_width(self) -> int:
+        """The number of network outputs: the head's ``out_features``."""
+        width = getattr(self._last_layer(), "out_features", None)
+        if not isinstance(width, int):
+            raise ValueError(
+                f"{type(self).__name__}: the last weight layer of the network "
+                f"({type(self._last_layer()).__name__}) has no out_features; pass num_classes="
+            )
+        return width
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor) -> Gaussian | Tensor:
@@ -657,7 +668,9 @@ class DVIModule(LightningModule):
         self._epoch_end("test")
 
     def configure_optimizers(self) -> Any:
-        r"""Adam over the variational parameters (and any likelihood parameters).
+        r"""Adam over the variational parameters (and any likelihood parameters) that train.
+
+        Parameters with ``requires_grad=False`` (a frozen backbone) are left out.
 
         With ``lr_schedule="cosine"`` the learning rate follows, per optimisation step
         :math:`t` of :math:`T` (``trainer.estimated_stepping_batches``),
@@ -668,8 +681,10 @@ class DVIModule(LightningModule):
         and stays at :math:`\eta_{\min}` (``min_lr``) after :math:`T`; :math:`T` must be finite
         (set ``max_steps`` or ``max_epochs``).
         """
+        # frozen parameters (a LastLayerNetwork's backbone) are not the optimiser's
+        trainable = [p for p in self.parameters() if p.requires_grad]
         return self.optimiser_config.configure(
-            self.parameters(), lambda: self._total_steps("lr_schedule='cosine'")
+            trainable, lambda: self._total_steps("lr_schedule='cosine'")
         )
 
     @property

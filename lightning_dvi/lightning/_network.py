@@ -86,13 +86,13 @@ def check_net(net: object, in_features: int | None, out_features: int | None) ->
         )
     layers = list(bayes_layers(net))
     check(bool(layers), f"net {type(net).__name__} has no BayesLinear layer")
-    first, last = layers[0], layers[-1]
+    last = layers[-1]
     last_out = getattr(last, "out_features", None)  # a BayesConv2d has out_channels
     check(
         out_features is None or last_out == out_features,
         f"the injected net ends in {last_out} outputs but the likelihood needs {out_features}",
     )
-    first_in = getattr(first, "in_features", None)
+    first_in = _input_width(net)
     check(
         # a conv first layer (no in_features) checks its channels itself, on the first batch
         in_features is None or first_in is None or first_in == in_features,
@@ -121,8 +121,20 @@ def setup_network(
     if isinstance(net, Mapping):
         net = instantiate_net(net, f"{owner}'s net configuration")
     net = check_net(net, in_features, out_features)
-    # a convolutional first layer has channels, not an input width
-    return net, getattr(next(iter(bayes_layers(net))), "in_features", None)
+    return net, _input_width(net)
+
+
+def _input_width(net: nn.Module) -> int | None:
+    """The input width of a declared network, or ``None`` where it has none to check.
+
+    The network's own ``in_features`` when it declares one (``None`` for a
+    :class:`~lightning_dvi.nn.LastLayerNetwork`, whose torch backbone takes what it takes),
+    else its first weight layer's (a convolutional first layer has channels, not a width).
+    """
+    if hasattr(net, "in_features"):
+        width = net.in_features
+        return width if isinstance(width, int) else None
+    return getattr(next(iter(bayes_layers(net))), "in_features", None)
 
 
 def _public_paths(cls: type) -> tuple[str, ...]:

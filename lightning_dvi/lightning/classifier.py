@@ -134,7 +134,7 @@ class DVIClassifier(DVIModule):
         self.ece_bins = ece_bins
         self.num_classes: int | None = None
         if num_classes is None and self.net_injected:
-            num_classes = self._last_layer().out_features
+            num_classes = self._output_width()
             self.hparams["num_classes"] = num_classes
         if num_classes is not None:
             self._set_num_classes(num_classes)

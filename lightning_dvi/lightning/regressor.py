@@ -191,7 +191,8 @@ class DVIRegressor(DVIModule):
     def _after_build(self) -> None:
         if self.hparams.get("likelihood") == "heteroscedastic":
             with torch.no_grad():
-                cast(Tensor, self._last_layer().bias_loc)[1] = self.init_log_noise  # has a bias
+                groups = {g.name: g.loc for g in self._last_layer().parameter_groups()}
+                groups["bias"][1] = self.init_log_noise  # the built-in MLP's head has a bias
 
     def _resolve_from_data(self, view: DataView) -> None:
         """Also resolve the target standardisation: arguments, datamodule, or training data."""

@@ -14,6 +14,8 @@ from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
+from .full_cov import BayesLinearFullCov
+from .last_layers import LastLayerNetwork
 from .linear import BayesLinear, FactorisedLayer
 from .posterior import (
     HasPosterior,
@@ -42,11 +44,13 @@ __all__ = [
     "AvgPool2d",
     "BayesConv2d",
     "BayesLinear",
+    "BayesLinearFullCov",
     "BayesModule",
     "FactorisedLayer",
     "Flatten",
     "HasPosterior",
     "Heaviside",
+    "LastLayerNetwork",
     "LayerSpec",
     "LeakyReLU",
     "MaxPool2d",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from torch import Tensor, nn
 
@@ -44,6 +44,9 @@ from .registry import (
     register_layer,
     spec_for_module,
 )
+
+if TYPE_CHECKING:
+    from .last_layers import LastLayerNetwork
 
 __all__ = [
     "ConversionOptions",
@@ -132,13 +135,45 @@ _SUPPORTED = (
 )
 
 
+@overload
+def from_torch(
+    module: nn.Module,
+    init: Init = ...,
+    scale_fraction: float = ...,
+    min_scale: float = ...,
+    *,
+    last_layers: None = None,
+    freeze_backbone: bool = ...,
+    head_covariance: Literal["diag", "full"] = ...,
+    **layer_kwargs: Any,
+) -> Sequential: ...
+
+
+@overload
+def from_torch(
+    module: nn.Module,
+    init: Init = ...,
+    scale_fraction: float = ...,
+    min_scale: float = ...,
+    *,
+    last_layers: int,
+    freeze_backbone: bool = ...,
+    head_covariance: Literal["diag", "full"] = ...,
+    **layer_kwargs: Any,
+) -> LastLayerNetwork: ...
+
+
 def from_torch(
     module: nn.Module,
     init: Init = "torch",
     scale_fraction: float = 0.1,
     min_scale: float = 1e-8,
+    *,
+    last_layers: int | None = None,
+    freeze_backbone: bool = True,
+    head_covariance: Literal["diag", "full"] = "diag",
     **layer_kwargs: Any,
-) -> Sequential:
+) -> Sequential | LastLayerNetwork:
     r"""Convert a torch ``nn.Sequential`` (or a single layer) into a declared DVI network.
 
     Args:
@@ -149,12 +184,20 @@ def from_torch(
         scale_fraction: :math:`\delta \ge 0`; ``0`` gives exactly zero posterior scales, a
             deterministic copy of the torch network (infinite KL: for export and checks).
         min_scale: floor of the posterior std when ``scale_fraction > 0``.
+        last_layers: make only the last ``k`` weight layers Bayesian: the network is traced
+            with ``torch.fx`` and cut before them; the rest stays a plain-torch backbone
+            (:mod:`lightning_dvi.nn.last_layers`). ``None``: convert the whole network.
+        freeze_backbone: with ``last_layers``: freeze the backbone (no gradients, eval mode).
+        head_covariance: with ``last_layers``: ``"diag"`` (factorised posterior) or
+            ``"full"`` (a full-covariance posterior over each Linear layer of the head,
+            :class:`~lightning_dvi.nn.BayesLinearFullCov`).
         **layer_kwargs: forwarded to every :class:`BayesLinear` (e.g. ``prior_variance``,
             ``scale_transform``, and ``init_scale`` for ``init="fresh"``).
 
     Returns:
         A :class:`~lightning_dvi.nn.Sequential` of declared modules, on the torch weights'
-        device and dtype.
+        device and dtype; with ``last_layers``, a
+        :class:`~lightning_dvi.nn.LastLayerNetwork` (backbone and head).
 
     Raises:
         NotImplementedError: for a layer that cannot be converted, naming its position and
@@ -185,6 +228,16 @@ def from_torch(
             raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
     if scale_fraction > 0 and min_scale <= 0:
         raise ValueError("min_scale must be > 0 when scale_fraction > 0 (finite KL)")
+    if last_layers is not None:
+        from .last_layers import last_layer_network
+
+        def convert(layer: nn.Module) -> BayesModule:
+            converted: Sequential = from_torch(
+                layer, init, scale_fraction, min_scale, **layer_kwargs
+            )
+            return converted
+
+        return last_layer_network(module, last_layers, convert, freeze_backbone, head_covariance)
     options = ConversionOptions(init, float(scale_fraction), float(min_scale), dict(layer_kwargs))
     layers: list[BayesModule] = []
     for position, (path, leaf) in enumerate(_leaves(module, ""), start=1):

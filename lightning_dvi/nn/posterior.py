@@ -52,7 +52,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ParameterGroup:
-    """One block of weights sharing a prior variance (a weight matrix or a bias vector).
+    r"""One block of weights sharing a prior variance (a weight matrix or a bias vector).
 
     Attributes:
         name: the group's name within its layer (``"weight"``, ``"bias"``); also the last part
@@ -61,6 +61,11 @@ class ParameterGroup:
         scale: posterior standard deviations (differentiable, positive).
         prior_variance: the layer's persistent prior-variance buffer for this group (0-dim).
         module: the owning layer.
+        correlation_kl: for a posterior whose weights are correlated (not factorised), the
+            part of its KL that the factorised KL of the marginals (``loc``, ``scale``) misses,
+            :math:`\tfrac12(\sum_i\log\Sigma_{ii} - \log\det\Sigma) \ge 0` (0-dim; it does
+            not depend on the prior, which is factorised). ``None`` for a factorised group. A
+            layer whose correlations span several groups puts it on one of them.
     """
 
     name: str
@@ -68,6 +73,7 @@ class ParameterGroup:
     scale: Tensor
     prior_variance: Tensor
     module: nn.Module
+    correlation_kl: Tensor | None = None
 
 
 @runtime_checkable

@@ -39,6 +39,8 @@ class Prior(nn.Module):
         The built-in priors compute all groups in one pass
         (:func:`~lightning_dvi.priors.functional.grouped_gaussian_kl`); a subclass that overrides
         :meth:`variance` or :meth:`group_kl` gets the sum of its :meth:`group_kl` per group.
+        A group of a correlated posterior adds its ``correlation_kl`` (prior-free), which makes
+        the total the full-Gaussian KL (:mod:`lightning_dvi.moments.full_cov_linear`).
 
         Raises:
             ValueError: if ``net`` has no :class:`~lightning_dvi.nn.BayesLinear` layer.
@@ -50,9 +52,12 @@ class Prior(nn.Module):
                 "so there is no weight posterior to compare with the prior"
             )
         fused = self._grouped_kl(groups) if _same_dtype_and_device(groups) else None
-        if fused is not None:
-            return fused
-        return torch.stack([self.group_kl(g) for g in groups]).sum()
+        if fused is None:
+            fused = torch.stack([self.group_kl(g) for g in groups]).sum()
+        correlated = [g.correlation_kl for g in groups if g.correlation_kl is not None]
+        if correlated:  # correlated posteriors: the KL beyond that of their marginals
+            fused = fused + torch.stack([c.to(fused) for c in correlated]).sum()
+        return fused
 
     def _grouped_kl(self, groups: list[ParameterGroup]) -> Tensor | None:
         """:meth:`kl` of ``groups`` in one pass, or ``None`` to sum :meth:`group_kl` instead."""

@@ -1,0 +1,356 @@
+r"""Last-layer (and last-:math:`k`-layer) DVI on a trained torch network.
+
+``from_torch(model, last_layers=k)`` traces ``model`` with ``torch.fx``, finds its weight
+layers (``call_module`` nodes whose module is a registered weight kind: ``nn.Linear``,
+``nn.Conv2d``, ...) in topological order, and cuts the graph before the first of the last
+:math:`k`:
+
+* the **backbone** is every node that the rest needs and that does not depend on one of those
+  :math:`k` layers. It stays *plain torch* (a :class:`torch.fx.GraphModule` over the model's own
+  submodules), runs on tensors with point weights and carries no covariance, so it costs what it
+  costs in torch. It is frozen by default (``requires_grad=False``, and kept in eval mode while
+  the network trains, so BatchNorm's running statistics do not move); ``freeze_backbone=False``
+  fine-tunes it by maximum likelihood inside the ELBO.
+* the **head** (everything that depends on a Bayesian layer) is converted to declared DVI
+  modules, its posterior initialised from the trained weights (``init="torch"``).
+
+The values that cross the cut (the *live values*) are the backbone's outputs and the head's
+inputs. A chain-shaped head (one live value, then one node after another: ``fc`` of a ResNet;
+the last layers of an MLP) is converted today; a head with several inputs (``k = 2`` inside a
+ResNet block, whose input also feeds the skip) is a graph of several inputs, which
+:func:`convert_head` raises on, naming them, until a graph converter takes it.
+
+Why the head's output is exact for ``k = 1`` with a Linear head: its input :math:`h` is a
+deterministic function of :math:`x`, so :math:`a = hW^\top + b` is a linear map of the Gaussian
+weights, Gaussian with :math:`E[a] = hM^\top + c`, :math:`\operatorname{Var}(a) = h^2V^\top + u`
+(one extra matrix product), independent across classes under the factorised posterior and
+correlated under ``head_covariance="full"`` (:class:`~lightning_dvi.nn.BayesLinearFullCov`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+from torch import Tensor, fx, nn
+
+from ..gaussian import Gaussian, Mode, all_finite, validate_mode
+from .base import BayesModule, Moments
+from .container import Sequential
+from .convert import TorchFlatten
+from .full_cov import BayesLinearFullCov
+from .linear import BayesLinear
+from .registry import register_layer, spec_for_function, spec_for_module
+
+__all__ = [
+    "Cut",
+    "HeadCovariance",
+    "LastLayerNetwork",
+    "convert_head",
+    "last_layer_network",
+    "split",
+]
+
+HeadCovariance = Literal["diag", "full"]
+HeadConverter = Callable[[nn.Module], BayesModule]
+"""Converts a torch module (a layer of the head) into declared modules (``from_torch``)."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A traced network cut before its last ``k`` weight layers (:func:`split`).
+
+    Attributes:
+        backbone: the plain-torch part; returns the live value (or a tuple of them).
+        head: the rest, as a graph module whose inputs are the live values, in order.
+        live: the names of the live values (graph node names, e.g. ``"flatten"``).
+        bayesian: the qualified names of the weight layers that become Bayesian.
+    """
+
+    backbone: fx.GraphModule
+    head: fx.GraphModule
+    live: tuple[str, ...]
+    bayesian: tuple[str, ...]
+
+
+def _is_weight_layer(module: nn.Module) -> bool:
+    spec = spec_for_module(module)
+    return spec is not None and spec.kind == "weight"
+
+
+def split(model: nn.Module, last_layers: int) -> Cut:
+    """Trace ``model`` and cut it before its last ``last_layers`` weight layers.
+
+    Raises:
+        NotImplementedError: if ``torch.fx`` cannot trace ``model`` (data-dependent control
+            flow), or the network's output is not one tensor computed by the head.
+        ValueError: if ``last_layers`` is not a positive int, or exceeds the number of weight
+            layers.
+    """
+    if isinstance(last_layers, bool) or not isinstance(last_layers, int) or last_layers < 1:
+        raise ValueError(f"last_layers must be a positive int, got {last_layers!r}")
+    try:
+        traced = fx.symbolic_trace(model)
+    except Exception as err:  # torch.fx raises TraceError, TypeError, ... on untraceable code
+        raise NotImplementedError(
+            f"from_torch(last_layers={last_layers}): torch.fx cannot trace "
+            f"{type(model).__name__} ({type(err).__name__}: {err}); make its forward free of "
+            "data-dependent control flow"
+        ) from err
+    nodes = list(traced.graph.nodes)
+    weights = [
+        n for n in nodes
+        if n.op == "call_module" and _is_weight_layer(traced.get_submodule(str(n.target)))
+    ]  # fmt: skip
+    if last_layers > len(weights):
+        raise ValueError(
+            f"last_layers={last_layers} but {type(model).__name__} has {len(weights)} weight "
+            f"layers ({', '.join(str(n.target) for n in weights) or 'none'})"
+        )
+    bayesian = set(weights[-last_layers:])
+    head_nodes: set[fx.Node] = set()
+    for node in nodes:  # topological order: inputs come first
+        if node in bayesian or any(a in head_nodes for a in node.all_input_nodes):
+            head_nodes.add(node)
+    output = nodes[-1]
+    result = output.args[0]
+    if not isinstance(result, fx.Node) or result not in head_nodes:
+        raise NotImplementedError(
+            f"from_torch(last_layers=...): the output of {type(model).__name__} must be one "
+            f"tensor computed by its head, got {result!r}"
+        )
+    live = [
+        n for n in nodes
+        if n not in head_nodes and any(u in head_nodes and u is not output for u in n.users)
+    ]  # fmt: skip
+    return Cut(
+        _backbone(traced, nodes, head_nodes, live),
+        _head(traced, nodes, head_nodes, live, result),
+        tuple(n.name for n in live),
+        tuple(str(n.target) for n in weights[-last_layers:]),
+    )
+
+
+def _backbone(
+    traced: fx.GraphModule, nodes: list[fx.Node], head: set[fx.Node], live: list[fx.Node]
+) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        if node not in head and node.op != "output":
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(env[live[0]] if len(live) == 1 else tuple(env[n] for n in live))
+    backbone = fx.GraphModule(traced, graph, class_name="Backbone")
+    backbone.graph.eliminate_dead_code()
+    backbone.recompile()
+    return backbone
+
+
+def _head(
+    traced: fx.GraphModule,
+    nodes: list[fx.Node],
+    head: set[fx.Node],
+    live: list[fx.Node],
+    result: fx.Node,
+) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in live}
+    for node in nodes:
+        if node in head:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(env[result])
+    return fx.GraphModule(traced, graph, class_name="Head")
+
+
+_FLATTEN = (torch.flatten, "flatten")
+
+
+def convert_head(head: fx.GraphModule, convert: HeadConverter) -> BayesModule:
+    """The head as declared modules: a chain of nodes, each converted on its own.
+
+    ``call_module`` nodes go through ``convert`` (``from_torch`` of the layer); registered
+    activation functions (``torch.relu``, ``F.gelu``, ...) and ``torch.flatten`` become their
+    declared modules.
+
+    Raises:
+        NotImplementedError: for a head with several inputs (naming the live values) or a node
+            that is not a chain link.
+    """
+    inputs = [n for n in head.graph.nodes if n.op == "placeholder"]
+    if len(inputs) != 1:
+        raise NotImplementedError(
+            f"the Bayesian head takes {len(inputs)} values from the backbone "
+            f"({', '.join(n.name for n in inputs)}): a cut inside a block whose input also "
+            "feeds a skip connection. Converting a multi-input head needs the graph converter; "
+            "choose a last_layers that cuts between blocks (e.g. last_layers=1)"
+        )
+    layers: list[BayesModule] = []
+    previous = inputs[0]
+    for node in head.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        where = f"head node {node.name!r} ({node.op} {node.target})"
+        if node.all_input_nodes != [previous] or (node.args and node.args[0] is not previous):
+            raise NotImplementedError(
+                f"{where} is not a link of a chain (inputs: "
+                f"{[n.name for n in node.all_input_nodes]}); only chain-shaped heads convert today"
+            )
+        layers.extend(_convert_node(head, node, convert, where))
+        previous = node
+    if not layers:
+        raise ValueError("from_torch(last_layers=...): the head has nothing to convert")
+    return layers[0] if len(layers) == 1 else Sequential(*layers)
+
+
+def _convert_node(
+    head: fx.GraphModule, node: fx.Node, convert: HeadConverter, where: str
+) -> list[BayesModule]:
+    extra, kwargs = node.args[1:], dict(node.kwargs)
+    if node.op == "call_module":
+        module = head.get_submodule(str(node.target))
+        spec = spec_for_module(module)
+        if spec is not None and spec.kind == "dropped":
+            return []
+        converted = convert(module)
+        return list(converted) if isinstance(converted, Sequential) else [converted]
+    if node.target in _FLATTEN:
+        start = int(cast(int, extra[0] if extra else kwargs.get("start_dim", 0)))
+        end = int(cast(int, extra[1] if len(extra) > 1 else kwargs.get("end_dim", -1)))
+        return [TorchFlatten(start, end)]
+    spec = spec_for_function(node.target) if callable(node.target) else None
+    if spec is None:
+        raise NotImplementedError(f"{where} has no declared equivalent")
+    try:
+        return [spec.build_from_call(*extra, **kwargs)]
+    except NotImplementedError as err:
+        raise NotImplementedError(f"{where}: {err}") from err
+
+
+def _full_covariance(module: nn.Module) -> nn.Module:
+    """``module`` with every :class:`BayesLinear` swapped for a :class:`BayesLinearFullCov`."""
+    if isinstance(module, BayesLinear):
+        return BayesLinearFullCov.from_bayes_linear(module)
+    for name, child in module.named_children():
+        setattr(module, name, _full_covariance(child))
+    return module
+
+
+def last_layer_network(
+    model: nn.Module,
+    last_layers: int,
+    convert: HeadConverter,
+    freeze_backbone: bool = True,
+    head_covariance: HeadCovariance = "diag",
+) -> LastLayerNetwork:
+    """:func:`split` ``model``, convert the head with ``convert``, and package both.
+
+    What ``from_torch(model, last_layers=k, ...)`` calls (see :mod:`this module
+    <lightning_dvi.nn.last_layers>`). The backbone shares the model's tensors (no copy); the
+    head's posterior is initialised by ``convert``.
+
+    Raises:
+        ValueError: for a ``head_covariance`` other than ``"diag"`` or ``"full"``, and as
+            :func:`split` and :func:`convert_head`.
+    """
+    if head_covariance not in ("diag", "full"):
+        raise ValueError(f"head_covariance must be 'diag' or 'full', got {head_covariance!r}")
+    if not isinstance(freeze_backbone, bool):
+        raise ValueError(f"freeze_backbone must be True or False, got {freeze_backbone!r}")
+    cut = split(model, last_layers)
+    head = convert_head(cut.head, convert)
+    if head_covariance == "full":
+        head = cast(BayesModule, _full_covariance(head))
+    return LastLayerNetwork(cut.backbone, head, freeze_backbone=freeze_backbone)
+
+
+@register_layer("last_layers", kind="container")
+class LastLayerNetwork(BayesModule):
+    """A plain-torch backbone followed by a declared (Bayesian) head; runs in all four modes.
+
+    The backbone maps the input tensor to features (point weights, no covariance); the head
+    propagates them: moments in ``full``/``diag`` mode, samples in ``sample``/``local`` mode,
+    where the backbone runs **once** for all samples (``net(x, mode="sample", num_samples=S)``).
+    Built by ``from_torch(model, last_layers=k)``; the constructor takes any torch module as
+    the backbone.
+
+    Args:
+        backbone: a torch module ``x -> features`` (tensors in, a tensor out).
+        head: the declared head.
+        freeze_backbone: ``True`` (default): the backbone's parameters get
+            ``requires_grad=False`` and the backbone stays in eval mode when the network is put
+            in training mode (BatchNorm uses and keeps its running statistics); ``False``:
+            it trains with the head (point estimates: it adds nothing to the KL).
+
+    Saving and loading: the backbone is user code, so a checkpoint stores only its tensors
+    (state-dict entries ``backbone.*``); load by building the same network in code and passing
+    it, ``DVIClassifier.load_from_checkpoint(path, net=from_torch(model, last_layers=1))``.
+    """
+
+    in_features = None  # the backbone takes whatever the torch model took
+    image_output = False
+
+    def __init__(
+        self, backbone: nn.Module, head: BayesModule, freeze_backbone: bool = True
+    ) -> None:
+        super().__init__()
+        if not isinstance(backbone, nn.Module) or isinstance(backbone, BayesModule):
+            raise TypeError(f"backbone must be a plain torch module, got {type(backbone).__name__}")
+        if not isinstance(head, BayesModule):
+            raise TypeError(f"head must be a lightning_dvi.nn module, got {type(head).__name__}")
+        self.backbone = backbone
+        self.head = head
+        self.freeze_backbone = bool(freeze_backbone)
+        if self.freeze_backbone:
+            backbone.requires_grad_(False)
+            backbone.eval()
+
+    @property
+    def out_features(self) -> int | None:
+        """The width of the head's last weight layer."""
+        last = [m for m in self.head.modules() if hasattr(m, "out_features")]
+        return getattr(last[-1], "out_features", None) if last else None
+
+    def train(self, mode: bool = True) -> LastLayerNetwork:
+        """Set training mode; a frozen backbone stays in eval mode."""
+        super().train(mode)
+        if self.freeze_backbone:
+            self.backbone.train(False)
+        return self
+
+    def features(self, x: Tensor) -> Tensor:
+        """The backbone's output for a tensor input ``[B, ...]``."""
+        out = self.backbone(x)
+        if not isinstance(out, Tensor):
+            raise NotImplementedError(
+                f"the backbone returned a {type(out).__name__}; a head with several inputs "
+                "needs the graph converter"
+            )
+        return out
+
+    def forward(self, x: Moments, mode: Mode = "full", num_samples: int | None = None) -> Moments:
+        """As :meth:`BayesModule.forward`; the Monte Carlo modes run the backbone once."""
+        validate_mode(mode)
+        if mode in ("sample", "local") and isinstance(x, Tensor):
+            if not all_finite(x):
+                raise ValueError("input contains NaN or Inf")
+            out: Tensor = self.head(self.features(x), mode=mode, num_samples=num_samples)
+            return out
+        return super().forward(x, mode, num_samples)
+
+    def propagate(self, x: Moments, mode: Mode) -> Moments:
+        """The head's moments (or samples) at the backbone's features."""
+        if isinstance(x, Gaussian):
+            raise ValueError(
+                "LastLayerNetwork: the backbone is plain torch and needs a tensor input, "
+                "got a Gaussian"
+            )
+        if mode in ("sample", "local"):  # x [S, B, ...] from an enclosing module
+            feats = self.features(x.flatten(0, 1))
+            return self.head.propagate(feats.unflatten(0, x.shape[:2]), mode)
+        return self.head.propagate(self.features(x), mode)
+
+    def extra_repr(self) -> str:
+        """Whether the backbone is frozen."""
+        return f"freeze_backbone={self.freeze_backbone}"
