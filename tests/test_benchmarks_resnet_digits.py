@@ -57,6 +57,8 @@ def test_quick_mode_writes_every_row_with_finite_metrics_in_range(tmp_path: Path
     assert temp["acc"] == det["acc"]  # a temperature keeps the arg-max
     assert temp["details"]["temperature"] > 0
     assert doc["runs"]["laplace"][0]["details"]["prior_precision"] in (1.0, 100.0)
+    dvi = doc["runs"]["dvi_last1"][0]["details"]
+    assert dvi["prior_variance"] in (0.1, 1.0) and len(dvi["val_nll_per_prior_variance"]) == 2
     table = out_md.read_text().splitlines()
     assert table[0].startswith("| model | acc | nll | ece | ood_auroc | train_s |")
     assert [line.split(" | ")[0] for line in table[2:]] == [f"| {r}" for r in rows]

@@ -11,7 +11,12 @@ the lowest validation NLL kept. Every other row starts from that trained network
 * ``temperature``: :func:`~lightning_dvi.lightning.temperature.fit_temperature` on the
   validation rows, :math:`p_T = \operatorname{softmax}(\log p / T)`;
 * ``laplace``: :func:`~lightning_dvi.benchmarks.baselines.fit_last_layer_laplace` on ``fc`` (GGN
-  in full, prior precision on the validation NLL, Monte Carlo over the logit Gaussian).
+  in full, prior precision on the validation NLL, Monte Carlo over the logit Gaussian);
+* ``dvi_last1``: last-layer DVI, ``from_torch(net, last_layers=1)`` (frozen plain-torch
+  backbone, ``fc`` Bayesian with its posterior means at the trained weights), trained by
+  :class:`~lightning_dvi.DVIClassifier` (``mode="diag"``: the logits' Gaussian is exact for one
+  Bayesian linear layer on deterministic features) with ``kl_weight=1`` and a Gaussian prior
+  whose variance is chosen on the validation NLL (:func:`fit_converted`).
 
 Every row reports test accuracy, NLL, ECE (15 bins), the OOD AUROC of the predictive entropy
 against the test images with their 64 pixels shuffled by one fixed permutation
@@ -35,6 +40,7 @@ import logging
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -46,7 +52,7 @@ from torch import Tensor, nn
 from ..lightning.temperature import fit_temperature, temper_probs
 from . import baselines
 from .baselines import Fitted
-from .classification import evaluate, markdown_table, summarise
+from .classification import Row, evaluate, fit_dvi, markdown_table, summarise
 from .data import Budget, ClassificationSplit, digits_split
 from .torch_resnet import ResNet, resnet18
 
@@ -55,6 +61,7 @@ __all__ = [
     "ROWS",
     "Config",
     "as_sequential",
+    "fit_converted",
     "fit_deterministic",
     "fit_laplace",
     "fit_temperature_row",
@@ -77,6 +84,12 @@ class Config:
         num_train: keep only this many training rows (stratified); ``None``: all 1257.
         split_seed: seeds the train/validation/test split.
         laplace_precisions: the prior precisions the Laplace row chooses from.
+        dvi_budget: the DVI rows' training after the conversion (Adam, batch, epochs; the best
+            validation epoch kept).
+        dvi_prior_variances: the Gaussian prior variances the DVI rows choose from on the
+            validation NLL (as the Laplace row chooses its prior precision).
+        dvi_settings: further :class:`~lightning_dvi.DVIClassifier` arguments of the DVI rows,
+            as ``(name, value)`` pairs (``kl_weight=1``: the ELBO itself, no tempering).
         mc_eval: Monte Carlo draws for the mutual-information detector of sampling rows.
         rows: the rows to run, in table order (``"deterministic"`` and names of :data:`ROWS`);
             ``None``: all of them.
@@ -88,6 +101,9 @@ class Config:
     num_train: int | None = None
     split_seed: int = 0
     laplace_precisions: tuple[float, ...] = (1e-2, 1e-1, 1.0, 10.0, 1e2, 1e3, 1e4)
+    dvi_budget: Budget = field(default_factory=lambda: Budget(epochs=20, lr=1e-3, batch_size=64))
+    dvi_prior_variances: tuple[float, ...] = (0.01, 0.1, 1.0)
+    dvi_settings: tuple[tuple[str, Any], ...] = (("kl_weight", 1.0),)
     mc_eval: int = 64
     rows: tuple[str, ...] | None = None
 
@@ -100,6 +116,8 @@ class Config:
             budget=Budget(epochs=2, lr=1e-2, batch_size=64),
             num_train=100,
             laplace_precisions=(1.0, 100.0),
+            dvi_budget=Budget(epochs=1, lr=1e-2, batch_size=64),
+            dvi_prior_variances=(0.1, 1.0),
             mc_eval=8,
         )
 
@@ -170,11 +188,57 @@ def fit_laplace(split: ClassificationSplit, base: Fitted, config: Config) -> Fit
     return baselines.fit_last_layer_laplace(split, trained, config.laplace_precisions)
 
 
+def fit_converted(
+    split: ClassificationSplit,
+    base: Fitted,
+    config: Config,
+    seed: int,
+    convert: Callable[[ResNet], nn.Module],
+) -> Fitted:
+    """A DVI row: ``convert`` a copy of the trained ResNet, train it with ``DVIClassifier``.
+
+    One training per prior variance of ``config.dvi_prior_variances``, each by
+    :func:`~lightning_dvi.benchmarks.classification.fit_dvi` (``config.dvi_budget``, the best
+    validation epoch kept); the variance with the lowest validation NLL is the row. Time:
+    every conversion and training (the selection included), not the deterministic training.
+    """
+    fits = []
+    for variance in config.dvi_prior_variances:
+        start = time.process_time()
+        net = convert(copy.deepcopy(_trained_net(base)))
+        seconds = time.process_time() - start
+        settings = {**dict(config.dvi_settings), "prior": "gaussian", "prior_variance": variance}
+        row = Row("dvi", settings=settings)
+        fitted = fit_dvi(split, config.dvi_budget, seed, row, config.mc_eval, net=net)
+        fitted.train_seconds += seconds
+        fits.append((baselines.nll(fitted.predict(split.x_val), split.y_val), variance, fitted))
+    best_nll, variance, best = min(fits, key=lambda f: f[0])
+    best.train_seconds = sum(f[2].train_seconds for f in fits)
+    best.details.update(
+        prior_variance=variance,
+        val_nll=best_nll,
+        val_nll_per_prior_variance={v: nll for nll, v, _ in fits},
+    )
+    return best
+
+
+def _last_layers(k: int) -> Callable[[ResNet], nn.Module]:
+    def convert(net: ResNet) -> nn.Module:
+        from ..nn import from_torch
+
+        return from_torch(net, last_layers=k)
+
+    return convert
+
+
 PostHoc = Callable[[ClassificationSplit, Fitted, Config, int], Fitted]
 #: The rows after ``deterministic``: ``(split, trained row, config, seed) -> Fitted``.
 ROWS: dict[str, PostHoc] = {
     "temperature": lambda split, base, config, seed: fit_temperature_row(split, base),
     "laplace": lambda split, base, config, seed: fit_laplace(split, base, config),
+    "dvi_last1": lambda split, base, config, seed: fit_converted(
+        split, base, config, seed, _last_layers(1)
+    ),
 }
 
 
@@ -204,6 +268,16 @@ def run(
             f"unknown rows {unknown}; choose from {['deterministic', *ROWS]} (Config.rows)"
         )
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        # a frozen backbone is in eval mode on purpose; the other is Lightning's own deprecation
+        warnings.filterwarnings("ignore", r".*module\(s\) in eval mode.*")
+        warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*")
+        return _run(config, rows, progress)
+
+
+def _run(
+    config: Config, rows: Sequence[str], progress: Callable[[str], None]
+) -> dict[str, list[dict[str, Any]]]:
     split = make_split(config)
     progress(f"{split.name}, ResNet-18 width {config.width}, seeds {list(config.seeds)}")
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in rows}
