@@ -189,8 +189,9 @@ def from_torch(
             (:mod:`lightning_dvi.nn.last_layers`). ``None``: convert the whole network.
         freeze_backbone: with ``last_layers``: freeze the backbone (no gradients, eval mode).
         head_covariance: with ``last_layers``: ``"diag"`` (factorised posterior) or
-            ``"full"`` (a full-covariance posterior over each Linear layer of the head,
-            :class:`~lightning_dvi.nn.BayesLinearFullCov`).
+            ``"full"`` (a full-covariance posterior over the weights and bias of the head's
+            output Linear layer, :class:`~lightning_dvi.nn.BayesLinearFullCov`: correlated
+            logits).
         **layer_kwargs: forwarded to every :class:`BayesLinear` (e.g. ``prior_variance``,
             ``scale_transform``, and ``init_scale`` for ``init="fresh"``).
 

@@ -23,7 +23,7 @@ from .. import moments as M
 from ..gaussian import Gaussian, Mode
 from ..moments import full_cov_linear as FC
 from .base import BayesModule, Moments
-from .linear import BayesLinear, ScaleTransform, _affine_values
+from .linear import BayesLinear, ScaleTransform, _affine_values, check_linear_input
 from .posterior import ParameterGroup, cached_scale, substituted
 from .registry import register_layer
 
@@ -212,22 +212,9 @@ class BayesLinearFullCov(BayesModule):
         ]
 
     # ------------------------------------------------------------------ propagation
-    def _check_input(self, x: Moments) -> None:
-        if x.dtype != self.weight_loc.dtype:
-            raise ValueError(
-                f"BayesLinearFullCov parameters are {self.weight_loc.dtype} but the input is {x.dtype}; "
-                "convert one of them (e.g. net.double() or x.float())"
-            )
-        d = x.mean.shape[-1] if isinstance(x, Gaussian) else x.shape[-1]
-        if d != self.in_features:
-            raise ValueError(
-                f"BayesLinearFullCov expected input with last dimension {self.in_features}, "
-                f"got {d} (input shape {tuple(x.shape)})"
-            )
-
     def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Moments (``full``/``diag``) or samples (``sample``/``local``) of the output."""
-        self._check_input(x)
+        check_linear_input(self, x, self.weight_loc.dtype, self.in_features)
         given = substituted(self)
         if given is not None:  # factorised moments (or values) from a front-end: no correlation
             w_loc, w_var = given["weight"]

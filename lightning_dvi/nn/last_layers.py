@@ -208,6 +208,7 @@ def _convert_node(
     head: fx.GraphModule, node: fx.Node, convert: HeadConverter, where: str
 ) -> list[BayesModule]:
     extra, kwargs = node.args[1:], dict(node.kwargs)
+    kwargs.pop("inplace", None)  # F.relu(x, inplace=...): the same function of x
     if node.op == "call_module":
         module = head.get_submodule(str(node.target))
         spec = spec_for_module(module)
@@ -228,13 +229,26 @@ def _convert_node(
         raise NotImplementedError(f"{where}: {err}") from err
 
 
-def _full_covariance(module: nn.Module) -> nn.Module:
-    """``module`` with every :class:`BayesLinear` swapped for a :class:`BayesLinearFullCov`."""
-    if isinstance(module, BayesLinear):
-        return BayesLinearFullCov.from_bayes_linear(module)
-    for name, child in module.named_children():
-        setattr(module, name, _full_covariance(child))
-    return module
+def _full_covariance(head: BayesModule) -> BayesModule:
+    """``head`` with its output layer, a :class:`BayesLinear`, made a :class:`BayesLinearFullCov`.
+
+    Only the output layer: its :math:`P = K(D+1)` is small (650 for ten classes on 64
+    features), while an inner layer's is not (4,112 for ``Linear(256, 16)``, whose
+    :math:`O(P^3)` covariance took most of a minute per epoch on digits).
+    """
+    if isinstance(head, BayesLinear):
+        return BayesLinearFullCov.from_bayes_linear(head)
+    named = [(n, m) for n, m in head.named_modules() if isinstance(m, BayesLinear)]
+    last = [m for m in head.modules() if isinstance(m, BayesModule) and m is not head]
+    if not named or not any(m is named[-1][1] for m in last[-1:]):
+        raise ValueError(
+            "head_covariance='full' needs a head that ends in a Linear layer, got "
+            f"{type(last[-1]).__name__ if last else type(head).__name__}"
+        )
+    path, layer = named[-1]
+    parent = head.get_submodule(path.rpartition(".")[0])
+    setattr(parent, path.rpartition(".")[2], BayesLinearFullCov.from_bayes_linear(layer))
+    return head
 
 
 def last_layer_network(
@@ -261,7 +275,7 @@ def last_layer_network(
     cut = split(model, last_layers)
     head = convert_head(cut.head, convert)
     if head_covariance == "full":
-        head = cast(BayesModule, _full_covariance(head))
+        head = _full_covariance(head)
     return LastLayerNetwork(cut.backbone, head, freeze_backbone=freeze_backbone)
 
 

@@ -41,6 +41,28 @@ def _affine_values(x: Moments, weight: Tensor, bias: Tensor | None) -> Tensor:
     return out if bias is None else out + bias.unsqueeze(-2)
 
 
+def check_linear_input(
+    layer: nn.Module, x: Moments, weight_dtype: torch.dtype, in_features: int
+) -> None:
+    """Refuse an input of another dtype than the weights, or of another width.
+
+    Raises:
+        ValueError: naming the layer's class, both dtypes or both widths.
+    """
+    name = type(layer).__name__
+    if x.dtype != weight_dtype:
+        raise ValueError(
+            f"{name} parameters are {weight_dtype} but the input is {x.dtype}; "
+            "convert one of them (e.g. net.double() or x.float())"
+        )
+    d = x.mean.shape[-1] if isinstance(x, Gaussian) else x.shape[-1]
+    if d != in_features:
+        raise ValueError(
+            f"{name} expected input with last dimension {in_features}, got {d} "
+            f"(input shape {tuple(x.shape)})"
+        )
+
+
 def _inverse_softplus(x: float) -> float:
     return x + math.log(-math.expm1(-x))
 
@@ -220,18 +242,7 @@ class BayesLinear(FactorisedLayer):
 
     # ------------------------------------------------------------------ propagation
     def _check_input(self, x: Moments, weight_dtype: torch.dtype) -> None:
-        dtype = x.dtype
-        if dtype != weight_dtype:
-            raise ValueError(
-                f"BayesLinear parameters are {weight_dtype} but the input is {dtype}; "
-                "convert one of them (e.g. net.double() or x.float())"
-            )
-        d = x.mean.shape[-1] if isinstance(x, Gaussian) else x.shape[-1]
-        if d != self.in_features:
-            raise ValueError(
-                f"BayesLinear expected input with last dimension {self.in_features}, got {d} "
-                f"(input shape {tuple(x.shape)})"
-            )
+        check_linear_input(self, x, weight_dtype, self.in_features)
 
     def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Moments (``full``/``diag``) or samples (``sample``/``local``) of the layer output."""

@@ -1,0 +1,105 @@
+"""DVIClassifier(net=from_torch(model, last_layers=1)): training, predictive, export, OOD, checkpoints."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+
+from lightning_dvi import DVIClassifier
+from lightning_dvi.callbacks import OODEvaluation
+from lightning_dvi.data import DigitsDataModule
+from lightning_dvi.nn import export_predictive, from_torch
+
+
+def _torch_model(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(256, 16),
+        nn.ReLU(),
+        nn.Linear(16, 10),
+    )
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(32, 64))  # non-trivial BatchNorm statistics
+    return model.eval()
+
+
+def _trainer(tmp_path, **kwargs):
+    return Trainer(
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=1,
+        limit_test_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("head_covariance", ["diag", "full"])
+def test_only_the_head_posterior_is_optimised(head_covariance):
+    net = from_torch(_torch_model(), last_layers=1, head_covariance=head_covariance)
+    clf = DVIClassifier(net=net, num_classes=10, num_data=100)
+    optimiser = clf.configure_optimizers()
+    optimised = {id(p) for group in optimiser.param_groups for p in group["params"]}
+    assert optimised == {id(p) for p in net.head.parameters()}
+
+
+@pytest.mark.parametrize(("head_covariance", "last_layers"), [("diag", 2), ("full", 2)])
+def test_training_moves_only_the_head_and_predicts(tmp_path, head_covariance, last_layers):
+    model = _torch_model()
+    backbone_before = {k: v.clone() for k, v in model.state_dict().items() if "5." not in k}
+    net = from_torch(model, last_layers=last_layers, head_covariance=head_covariance)
+    clf = DVIClassifier(net=net, mode="full", lr=1e-2)
+    assert clf.num_classes == 10
+    head_before = [p.detach().clone() for p in net.head.parameters()]
+    dm = DigitsDataModule(batch_size=64)
+    trainer = _trainer(tmp_path, callbacks=[OODEvaluation()])
+    trainer.fit(clf, datamodule=dm)
+    for k, v in model.state_dict().items():
+        if k in backbone_before:  # the backbone (BatchNorm statistics included) did not move
+            torch.testing.assert_close(v, backbone_before[k], rtol=0, atol=0)
+    assert any((a != b).any() for a, b in zip(net.head.parameters(), head_before, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # OODEvaluation's predict_proba
+        results = trainer.test(clf, datamodule=dm, verbose=False)[0]
+    assert 0 <= results["test/ood_auroc"] <= 1 and 0 <= results["test/ood_auroc_mi"] <= 1
+    x = torch.randn(5, 64)
+    probs = clf.predictive(x)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5))
+    exported = export_predictive(clf, mode="full")
+    torch.testing.assert_close(exported(x), probs)
+    traced = exported.export(x).module()(x)
+    torch.testing.assert_close(traced, probs)
+
+
+def test_a_checkpoint_restores_the_backbone_and_head_exactly(tmp_path):
+    net = from_torch(_torch_model(), last_layers=1, head_covariance="full")
+    clf = DVIClassifier(net=net, mode="full", lr=1e-2)
+    dm = DigitsDataModule(batch_size=64)
+    trainer = _trainer(tmp_path)
+    trainer.fit(clf, datamodule=dm)
+    path = tmp_path / "head.ckpt"
+    trainer.save_checkpoint(path)
+    x = torch.randn(7, 64)
+    want = clf.eval().predictive(x)
+    # a backbone of the same architecture with other weights: the file's tensors replace them
+    other = from_torch(_torch_model(seed=1), last_layers=1, head_covariance="full")
+    loaded = DVIClassifier.load_from_checkpoint(path, net=other)
+    assert torch.equal(loaded.eval().predictive(x), want)
+    with pytest.raises(ValueError, match="pass net= with the same architecture"):
+        DVIClassifier.load_from_checkpoint(path)
+    # the file is data: it loads with weights_only=True (no pickled torch code)
+    state = torch.load(path, weights_only=True)
+    assert any(k.startswith("net.backbone.") for k in state["state_dict"])
