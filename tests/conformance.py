@@ -194,8 +194,9 @@ class LayerConformance:
                 assert g.loc.grad is not None, g.name  # every group is in the KL
             grads = [p.grad for p in layer.parameters() if p.grad is not None]
             assert any(g.abs().sum() > 0 for g in grads), type(layer).__name__
-        for m in net.modules():  # anything with parameters holds a posterior
-            if any(True for _ in m.parameters(recurse=False)):
+        for m in net.modules():  # any other parameter belongs to a posterior
+            point = set(getattr(m, "point_parameters", ()))
+            if any(name not in point for name, _ in m.named_parameters(recurse=False)):
                 assert has_posterior(m), type(m).__name__
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -9,20 +9,27 @@ networks need shapes, have one case each below. A registered kind without a case
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from conformance import LayerCase, LayerConformance
 from torch import nn
 
 from lightning_dvi.nn import (
+    AdaptiveAvgPool2d,
     AvgPool2d,
+    BatchNorm1d,
+    BatchNorm2d,
     BayesConv2d,
     BayesLinear,
     BayesLinearFullCov,
     Flatten,
+    GroupNorm,
     LastLayerNetwork,
+    LayerNorm,
     MaxPool2d,
     ReLU,
     Residual,
     Sequential,
+    from_torch,
     layer_specs,
 )
 from lightning_dvi.nn.convert import TorchFlatten
@@ -72,6 +79,79 @@ def _conv_twin(*middle, flat=48):
 # (tests/test_conv.py checks them at 5 %).
 _POOL_TOL = 0.25
 
+
+def _with_statistics(module):
+    """``module`` in eval mode with non-trivial running statistics and affine parameters."""
+    for m in module.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, BatchNorm1d, BatchNorm2d)):
+            with torch.no_grad():
+                m.running_mean.uniform_(-1.0, 1.0)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return module.eval()
+
+
+def _pool_case(pool, twin_pool) -> LayerCase:
+    """A conv, the pool (to 2x2), a dense head; PyroBayesNet has no conv path."""
+    return LayerCase(
+        net=_conv_net(pool, flat=12),
+        x=_image(),
+        torch_twin=_conv_twin(twin_pool, flat=12),
+        pyro=False,
+        tol=_POOL_TOL,
+    )
+
+
+class _SkipNet(nn.Module):
+    """A torch module with a functional ReLU, a tanh skip branch and a concatenation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = F.relu(self.l1(x))
+        h = h + torch.tanh(self.l2(h))
+        return self.l3(torch.cat([h, F.relu(h)], 1))
+
+
+def _graph_net():
+    net = from_torch(_SkipNet().double(), scale_fraction=0.3, min_scale=1e-3)
+    return net
+
+
+def _with_affine(module):
+    """``module`` with non-trivial normalization gains and shifts."""
+    for m in module.modules():
+        if isinstance(m, (nn.LayerNorm, nn.GroupNorm, LayerNorm, GroupNorm)):
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return module
+
+
+def _dense_norm_case(ours, theirs, prepare, exact_diag=True):
+    """``Linear -> norm -> ReLU -> Linear`` around a normalization kind and its torch twin.
+
+    ``exact_diag=False`` for LayerNorm: diag mode drops the correlations it creates. PyroBayesNet
+    takes posterior-holding layers only (the norms' gamma, beta are point parameters).
+    """
+    return LayerCase(
+        net=lambda: prepare(
+            Sequential(
+                BayesLinear(3, 5, init_scale=_S), ours(5), ReLU(), BayesLinear(5, 2, init_scale=_S)
+            ).double()
+        ),
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+        torch_twin=lambda: prepare(
+            nn.Sequential(nn.Linear(3, 5), theirs(5), nn.ReLU(), nn.Linear(5, 2))
+        ),
+        exact_diag=exact_diag,
+        pyro=False,
+    )
+
+
 SHAPED_CASES: dict[str, LayerCase] = {
     "linear": LayerCase(
         net=lambda: Sequential(BayesLinear(3, 4, init_scale=_S)).double(),
@@ -79,21 +159,33 @@ SHAPED_CASES: dict[str, LayerCase] = {
         torch_twin=lambda: nn.Linear(3, 4),
     ),
     "conv2d": LayerCase(net=_conv_net(), x=_image(), torch_twin=_conv_twin(), pyro=False),
-    "avg_pool2d": LayerCase(
-        net=_conv_net(AvgPool2d(2), flat=12),
-        x=_image(),
-        torch_twin=_conv_twin(nn.AvgPool2d(2), flat=12),
-        pyro=False,
-        tol=_POOL_TOL,
-    ),
-    "max_pool2d": LayerCase(
-        net=_conv_net(MaxPool2d(2), flat=12),
-        x=_image(),
-        torch_twin=_conv_twin(nn.MaxPool2d(2), flat=12),
-        pyro=False,
-        tol=_POOL_TOL,
-    ),
+    "avg_pool2d": _pool_case(AvgPool2d(2), nn.AvgPool2d(2)),
+    "max_pool2d": _pool_case(MaxPool2d(2), nn.MaxPool2d(2)),
     "flatten": LayerCase(net=_conv_net(), x=_image(), pyro=False),
+    "adaptive_avg_pool2d": _pool_case(AdaptiveAvgPool2d(2), nn.AdaptiveAvgPool2d(2)),
+    "graph": LayerCase(
+        net=_graph_net,
+        x=lambda: torch.randn(4, 3, dtype=torch.float64),
+        torch_twin=_SkipNet,
+        exact_diag=False,  # diag mode drops the covariances between units, as Residual's
+        pyro=False,  # PyroBayesNet walks Sequential/Residual containers only
+    ),
+    # eval mode: the exact affine map of the running statistics (train mode: test_batch_norm.py)
+    "batch_norm1d": _dense_norm_case(BatchNorm1d, nn.BatchNorm1d, _with_statistics),
+    "layer_norm": _dense_norm_case(LayerNorm, nn.LayerNorm, _with_affine, exact_diag=False),
+    "group_norm": LayerCase(
+        net=lambda: _with_affine(_conv_net(GroupNorm(1, 3))()),
+        x=_image(),
+        torch_twin=lambda: _with_affine(_conv_twin(nn.GroupNorm(1, 3))()),
+        pyro=False,
+        tol=_POOL_TOL,  # a convolution's correlated output pixels are dropped (see above)
+    ),
+    "batch_norm2d": LayerCase(
+        net=lambda: _with_statistics(_conv_net(BatchNorm2d(3))()),
+        x=_image(),
+        torch_twin=lambda: _with_statistics(_conv_twin(nn.BatchNorm2d(3))()),
+        pyro=False,
+    ),
     "torch_flatten": LayerCase(
         net=lambda: Sequential(TorchFlatten(), BayesLinear(8, 2, init_scale=_S)).double(),
         x=_image(size=2),

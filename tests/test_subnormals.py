@@ -91,6 +91,13 @@ DIAG = {
         M.add_independent(Gaussian(m, var=v), Gaussian(-m, var=v))
     ),
     "scale_gaussian": lambda m, v: _moments_of(M.scale_gaussian(Gaussian(m, var=v), 0.5)),
+    "batch_norm_statistics": lambda m, v: M.batch_norm_statistics(*_image(m, v), (0, 2, 3)),
+    "batch_normalize_diag": lambda m, v: M.batch_normalize_diag(*_image(m, v), 1e-5),
+    "normalization_scale_shift": lambda m, v: M.normalization_scale_shift(
+        m, v, 0.5 * v.sqrt(), m, 1e-5
+    ),
+    "affine_diag": lambda m, v: M.affine_diag(m, v, 1e-3 * v.sqrt(), m),
+    "normalize_diag": lambda m, v: M.normalize_diag(m.reshape(35, 23), v.reshape(35, 23)),
 }
 FULL = {
     "relu_full": M.relu_full,
@@ -115,6 +122,9 @@ FULL = {
     "cross_through_activation": lambda m, c: (
         M.cross_through_activation(c, M.relu_slope(m, c.diagonal(0, -2, -1))),
     ),
+    "affine_full": lambda m, c: M.affine_full(m, c, 1e-3 * m.abs(), m),
+    "normalize_full": M.normalize_full,
+    "normalize_jacobian": lambda m, c: (M.normalize_jacobian(m, c),),
     "skip_covariance": lambda m, c: (M.skip_covariance(Gaussian(m, cov=c, validate=False)),),
     "as_storage": lambda m, c: _moments_of(
         M.as_storage(Gaussian(m, cov=c, validate=False), "diag")

@@ -21,6 +21,7 @@ from .activations import (
 )
 from .algebra import add_independent, reindex_gaussian, scale_gaussian
 from .conv import conv2d_deterministic, conv2d_diag, conv2d_sample
+from .layer_norm import normalize_diag, normalize_full, normalize_jacobian
 from .layers import (
     activation_moments,
     as_storage,
@@ -35,6 +36,13 @@ from .linear import (
     linear_full,
     linear_full_from_diag,
     symmetrize,
+)
+from .normalization import (
+    affine_diag,
+    affine_full,
+    batch_norm_statistics,
+    batch_normalize_diag,
+    normalization_scale_shift,
 )
 from .policy import (
     get_kernel_backend,
@@ -62,10 +70,14 @@ from .special import (
 __all__ = [
     "activation_moments",
     "add_independent",
+    "affine_diag",
+    "affine_full",
     "as_storage",
     "asin_over_x",
     "asin_residual_over_x3",
     "avg_pool2d_diag",
+    "batch_norm_statistics",
+    "batch_normalize_diag",
     "clip_correlation",
     "conv2d_deterministic",
     "conv2d_diag",
@@ -92,6 +104,10 @@ __all__ = [
     "min_variance",
     "normal_cdf",
     "normal_pdf",
+    "normalization_scale_shift",
+    "normalize_diag",
+    "normalize_full",
+    "normalize_jacobian",
     "policy",
     "reindex_gaussian",
     "relu_diag",

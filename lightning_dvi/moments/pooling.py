@@ -143,6 +143,15 @@ def max_of_gaussians_quadrature(
     return lo.squeeze(-1) + first, (second - first * first).clamp_min(0)
 
 
+def _pad_never_winning(mean: Tensor, var: Tensor, ph: int, pw: int) -> tuple[Tensor, Tensor]:
+    """Pad with deterministic units below every unit's 50-sigma range (see max_pool2d_diag)."""
+    with torch.no_grad():
+        low = (mean - 50 * var.sqrt()).amin() - 1
+    inside = F.pad(torch.ones_like(mean[:1, :1]), (pw, pw, ph, ph)) > 0
+    padded_mean = torch.where(inside, F.pad(mean, (pw, pw, ph, ph)), low)
+    return padded_mean, F.pad(var, (pw, pw, ph, ph))
+
+
 def max_pool2d_diag(
     mean: Tensor,
     var: Tensor,
@@ -150,8 +159,15 @@ def max_pool2d_diag(
     stride: _Size | None = None,
     method: str = "quadrature",
     points: int = 64,
+    padding: _Size = 0,
 ) -> tuple[Tensor, Tensor]:
-    r"""Moment-matched max pooling of independent Gaussians ``[B, C, H, W]`` (no padding).
+    r"""Moment-matched max pooling of independent Gaussians ``[B, C, H, W]``.
+
+    Padding, as in ``torch.nn.functional.max_pool2d``, adds units that never win: each padded
+    unit is a deterministic value one below :math:`\min(E[h] - 50\sqrt{\operatorname{Var} h})`
+    over the batch, so its factor in the CDF of the maximum is exactly 1 and Clark's formula
+    passes the other unit through (torch pads with :math:`-\infty`; a finite value keeps the
+    formulas' gradients finite).
 
     Args:
         mean: pixel means.
@@ -163,6 +179,7 @@ def max_pool2d_diag(
             :func:`max_of_gaussians`, applied sequentially in row-major order; exact only for
             windows of two units).
         points: quadrature nodes.
+        padding: units added on each side (at most half the window, as torch requires).
 
     Returns:
         ``(mean, var)``, each ``[B, C, H', W']`` with torch's ``max_pool2d`` output size.
@@ -171,6 +188,11 @@ def max_pool2d_diag(
         raise ValueError(f"method must be 'quadrature' or 'clark', got {method!r}")
     kh, kw = _pair(kernel_size)
     sh, sw = _pair(kernel_size if stride is None else stride)
+    ph, pw = _pair(padding)
+    if ph < 0 or pw < 0 or 2 * ph > kh or 2 * pw > kw:
+        raise ValueError(f"padding must be >= 0 and at most half the window, got {(ph, pw)}")
+    if ph or pw:
+        mean, var = _pad_never_winning(mean, var, ph, pw)
     b, c, h, w = mean.shape
     out_h, out_w = (h - kh) // sh + 1, (w - kw) // sw + 1
     if out_h < 1 or out_w < 1:

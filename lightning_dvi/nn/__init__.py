@@ -15,8 +15,12 @@ from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .convert import from_torch, register_converter, set_posterior
 from .export import PredictiveModule, export_predictive
 from .full_cov import BayesLinearFullCov
+from .graph import GraphNetwork
 from .last_layers import LastLayerNetwork
+from .layer_norm import GroupNorm, LayerNorm
 from .linear import BayesLinear, FactorisedLayer
+from .normalization import BatchNorm1d, BatchNorm2d
+from .pooling import AdaptiveAvgPool2d
 from .posterior import (
     HasPosterior,
     ParameterGroup,
@@ -41,16 +45,22 @@ __all__ = [
     "ELU",
     "GELU",
     "ActivationSpec",
+    "AdaptiveAvgPool2d",
     "AvgPool2d",
+    "BatchNorm1d",
+    "BatchNorm2d",
     "BayesConv2d",
     "BayesLinear",
     "BayesLinearFullCov",
     "BayesModule",
     "FactorisedLayer",
     "Flatten",
+    "GraphNetwork",
+    "GroupNorm",
     "HasPosterior",
     "Heaviside",
     "LastLayerNetwork",
+    "LayerNorm",
     "LayerSpec",
     "LeakyReLU",
     "MaxPool2d",

@@ -72,11 +72,15 @@ def unsupported_pool2d_options(
     dilation: Any = 1,
     divisor_override: int | None = None,
     return_indices: bool = False,
+    allow_padding: bool = False,
 ) -> str | None:
     """What :class:`AvgPool2d`/:class:`MaxPool2d` require of torch pooling options, else ``None``.
 
-    Shared as :func:`unsupported_conv2d_options` is.
+    Shared as :func:`unsupported_conv2d_options` is. ``allow_padding``: max pooling pads
+    (with units that never win); average pooling does not.
     """
+    if allow_padding:
+        padding = 0
     if (
         padding not in (0, (0, 0), [0, 0])
         or ceil_mode
@@ -84,7 +88,8 @@ def unsupported_pool2d_options(
         or divisor_override is not None
         or return_indices
     ):
-        return "padding=0 and ceil_mode=False (and the default dilation, divisor and indices)"
+        padded = "" if allow_padding else "padding=0 and "
+        return f"{padded}ceil_mode=False (and the default dilation, divisor and indices)"
     return None
 
 
@@ -136,11 +141,13 @@ def _from_torch_pool2d(module: nn.Module, options: ConversionOptions) -> BayesMo
         getattr(module, "dilation", 1),
         getattr(module, "divisor_override", None),
         getattr(module, "return_indices", False),
+        allow_padding=isinstance(module, nn.MaxPool2d),
     )
     if required is not None:
         raise NotImplementedError(f"only {type(module).__name__} with {required} is supported")
-    cls = AvgPool2d if isinstance(module, nn.AvgPool2d) else MaxPool2d
-    return cls(module.kernel_size, module.stride)
+    if isinstance(module, nn.MaxPool2d):
+        return MaxPool2d(module.kernel_size, module.stride, padding=module.padding)
+    return AvgPool2d(module.kernel_size, module.stride)
 
 
 @register_layer("conv2d", kind="weight", torch_modules=(nn.Conv2d,), convert=_from_torch_conv2d)
@@ -290,10 +297,13 @@ class _Pool2d(BayesModule):
     def _moments(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover
         raise NotImplementedError
 
+    padding = (0, 0)
+
     def propagate(self, x: Moments, mode: Mode) -> Moments:
         """Pool a tensor (any mode) or per-pixel moments (``full``/``diag``)."""
         shape = _image_shape(self._name, x, mode)
-        if shape[2] < self.kernel_size[0] or shape[3] < self.kernel_size[1]:
+        (kh, kw), (ph, pw) = self.kernel_size, self.padding
+        if shape[2] + 2 * ph < kh or shape[3] + 2 * pw < kw:
             raise ValueError(
                 f"{self._name}: pooling window {self.kernel_size} is larger than the image "
                 f"{tuple(shape[2:])}"
@@ -342,7 +352,7 @@ class AvgPool2d(_Pool2d):
     "max_pool2d", kind="pooling", torch_modules=(nn.MaxPool2d,), convert=_from_torch_pool2d
 )
 class MaxPool2d(_Pool2d):
-    r"""Max pooling (no padding); moment-matched on Gaussian pixels.
+    r"""Max pooling, moment-matched on Gaussian pixels.
 
     The output pixel is the Gaussian with the mean and variance of the maximum of its window's
     (independent) Gaussian pixels (:func:`~lightning_dvi.moments.max_pool2d_diag`):
@@ -355,6 +365,8 @@ class MaxPool2d(_Pool2d):
         stride: default ``kernel_size``.
         method: ``"quadrature"`` or ``"clark"``.
         points: quadrature nodes.
+        padding: units added on each side, which never win (torch's ``-inf`` padding; at most
+            half the window). ResNet's stem pools with ``kernel_size=3, stride=2, padding=1``.
     """
 
     _name = "MaxPool2d"
@@ -365,8 +377,16 @@ class MaxPool2d(_Pool2d):
         stride: int | tuple[int, int] | None = None,
         method: str = "quadrature",
         points: int = 64,
+        padding: int | tuple[int, int] = 0,
     ) -> None:
         super().__init__(kernel_size, stride)
+        self.padding = _pair(padding, "padding")
+        if min(self.padding) < 0 or any(
+            2 * p > k for p, k in zip(self.padding, self.kernel_size, strict=True)
+        ):
+            raise ValueError(
+                f"padding must be >= 0 and at most half the window, got {self.padding}"
+            )
         if method not in ("quadrature", "clark"):
             raise ValueError(f"method must be 'quadrature' or 'clark', got {method!r}")
         if isinstance(points, bool) or not isinstance(points, int) or points < 2:
@@ -375,12 +395,16 @@ class MaxPool2d(_Pool2d):
         self.points = points
 
     def _tensor(self, x: Tensor) -> Tensor:
-        return F.max_pool2d(x, self.kernel_size, self.stride)
+        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding)
 
     def _moments(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
         return M.max_pool2d_diag(
-            mean, var, self.kernel_size, self.stride, method=self.method, points=self.points
+            mean, var, self.kernel_size, self.stride, self.method, self.points, self.padding
         )
+
+    def extra_repr(self) -> str:
+        """Window, stride and padding for ``repr``."""
+        return f"{super().extra_repr()}, padding={self.padding}"
 
 
 @register_layer("flatten", kind="shape")

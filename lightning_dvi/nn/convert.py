@@ -31,11 +31,13 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+import torch
 from torch import Tensor, nn
 
 from ..gaussian import Gaussian, Mode
 from .base import BayesModule, Moments
 from .container import Sequential
+from .graph import GraphNetwork
 from .posterior import set_posterior
 from .registry import (
     ConversionOptions,
@@ -44,6 +46,7 @@ from .registry import (
     register_layer,
     spec_for_module,
 )
+from .trace import graph_from_torch
 
 if TYPE_CHECKING:
     from .last_layers import LastLayerNetwork
@@ -71,8 +74,21 @@ def _convert_flatten(module: nn.Module, options: ConversionOptions) -> BayesModu
     return TorchFlatten(module.start_dim, module.end_dim)
 
 
+def _flatten_call(start_dim: int = 0, end_dim: int = -1) -> BayesModule:
+    if start_dim == 0:
+        raise NotImplementedError(
+            "torch.flatten(x) with start_dim=0 merges the batch dimension; use torch.flatten(x, 1)"
+        )
+    return TorchFlatten(start_dim, end_dim)
+
+
 @register_layer(
-    "torch_flatten", kind="shape", torch_modules=(nn.Flatten,), convert=_convert_flatten
+    "torch_flatten",
+    kind="shape",
+    torch_modules=(nn.Flatten,),
+    torch_functions=(torch.flatten, Tensor.flatten),
+    convert=_convert_flatten,
+    from_call=_flatten_call,
 )
 class TorchFlatten(BayesModule):
     """``torch.nn.Flatten`` for converted networks: flattens tensors (any mode) and diag Gaussians.
@@ -146,7 +162,7 @@ def from_torch(
     freeze_backbone: bool = ...,
     head_covariance: Literal["diag", "full"] = ...,
     **layer_kwargs: Any,
-) -> Sequential: ...
+) -> Sequential | GraphNetwork: ...
 
 
 @overload
@@ -173,11 +189,19 @@ def from_torch(
     freeze_backbone: bool = True,
     head_covariance: Literal["diag", "full"] = "diag",
     **layer_kwargs: Any,
-) -> Sequential | LastLayerNetwork:
-    r"""Convert a torch ``nn.Sequential`` (or a single layer) into a declared DVI network.
+) -> Sequential | GraphNetwork | LastLayerNetwork:
+    r"""Convert a torch network into a declared DVI network.
+
+    A plain ``nn.Sequential`` of registered layers (or a single layer) converts layer by layer
+    into a :class:`~lightning_dvi.nn.Sequential`. Any other module (a subclass of
+    ``nn.Sequential``, a module with its own ``forward`` calling ``F.relu``, adding skip
+    connections, concatenating, flattening, ...) is traced with ``torch.fx`` and converted into
+    a :class:`~lightning_dvi.nn.GraphNetwork` that follows the same graph
+    (:mod:`lightning_dvi.nn.trace`; docs/byo_network.md lists the supported operations).
 
     Args:
-        module: a torch ``nn.Sequential`` (nested ones are flattened) or a single layer.
+        module: a torch ``nn.Sequential`` (nested ones are flattened), a single layer, or any
+            module ``torch.fx`` can trace that takes one tensor and returns one.
         init: ``"torch"``: posterior means from the torch weights, scales
             ``max(scale_fraction * |w|, min_scale)`` (MOPED-style); ``"fresh"``: the declared
             layers' own initialisation (only the architecture is kept).
@@ -196,13 +220,16 @@ def from_torch(
             ``scale_transform``, and ``init_scale`` for ``init="fresh"``).
 
     Returns:
-        A :class:`~lightning_dvi.nn.Sequential` of declared modules, on the torch weights'
-        device and dtype; with ``last_layers``, a
+        A :class:`~lightning_dvi.nn.Sequential` (layer path) or a
+        :class:`~lightning_dvi.nn.GraphNetwork` (graph path) of declared modules, on the torch
+        weights' device and dtype; with ``last_layers``, a
         :class:`~lightning_dvi.nn.LastLayerNetwork` (backbone and head).
 
     Raises:
         NotImplementedError: for a layer that cannot be converted, naming its position and
-            path, e.g. ``layer 3 (2.1): BatchNorm1d is not supported``.
+            path, e.g. ``layer 3 (2.1): BatchNorm1d is not supported``; on the graph path, for
+            a module fx cannot trace (saying why) or a node without a declared equivalent
+            (naming the node, its op and target, its module and source line).
         ValueError: on bad options or a network with nothing left to convert.
 
     Examples:
@@ -233,13 +260,15 @@ def from_torch(
         from .last_layers import last_layer_network
 
         def convert(layer: nn.Module) -> BayesModule:
-            converted: Sequential = from_torch(
+            converted: BayesModule = from_torch(
                 layer, init, scale_fraction, min_scale, **layer_kwargs
             )
             return converted
 
         return last_layer_network(module, last_layers, convert, freeze_backbone, head_covariance)
     options = ConversionOptions(init, float(scale_fraction), float(min_scale), dict(layer_kwargs))
+    if _by_graph(module):
+        return graph_from_torch(module, options)
     layers: list[BayesModule] = []
     for position, (path, leaf) in enumerate(_leaves(module, ""), start=1):
         converted = _convert_leaf(leaf, options, position, path)
@@ -248,6 +277,19 @@ def from_torch(
     if not layers:
         raise ValueError("from_torch: nothing left to convert (only dropped layers)")
     return Sequential(*layers)
+
+
+def _by_graph(module: nn.Module) -> bool:
+    """Whether ``module`` goes through ``torch.fx``.
+
+    Anything but a plain ``nn.Sequential`` (or a single layer) of registered torch layers, which
+    keeps the layer-by-layer path.
+    """
+    for _, leaf in _leaves(module, ""):
+        if spec_for_module(leaf) is None and not isinstance(leaf, BayesModule):
+            # torch's own layers are leaves for fx too: the layer path names them by position
+            return not type(leaf).__module__.startswith("torch.nn")
+    return False
 
 
 def _convert_leaf(

@@ -18,9 +18,8 @@ a file never imports a module or calls anything else.
 
 from __future__ import annotations
 
-import inspect
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,8 @@ from torch import Tensor, nn
 
 from .container import Sequential
 from .convert import Init, from_torch
-from .registry import torch_module_types
+from .torch_layers import describe_layer as _describe
+from .torch_layers import torch_from_description
 
 __all__ = [
     "TorchNetwork",
@@ -42,58 +42,6 @@ __all__ = [
 
 FILE_FORMAT = "lightning_dvi.torch_network"
 FILE_VERSION = 1
-
-# Constructor arguments that do not describe the architecture.
-_SKIPPED = {"self", "inplace", "device", "dtype"}
-_Plain = (bool, int, float, str, type(None))
-
-
-def _layer_types() -> dict[str, type[nn.Module]]:
-    """Every torch layer type a description may name: short names for ``torch.nn`` classes."""
-    types: list[type[nn.Module]] = [nn.Sequential, *torch_module_types()]
-    table: dict[str, type[nn.Module]] = {}
-    for cls in types:
-        short = cls.__name__
-        name = short if getattr(nn, short, None) is cls else f"{cls.__module__}.{cls.__qualname__}"
-        table[name] = cls
-    return table
-
-
-def _type_name(cls: type[nn.Module]) -> str:
-    for name, known in _layer_types().items():
-        if known is cls:
-            return name
-    raise ValueError(
-        f"{cls.__name__} cannot be described as data; supported layer types: "
-        f"{', '.join(sorted(_layer_types()))}"
-    )
-
-
-def _plain(value: Any, where: str) -> Any:
-    if isinstance(value, _Plain):
-        return value
-    if isinstance(value, (tuple, list)) and all(isinstance(v, _Plain) for v in value):
-        return list(value)
-    raise ValueError(f"{where} = {value!r} is not a plain value (number, string, bool, list)")
-
-
-def _describe(module: nn.Module, where: str) -> dict[str, Any]:
-    cls = type(module)
-    entry: dict[str, Any] = {"type": _type_name(cls)}
-    if cls is nn.Sequential:
-        entry["layers"] = [
-            _describe(child, f"{where}.{name}" if where else name)
-            for name, child in module.named_children()
-        ]
-        return entry
-    for name, parameter in inspect.signature(cls.__init__).parameters.items():
-        if name in _SKIPPED or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            continue
-        if name == "bias" and isinstance(getattr(module, "bias", None), (Tensor, type(None))):
-            entry["bias"] = module.bias is not None
-        elif hasattr(module, name):
-            entry[name] = _plain(getattr(module, name), f"{where or cls.__name__}.{name}")
-    return entry
 
 
 def describe_torch(module: nn.Module) -> list[dict[str, Any]]:
@@ -129,50 +77,6 @@ def describe_torch(module: nn.Module) -> list[dict[str, Any]]:
             f"became {got}"
         )
     return layers
-
-
-def _build_layer(entry: object, where: str) -> nn.Module:
-    if isinstance(entry, str):
-        entry = {"type": entry}
-    if not isinstance(entry, Mapping) or "type" not in entry:
-        raise ValueError(
-            f"{where}: expected a layer name or a mapping with a 'type', got {entry!r}"
-        )
-    types = _layer_types()
-    cls = types.get(str(entry["type"]))
-    if cls is None:
-        raise ValueError(
-            f"{where}: unknown layer type {entry['type']!r}; a layer list may name "
-            f"{', '.join(sorted(types))} (looked up by name, never imported)"
-        )
-    kwargs = {
-        str(k): _plain(v, f"{where}.{k}") for k, v in entry.items() if k not in ("type", "layers")
-    }
-    if cls is nn.Sequential:
-        if kwargs:
-            raise ValueError(f"{where}: a Sequential takes only 'layers', got {sorted(kwargs)}")
-        return torch_from_description(entry.get("layers") or [], where)
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: cannot build {entry['type']}: {err}") from err
-
-
-def torch_from_description(layers: Sequence[Any], where: str = "layers") -> nn.Sequential:
-    """The torch ``nn.Sequential`` a :func:`describe_torch` layer list describes (fresh weights).
-
-    Args:
-        layers: layer entries: a mapping with ``"type"`` (a ``torch.nn`` class name from the
-            supported table) and constructor arguments, or just the name; a nested
-            ``{"type": "Sequential", "layers": [...]}`` stays nested.
-        where: a name for the list in error messages.
-
-    Raises:
-        ValueError: naming the entry, for an unknown type or arguments that are not plain values.
-    """
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
-        raise ValueError(f"{where} must be a list of layers, got {type(layers).__name__}")
-    return nn.Sequential(*(_build_layer(e, f"{where}[{i}]") for i, e in enumerate(layers)))
 
 
 def save_torch_network(module: nn.Module, path: str | PathLike[str]) -> Path:

@@ -314,6 +314,8 @@ def _registered_activation(func: Callable[..., Any]) -> Handler | None:
         spec = None if base is None else spec_for_function(base)
         if spec is None:
             return None
+    if spec.kind != "activation":  # shape ops and pools registered for from_torch have own rules
+        return None
     found = spec
 
     def activation(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:

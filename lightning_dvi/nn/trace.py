@@ -1,0 +1,308 @@
+r"""Convert any module ``torch.fx`` can trace into a :class:`~lightning_dvi.nn.GraphNetwork`.
+
+:func:`graph_from_torch` traces the module symbolically (``torch.fx.Tracer``: torch's own layers
+stay leaves, user modules and ``nn.Sequential`` are traced through) and maps every node through
+the layer registry:
+
+* ``call_module``: the registered kind of the module's type (``spec_for_module``), converted as
+  :func:`~lightning_dvi.nn.from_torch` converts a layer; dropped layers (dropout, identity)
+  vanish; a parameter-free module may be called several times, a weight layer once;
+* ``call_function`` / ``call_method``: the registered kind of the function (``spec_for_function``:
+  ``F.relu``, ``torch.tanh``, ``x.relu()``, ``torch.flatten``, ``F.adaptive_avg_pool2d``, ...),
+  ``x.view(x.size(0), -1)`` and ``reshape`` of that flattening kind, ``operator.add`` /
+  ``torch.add`` / ``+=`` of two values or of a number, ``torch.cat`` along a feature dimension,
+  and ``x.contiguous()`` (dropped).
+
+Anything else raises ``NotImplementedError`` naming the node, its op and target, the module it
+sits in and its source line, and the supported list.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+
+from .base import BayesModule
+from .graph import GraphNetwork
+from .registry import ConversionOptions, spec_for_function, spec_for_module
+from .torch_layers import describe_layer, plain
+
+__all__ = ["SUPPORTED_GRAPH_OPS", "graph_from_torch"]
+
+SUPPORTED_GRAPH_OPS = (
+    "registered torch modules (Linear, Conv2d, AvgPool2d, MaxPool2d, AdaptiveAvgPool2d, Flatten, "
+    "the activations, normalization layers, Dropout/Identity dropped), registered torch "
+    "functions and tensor methods (F.relu, torch.relu, x.relu(), torch.tanh, F.gelu, F.elu, "
+    "torch.flatten, x.flatten, F.adaptive_avg_pool2d, ...), x.view/x.reshape(x.size(0), -1), "
+    "operator.add / torch.add / += of two values or of a number, torch.cat along a feature "
+    "dimension, x.contiguous()"
+)
+
+_ADD = (operator.add, operator.iadd, torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__)
+_CAT = (torch.cat, torch.concat, torch.concatenate)
+_RESHAPE = (Tensor.view, Tensor.reshape, torch.reshape)
+_NO_OP = (Tensor.contiguous,)
+
+
+def _target(node: fx.Node) -> Callable[..., Any] | None:
+    if node.op == "call_method":
+        return getattr(Tensor, str(node.target), None)
+    return node.target if callable(node.target) else None
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [str(v[0]) for v in stack.values()] if isinstance(stack, dict) else []
+    module = paths[-1] if paths and paths[-1] else "the top-level forward"
+    target = (
+        node.target
+        if isinstance(node.target, str)
+        else getattr(node.target, "__name__", repr(node.target))
+    )
+    text = f"node {node.name!r} ({node.op} {target}) in {module}"
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.stack_trace or "")
+    user = [f for f in frames if "/torch/" not in f[0].replace("\\", "/")]
+    if user:
+        path, line, code = user[-1]
+        text += f" at {path}:{line}: {code.strip()}"
+    return text
+
+
+class _NodeError(NotImplementedError):
+    """A node that cannot be converted; the message is written once its source line is known."""
+
+    def __init__(self, node: fx.Node, why: str, listing: bool = True) -> None:
+        super().__init__(why)
+        self.node, self.why, self.listing = node, why, listing
+
+    def message(self, traced: fx.Node | None) -> str:
+        text = f"from_torch: {_where(traced or self.node)} {self.why}"
+        return f"{text}; graph conversion supports {SUPPORTED_GRAPH_OPS}" if self.listing else text
+
+
+def _unsupported(node: fx.Node, why: str = "is not supported") -> _NodeError:
+    return _NodeError(node, why)
+
+
+def _trace(module: nn.Module, stacks: bool = False) -> fx.Graph:
+    tracer = fx.Tracer()
+    tracer.record_stack_traces = stacks  # slow (seconds per node on a cold start): errors only
+    try:
+        return tracer.trace(module)
+    except Exception as err:  # fx raises TraceError, TypeError, RuntimeError, ... by construct
+        raise NotImplementedError(
+            f"from_torch: torch.fx could not trace {type(module).__name__} "
+            f"({type(err).__name__}: {err}). Graph conversion needs a forward without "
+            "data-dependent control flow (no `if` or loop on tensor values); write that part "
+            "with tensor operations, or convert the traceable submodules separately"
+        ) from err
+
+
+def _is_batch_size(arg: Any, source: fx.Node) -> bool:
+    """``x.size(0)`` or ``x.shape[0]`` of the tensor being reshaped."""
+    if not isinstance(arg, fx.Node):
+        return False
+    if arg.op == "call_method" and arg.target == "size":
+        return list(arg.args) == [source, 0]
+    if arg.op == "call_function" and arg.target is operator.getitem and arg.args[1] == 0:
+        shape = arg.args[0]
+        return (
+            isinstance(shape, fx.Node)
+            and shape.op == "call_function"
+            and shape.target is getattr
+            and list(shape.args) == [source, "shape"]
+        )
+    return False
+
+
+class _Builder:
+    def __init__(self, root: nn.Module, options: ConversionOptions) -> None:
+        self.root, self.options = root, options
+        self.nodes: list[dict[str, Any]] = []
+        self.table: dict[str, dict[str, Any]] = {}
+        self.built: dict[str, BayesModule] = {}
+        self.alias: dict[str, str] = {}
+        self.helpers: set[str] = set()  # x.size(0) / x.shape nodes, read by a flattening view
+        self.called: dict[str, str] = {}  # torch module path -> key
+
+    def ref(self, arg: Any, node: fx.Node) -> str:
+        if not isinstance(arg, fx.Node) or arg.name in self.helpers:
+            raise _unsupported(node, f"has a non-tensor operand {arg!r}")
+        return self.alias.get(arg.name, arg.name)
+
+    def add_module(self, key: str, module: BayesModule, description: dict[str, Any]) -> str:
+        key = re.sub(r"\W", "_", key) or "module"
+        base, i = key, 1
+        while key in self.table:
+            key, i = f"{base}_{i}", i + 1
+        self.table[key], self.built[key] = description, module
+        return key
+
+    def call(self, node: fx.Node, key: str, source: Any) -> None:
+        self.nodes.append(
+            {"name": node.name, "op": "call", "module": key, "inputs": [self.ref(source, node)]}
+        )
+
+    def visit(self, node: fx.Node) -> None:
+        if node.op == "placeholder":
+            if self.nodes:
+                raise _unsupported(node, "is a second input; a converted network takes one")
+            self.nodes.append({"name": node.name, "op": "input"})
+        elif node.op == "output":
+            if not isinstance(node.args[0], fx.Node):
+                raise _unsupported(
+                    node, "returns a structure; a converted network returns one tensor"
+                )
+            self.nodes.append(
+                {"name": "output", "op": "output", "inputs": [self.ref(node.args[0], node)]}
+            )
+        elif node.op == "call_module":
+            self.visit_module(node)
+        elif node.op in ("call_function", "call_method"):
+            self.visit_function(node)
+        else:
+            raise _unsupported(node, "(a parameter or buffer read directly) is not supported")
+
+    def visit_module(self, node: fx.Node) -> None:
+        path = str(node.target)
+        module = self.root.get_submodule(path)
+        if len(node.args) != 1 or node.kwargs:
+            raise _unsupported(node, "is called with more than one argument")
+        if isinstance(module, BayesModule):
+            raise _unsupported(node, "is already a lightning_dvi module")
+        if path in self.called:
+            if any(True for _ in module.parameters()):
+                raise _unsupported(
+                    node, "reuses a module with weights (weight sharing is not supported)"
+                )
+            self.call(node, self.called[path], node.args[0])
+            return
+        spec = spec_for_module(module)
+        if spec is None:
+            raise _unsupported(node, f"calls {type(module).__name__}, which has no layer kind")
+        try:
+            converted = spec.convert_module(module, self.options)
+        except (NotImplementedError, ValueError) as err:
+            raise _NodeError(node, f"cannot be converted: {err}", listing=False) from err
+        if converted is None:
+            self.alias[node.name] = self.ref(node.args[0], node)
+            return
+        try:
+            description: dict[str, Any] = {"kind": spec.name, "torch": describe_layer(module, path)}
+        except ValueError as err:
+            description = {"kind": spec.name, "unstorable": str(err)}
+        self.called[path] = self.add_module(path, converted, description)
+        self.call(node, self.called[path], node.args[0])
+
+    def visit_function(self, node: fx.Node) -> None:
+        fn = _target(node)
+        args, kwargs = list(node.args), dict(node.kwargs)
+        if (node.op == "call_method" and node.target == "size") or fn is getattr:
+            self.helpers.add(node.name)  # checked where it is read
+        elif (
+            fn is operator.getitem and isinstance(args[0], fx.Node) and args[0].name in self.helpers
+        ):
+            self.helpers.add(node.name)
+        elif fn in _ADD:
+            self.visit_add(node, args, kwargs)
+        elif fn in _CAT:
+            tensors = args[0] if args else kwargs.get("tensors")
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
+                raise _unsupported(node, "has arguments that are not a list of tensors and a dim")
+            self.nodes.append(
+                {
+                    "name": node.name,
+                    "op": "cat",
+                    "dim": dim,
+                    "inputs": [self.ref(t, node) for t in tensors],
+                }
+            )
+        elif fn in _RESHAPE:
+            shape = (
+                args[1:] if not (len(args) == 2 and isinstance(args[1], (list, tuple))) else args[1]
+            )
+            source = args[0]
+            if (
+                not isinstance(source, fx.Node)
+                or len(shape) != 2
+                or shape[1] != -1
+                or not _is_batch_size(shape[0], source)
+            ):
+                raise _unsupported(node, "is a reshape other than x.view(x.size(0), -1)")
+            self.function(node, spec_for_function(torch.flatten), args[0], [1, -1], {})
+        elif fn in _NO_OP:
+            self.alias[node.name] = self.ref(args[0], node)
+        else:
+            kwargs.pop("inplace", None)
+            spec = None if fn is None else spec_for_function(fn)
+            if spec is None or not args:
+                raise _unsupported(node)
+            self.function(node, spec, args[0], args[1:], kwargs)
+
+    def function(
+        self, node: fx.Node, spec: Any, source: Any, args: list[Any], kwargs: dict[str, Any]
+    ) -> None:
+        try:
+            args = [plain(a, "argument") for a in args]
+            kwargs = {k: plain(v, f"argument {k}") for k, v in kwargs.items()}
+            module = spec.build_from_call(*args, **kwargs)
+        except (NotImplementedError, ValueError, TypeError) as err:
+            raise _NodeError(node, f"cannot be converted: {err}", listing=False) from err
+        key = self.add_module(
+            node.name, module, {"kind": spec.name, "args": args, "kwargs": kwargs}
+        )
+        self.call(node, key, source)
+
+    def visit_add(self, node: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> None:
+        if kwargs or len(args) != 2:
+            raise _unsupported(node, "is an add with alpha or other keyword arguments")
+        operands: list[Any] = []
+        for a in args:
+            if isinstance(a, fx.Node):
+                operands.append(self.ref(a, node))
+            elif isinstance(a, (int, float)) and not isinstance(a, bool):
+                operands.append(float(a))
+            else:
+                raise _unsupported(node, f"adds {a!r}; only values and numbers")
+        if not isinstance(operands[0], str):
+            operands.reverse()
+        if not isinstance(operands[0], str):
+            raise _unsupported(node, "adds two numbers")
+        self.nodes.append({"name": node.name, "op": "add", "inputs": operands})
+
+
+def graph_from_torch(module: nn.Module, options: ConversionOptions) -> GraphNetwork:
+    """Trace ``module`` with ``torch.fx`` and build the equivalent :class:`GraphNetwork`.
+
+    Args:
+        module: any ``nn.Module`` whose forward ``torch.fx`` can trace, taking one tensor and
+            returning one tensor.
+        options: the conversion options (``from_torch``'s ``init``, ``scale_fraction``, ...).
+
+    Raises:
+        NotImplementedError: for an untraceable module (saying why fx failed) or a node that
+            has no declared equivalent (naming it, its op/target, module and source line).
+    """
+    builder = _Builder(module, options)
+    try:
+        for node in _trace(module).nodes:
+            builder.visit(node)
+    except _NodeError as err:  # trace again, with source lines, to name the line
+        traced = {n.name: n for n in _trace(module, stacks=True).nodes}
+        raise NotImplementedError(err.message(traced.get(err.node.name))) from err
+    used = {v for n in builder.nodes for v in n.get("inputs", []) if isinstance(v, str)}
+    if builder.nodes[-1]["inputs"][0] == builder.nodes[0]["name"] or not builder.built:
+        raise ValueError("from_torch: nothing left to convert (only dropped layers)")
+    unused = [n["name"] for n in builder.nodes[:-1] if n["name"] not in used]
+    if unused:
+        raise NotImplementedError(
+            f"from_torch: the values of nodes {unused} are computed but never used; a converted "
+            "network follows one output"
+        )
+    return GraphNetwork(builder.nodes, builder.table, options.layer_kwargs, built=builder.built)
