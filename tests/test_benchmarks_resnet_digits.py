@@ -100,3 +100,32 @@ def test_fit_dvi_trains_the_declared_network_it_is_given() -> None:
     assert fitted.net is not None and fitted.net.net is net  # trained in place, not rebuilt
     assert any(not torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert fitted.predict(split.x_test[:3]).shape == (3, split.num_classes)
+
+
+def test_whole_network_row_keeps_the_trained_batch_norm_statistics() -> None:
+    from lightning_dvi.nn import BatchNorm2d
+
+    torch.manual_seed(0)
+    net = resnet_digits.make_resnet(Config(width=4))
+    net.train()
+    net(torch.randn(16, 1, 8, 8))
+    net.eval()
+    converted = resnet_digits._whole(net)
+    norms = [m for m in converted.modules() if isinstance(m, BatchNorm2d)]
+    assert len(norms) == 20 and all(m.freeze_statistics and m.training for m in norms)
+    before = [m.running_mean.clone() for m in norms]
+    out = converted(torch.randn(8, 1, 8, 8), mode="diag")  # a training-mode pass
+    assert all(torch.equal(b, m.running_mean) for b, m in zip(before, norms, strict=True))
+    assert out.var.min() > 0  # every weight layer is Bayesian
+
+
+def test_step_time_command_reports_both_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_dvi.benchmarks import resnet_step
+
+    out = resnet_step.main(["--width", "4", "--size", "8", "--batch", "4", "--steps", "1"])
+    times = out["times"]
+    assert isinstance(times, dict) and set(times) == {"deterministic", "ddvi"}
+    assert all(len(v) == 1 and v[0] > 0 for v in times.values())
+    assert "dDVI" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="steps"):
+        resnet_step.step_seconds(steps=0)
