@@ -45,6 +45,7 @@ from .data import Budget, ClassificationSplit, plain_cnn, plain_mlp
 __all__ = [
     "METRICS",
     "Row",
+    "evaluate",
     "fit_dvi",
     "markdown_table",
     "run_row",
@@ -105,12 +106,15 @@ def fit_dvi(
     seed: int,
     row: Row = Row("dvi"),
     mc_eval: int = 64,
+    net: nn.Module | None = None,
 ) -> Fitted:
     """:class:`~lightning_dvi.DVIClassifier` with ``row.settings``, trained by ``lightning.Trainer``.
 
     The learning rate comes from ``budget`` unless the settings give one. The shapes are read
     from the data at ``setup()``; ``details["history"]`` holds every epoch's logged metrics
     (the collapse diagnostics among them). MCVI rows predict with ``mc_eval`` weight samples.
+    ``net``: a declared network to train (e.g. one made by ``from_torch`` from a trained
+    network) instead of the one ``row.arch`` builds.
     """
     from lightning.pytorch import Trainer, seed_everything
 
@@ -119,10 +123,12 @@ def fit_dvi(
 
     seed_everything(seed, verbose=False)
     settings = {"lr": budget.lr, **row.settings}
-    if row.arch == "cnn":
-        size = split.input_shape[-1]
-        net = CNN(split.input_shape[0], split.num_classes, size, hidden=list(row.hidden))
+    if net is not None:
         model = DVIClassifier(net=net, **settings)
+    elif row.arch == "cnn":
+        size = split.input_shape[-1]
+        cnn = CNN(split.input_shape[0], split.num_classes, size, hidden=list(row.hidden))
+        model = DVIClassifier(net=cnn, **settings)
     else:
         model = DVIClassifier(hidden=list(row.hidden), **settings)
     history = _History()
@@ -188,7 +194,15 @@ def run_row(
     validation metrics (``history``).
     """
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    fitted = fit_row(split, row, budget, seed)
+    return evaluate(split, fit_row(split, row, budget, seed), mc_eval)
+
+
+def evaluate(split: ClassificationSplit, fitted: Fitted, mc_eval: int = 64) -> dict[str, Any]:
+    """The test metrics of a trained row (see :func:`run_row`), its ``train_s`` and ``best_epoch``.
+
+    The OOD inputs are :meth:`~lightning_dvi.benchmarks.data.ClassificationSplit.ood_inputs`;
+    rows with ``samples`` also get the mutual-information detector from ``mc_eval`` draws.
+    """
     x, ood = split.x_test, split.ood_inputs()
     samples = ood_samples = None
     if fitted.samples is not None:

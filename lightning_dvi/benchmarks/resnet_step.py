@@ -1,0 +1,137 @@
+r"""CPU time of one training step of a ResNet-18: deterministic against whole-network dDVI.
+
+A data point for issue 29's time question (cuTAGI reports 142.6 s per CIFAR-10 epoch of a
+ResNet-18 on a GPU; this package's GPU time is unmeasured until a GPU is lent). Both steps
+train the same torchvision-shaped ResNet-18 (:func:`~lightning_dvi.benchmarks.torch_resnet.resnet18`
+with the small-image stem, ``width`` channels in the first stage, 3 input channels) on one
+synthetic batch of ``[batch, 3, size, size]`` images with Adam:
+
+* ``deterministic``: the torch network, cross-entropy, backward, Adam step (BatchNorm in
+  training mode);
+* ``ddvi``: the network converted by ``from_torch`` (every weight layer Bayesian, BatchNorm on
+  its running statistics), the per-datum ELBO of :func:`lightning_dvi.objective.elbo` in
+  ``mode="diag"`` (the categorical bound, a Gaussian prior, :math:`N` = 50 000), backward, Adam.
+
+Each is warmed up once, then ``steps`` steps are timed with ``time.process_time`` (CPU seconds
+of every thread) and the median is reported, the two interleaved step by step so that load
+changes hit both alike.
+
+Usage::
+
+    python -m lightning_dvi.benchmarks.resnet_step [--width 64] [--size 32] [--batch 32]
+        [--steps 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .resnet_digits import machine
+from .torch_resnet import resnet18
+
+__all__ = ["main", "step_seconds"]
+
+
+def _deterministic_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    optimiser = torch.optim.Adam(net.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimiser.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        optimiser.step()
+
+    return step
+
+
+def _ddvi_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    from ..likelihoods import Categorical
+    from ..nn import BatchNorm1d, BatchNorm2d, from_torch
+    from ..objective import elbo
+    from ..priors import GaussianPrior
+
+    converted = from_torch(net)
+    for module in converted.modules():
+        if isinstance(module, (BatchNorm1d, BatchNorm2d)):
+            module.freeze_statistics = True
+    converted.train()
+    likelihood, prior = Categorical(10), GaussianPrior()
+    optimiser = torch.optim.Adam([p for p in converted.parameters() if p.requires_grad], lr=1e-3)
+
+    def step() -> None:
+        optimiser.zero_grad()
+        elbo(converted, likelihood, prior, x, y, num_data=50_000, mode="diag").loss.backward()
+        optimiser.step()
+
+    return step
+
+
+def step_seconds(
+    width: int = 64, size: int = 32, batch: int = 32, steps: int = 3, seed: int = 0
+) -> dict[str, list[float]]:
+    """CPU seconds of each timed step: ``{"deterministic": [...], "ddvi": [...]}``.
+
+    Raises:
+        ValueError: for ``steps < 1`` or ``batch < 2``.
+    """
+    if steps < 1 or batch < 2:
+        raise ValueError(f"need steps >= 1 and batch >= 2, got steps={steps}, batch={batch}")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, size, size, generator=gen)
+    y = torch.arange(batch) % 10
+    torch.manual_seed(seed)
+    plain = resnet18(num_classes=10, in_channels=3, small_input=True, width=width)
+    plain.train()
+    with torch.no_grad():  # non-trivial running statistics for the converted BatchNorm
+        plain(x)
+    bayes = resnet18(num_classes=10, in_channels=3, small_input=True, width=width)
+    bayes.load_state_dict(plain.state_dict())
+    runs = {
+        "deterministic": _deterministic_step(plain, x, y),
+        "ddvi": _ddvi_step(bayes.eval(), x, y),
+    }
+    for step in runs.values():  # warm-up: allocations, first-call dispatch
+        step()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(steps):
+        for name, step in runs.items():
+            start = time.process_time()
+            step()
+            times[name].append(time.process_time() - start)
+    return times
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, object]:
+    """The command line: print the median CPU seconds per step and their ratio."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_dvi.benchmarks.resnet_step")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        times = step_seconds(args.width, args.size, args.batch, args.steps)
+        info = machine()
+    finally:
+        torch.set_num_threads(threads)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    ratio = median["ddvi"] / median["deterministic"]
+    print(
+        f"ResNet-18 width {args.width}, {args.size}x{args.size}, batch {args.batch}, "
+        f"{args.threads} thread(s), {info['cpu']}, load {' '.join(info['loadavg'])}: "
+        f"deterministic {median['deterministic']:.3f} CPU s/step, "
+        f"dDVI {median['ddvi']:.3f} CPU s/step ({ratio:.1f}x)"
+    )
+    return {"times": times, "median": median, "ratio": ratio, "machine": info}
+
+
+if __name__ == "__main__":
+    main()
