@@ -129,6 +129,8 @@ class Settings:
     fixed_prior_variance: float = 1.0
     mc_eval_samples: int = 100
     seed: int = 0
+    adam_steps: int = 0
+    precision: str = "32-true"
 
 
 PRESETS: dict[str, Settings] = {
@@ -293,51 +295,70 @@ def run_job(job: Job) -> dict[str, Any]:
     steps = num_steps(dm.num_train, s)
     if job.steps_cap is not None:
         steps = min(steps, job.steps_cap)
-    model = DVIRegressor(
-        in_features=dm.in_features,
-        hidden=[job.hidden],
-        mode=spec["mode"],
-        num_samples=spec.get("num_samples"),
-        likelihood=spec["likelihood"],
-        prior=spec["prior"],
-        prior_alpha=1.0,
-        prior_beta=10.0,
-        prior_variance=s.fixed_prior_variance,
-        lr=s.lr,
-        lr_schedule="constant" if lbfgs else "cosine",
-        min_lr=0.0 if lbfgs else s.lr * s.final_lr_fraction,
-        kl_warmup_steps=round(s.kl_warmup * steps),
-        kl_anneal_steps=round(s.kl_anneal * steps),
-        init_log_noise=s.init_log_noise,
-        num_data=dm.num_train,
-        optimizer=s.optimizer,
-        lbfgs_iterations=s.lbfgs_iterations,
-        lbfgs_history=s.lbfgs_history,
+    def build(optimizer: str, warmup: int, anneal: int, cosine: bool) -> Any:
+        return DVIRegressor(
+            in_features=dm.in_features,
+            hidden=[job.hidden],
+            mode=spec["mode"],
+            num_samples=spec.get("num_samples"),
+            likelihood=spec["likelihood"],
+            prior=spec["prior"],
+            prior_alpha=1.0,
+            prior_beta=10.0,
+            prior_variance=s.fixed_prior_variance,
+            lr=s.lr,
+            lr_schedule="cosine" if cosine else "constant",
+            min_lr=s.lr * s.final_lr_fraction if cosine else 0.0,
+            kl_warmup_steps=warmup,
+            kl_anneal_steps=anneal,
+            init_log_noise=s.init_log_noise,
+            num_data=dm.num_train,
+            optimizer=optimizer,
+            lbfgs_iterations=s.lbfgs_iterations,
+            lbfgs_history=s.lbfgs_history,
+        )
+
+    def trainer(max_steps: int, callbacks: list[Any], validate: bool, clip: float) -> Any:
+        return lightning.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            max_epochs=-1,
+            precision=s.precision,
+            limit_val_batches=1.0 if validate else 0,
+            check_val_every_n_epoch=1,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=False,
+            num_sanity_val_steps=0,
+            # Nothing reads logged training values here (see DVIModule: logs_this_step).
+            log_every_n_steps=max_steps + 1,
+            gradient_clip_val=clip or None,
+            callbacks=callbacks,
+        )
+
+    warm = None
+    if lbfgs and s.adam_steps > 0:  # full-batch Adam first, its KL schedule inside this phase
+        a = s.adam_steps
+        warm = build("adam", round(s.kl_warmup * a), round(s.kl_anneal * a), False)
+        trainer(a, [], False, s.grad_clip).fit(warm, datamodule=dm)
+    model = build(
+        s.optimizer,
+        0 if lbfgs else round(s.kl_warmup * steps),
+        0 if lbfgs else round(s.kl_anneal * steps),
+        not lbfgs,
     )
+    if warm is not None:
+        model.to(next(warm.parameters()).dtype).load_state_dict(warm.state_dict())
     callbacks: list[Any] = []
     if early > 0:
         callbacks = [
             lightning.pytorch.callbacks.EarlyStopping("val/nll", patience=s.patience),
             RestoreBestWeights("val/nll"),
         ]
-    trainer = lightning.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        max_epochs=-1,
-        limit_val_batches=1.0 if early > 0 else 0,
-        check_val_every_n_epoch=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        num_sanity_val_steps=0,
-        # Nothing reads logged training values here (see DVIModule: logs_this_step).
-        log_every_n_steps=steps + 1,
-        gradient_clip_val=(s.grad_clip or None) if not lbfgs else None,
-        callbacks=callbacks,
-    )
-    trainer.fit(model, datamodule=dm)
+    trainer_ = trainer(steps, callbacks, early > 0, 0.0 if lbfgs else s.grad_clip)
+    trainer_.fit(model, datamodule=dm)
     held_out = dm.val_dataset if job.validation > 0 else dm.test_dataset
     assert held_out is not None
     x, y = held_out.tensors[0], held_out.tensors[1]
@@ -348,7 +369,7 @@ def run_job(job: Job) -> dict[str, Any]:
         "rmse": rmse,
         "seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time() - cpu_start,
-        "steps": int(trainer.global_step),
+        "steps": int(trainer_.global_step),
     }
 
 
@@ -362,7 +383,7 @@ def score(model: Any, x: Any, y: Any, mc_eval_samples: int) -> tuple[float, floa
     import torch
 
     model.eval()
-    y = y.double()
+    x, y = x.to(next(model.parameters()).dtype), y.double()
     with torch.no_grad():
         if model.mode in ("sample", "local"):
             ll = model.predictive_log_prob(x, y, method="mc", num_samples=mc_eval_samples)
