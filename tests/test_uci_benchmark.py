@@ -93,6 +93,10 @@ def test_unknown_method_and_dataset_are_clear_errors(bench, tmp_path, capsys):
     base = ["--data-dir", str(tmp_path), "--dataset", "toy", "--method", "dvi"]
     with pytest.raises(ValueError, match="--optimizer"):
         bench.parse_args([*base, "--optimizer", "sgd"])
+    with pytest.raises(ValueError, match="--precision must be 32-true or 64-true"):
+        bench.parse_args([*base, "--precision", "bf16-mixed"])
+    _, (job, _) = bench.parse_args([*base, "--precision", "64-true", "--adam-steps", "7"])
+    assert (job.settings.precision, job.settings.adam_steps) == ("64-true", 7)
     for warm, ramp in (("0.7", "0.4"), ("-0.1", "0.2")):
         with pytest.raises(ValueError, match="fractions of the steps"):
             bench.parse_args([*base, "--kl-warmup", warm, "--kl-anneal", ramp])

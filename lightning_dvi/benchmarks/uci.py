@@ -138,7 +138,7 @@ class Settings:
     seed: int = 0
     adam_steps: int = 300
     adam_max_rows: int = 5000
-    precision: str = "32-true"
+    precision: Literal["32-true", "64-true"] = "32-true"
 
 
 PRESETS: dict[str, Settings] = {
