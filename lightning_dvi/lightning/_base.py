@@ -596,7 +596,7 @@ class DVIModule(LightningModule):
 
         "Where it was": no parameter moved by more than 10 units of the dtype's rounding,
         :math:`\max|\Delta p| \le 10\,\varepsilon\,(1 + \max|p|)` for every tensor, while the
-        largest gradient entry ``grad`` is above L-BFGS's own stationarity tolerance
+        largest gradient entry is above L-BFGS's own stationarity tolerance
         (``tolerance_grad``); ``loss`` is the objective at the step's start.
 
         How a fit gets there (UCI protein split 2, a 37,000-row full batch, measured): one
@@ -613,8 +613,8 @@ class DVIModule(LightningModule):
         the dtype's resolution even along the gradient. After a fit that made progress that is
         a minimum to working precision, normal at the end of a float32 fit, and stays silent;
         a warning (once per fit) says so when the objective is still within a relative
-        ``1e-3`` of the first step's, :math:`L > L_1 - 10^{-3}\max(1, |L_1|)`: a fit that
-        never got going.
+        ``1e-3`` of where the fit started, :math:`L > L_1 - 10^{-3}\max(1, |L_1|)` with
+        :math:`L_1` the objective at the first step's start: a fit that never got going.
         """
         stalls = getattr(self, "_lbfgs_stalls", 0) + 1
         self._lbfgs_stalls = stalls
@@ -627,8 +627,8 @@ class DVIModule(LightningModule):
         self._lbfgs_stall_warned = True
         rank_zero_warn(
             f"{type(self).__name__}: L-BFGS step {self.global_step} did not move the parameters, "
-            "also after its curvature memory was cleared, and the objective is where the first "
-            f"step left it ({loss:.7g}): the line search finds no decrease along the gradient at "
+            "also after its curvature memory was cleared, and the objective is still where the "
+            f"fit started ({loss:.7g}): the line search finds no decrease along the gradient at "
             "the dtype's resolution. Try Trainer(precision='64-true'), standardised inputs, or "
             "optimizer='adam'"
         )
