@@ -52,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for field in fields(PRESETS["lbfgs"]):
         flag = "max-steps-budget" if field.name == "max_steps" else field.name.replace("_", "-")
-        kind = str if field.name == "optimizer" else type(getattr(PRESETS["lbfgs"], field.name))
+        kind = (
+            str
+            if field.name in ("optimizer", "precision")
+            else type(getattr(PRESETS["lbfgs"], field.name))
+        )
         p.add_argument(f"--{flag}", type=kind, default=None, dest=f"set_{field.name}",
                        help="(default: the preset's)")  # fmt: skip
     return p
@@ -83,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     settings = replace(PRESETS[args.preset], **overrides)
     if settings.optimizer not in ("lbfgs", "adam"):
         raise ValueError(f"--optimizer must be lbfgs or adam, got {settings.optimizer!r}")
+    if settings.precision not in ("32-true", "64-true"):
+        raise ValueError(f"--precision must be 32-true or 64-true, got {settings.precision!r}")
     for name, value in (("splits", args.splits), ("max-steps", args.max_steps)):
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")

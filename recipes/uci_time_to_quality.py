@@ -8,7 +8,8 @@ Usage::
 Each point is one step budget of one protocol of :mod:`lightning_dvi.benchmarks.uci`, averaged
 over the splits: ``adam8000`` capped at ``--adam-steps`` (its KL warm-up and cosine schedule
 scale with the cap) and ``lbfgs`` capped at ``--lbfgs-steps`` L-BFGS steps, plus ``lbfgs``
-uncapped (early stopping decides). CPU seconds are the worker's ``time.process_time`` (one
+uncapped (early stopping decides); on small data every ``lbfgs`` point includes the preset's
+full-batch Adam phase (``adam_steps``, not capped). CPU seconds are the worker's ``time.process_time`` (one
 thread, Trainer and data set-up included).
 """
 
@@ -55,7 +56,10 @@ def plot(points: dict[str, list[dict[str, Any]]], title: str, path: str) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"adam8000": "Adam (old default), step budget", "lbfgs": "L-BFGS (new), step budget"}
+    labels = {
+        "adam8000": "Adam (old default), step budget",
+        "lbfgs": "Adam phase + L-BFGS (new), L-BFGS step budget",
+    }
     fig, ax = plt.subplots(figsize=(6, 4))
     for preset, rows in points.items():
         xs, ys = [r["cpu_seconds"] for r in rows], [r["test_ll"] for r in rows]

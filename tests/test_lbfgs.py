@@ -187,11 +187,12 @@ def test_a_non_finite_lbfgs_step_is_undone_once_then_an_error():
         trainer.fit(model, train_dataloaders=_full_batch(x, y))
 
 
-def test_a_stalled_lbfgs_step_is_reported(monkeypatch):
-    """A step whose line search finds no decrease leaves the parameters as they were: a warning.
+def test_an_lbfgs_step_that_never_moves_is_reported_after_a_restart(monkeypatch):
+    """A step that leaves the parameters where they were: memory cleared, then a warning.
 
-    Seen for real on UCI protein split 2 (the model scored was the initial one); here the
-    optimiser's step is replaced by one that only evaluates the closure, as a stalled search does.
+    The optimiser's step is replaced by one that only evaluates the closure, as a search that
+    finds no decrease does: step 1 clears the curvature memory silently; step 2, after that
+    restart, still does not move, with the gradient as large as at the start: a warning, once.
     """
 
     def stalled_step(self, closure):
@@ -201,9 +202,52 @@ def test_a_stalled_lbfgs_step_is_reported(monkeypatch):
     monkeypatch.setattr(torch.optim.LBFGS, "step", stalled_step)
     x, y = _diabetes()
     model = DVIRegressor(hidden=[8], optimizer="lbfgs", lbfgs_iterations=3)
-    with pytest.warns(UserWarning, match="L-BFGS step 1 did not move the parameters") as record:
-        _trainer(max_epochs=3).fit(model, train_dataloaders=_full_batch(x, y))
+    with pytest.warns(UserWarning, match="L-BFGS step 2 did not move the parameters") as record:
+        _trainer(max_epochs=4).fit(model, train_dataloaders=_full_batch(x, y))
     assert sum("did not move" in str(w.message) for w in record) == 1  # once per fit
+
+
+class _StiffStart(DVIRegressor):
+    r"""A DVIRegressor whose training loss is :math:`\tfrac12(10^8 a^2 + b^2)` from (1e-3, 1).
+
+    The float32 stall of UCI protein split 2 in two parameters: L-BFGS's first step moves
+    along the stiff coordinate and stores one pair of curvature 1e8, which scales every later
+    direction by 1e-8; the line search's trials then change the float32 loss by less than its
+    rounding, and ``torch.optim.LBFGS`` alone leaves ``b`` at 1 for ever (checked below).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(hidden=[2], in_features=1, optimizer="lbfgs", lbfgs_iterations=10)
+        self.stiff = torch.nn.Parameter(torch.tensor([1e-3, 1.0]))
+
+    def training_step(self, batch, batch_idx):
+        a, b = self.stiff
+        return 0.5 * (1e8 * a.square() + b.square())
+
+
+def test_torch_lbfgs_alone_stalls_on_the_stiff_start():
+    """The reproduction is real: plain torch L-BFGS (same settings) never moves ``b``."""
+    model = _StiffStart()
+    optimiser = model.configure_optimizers()
+    for _ in range(6):
+        optimiser.step(lambda: _closure(model, optimiser))
+    assert float(model.stiff.detach()[1]) == 1.0
+
+
+def _closure(model, optimiser):
+    optimiser.zero_grad()
+    loss = model.training_step(None, 0)
+    loss.backward()
+    return loss
+
+
+def test_lbfgs_restarts_out_of_a_float32_stall():
+    """Through the Trainer the stalled step clears the memory, and the next one reaches the optimum."""
+    model = _StiffStart()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*did not move the parameters.*")
+        _trainer(max_epochs=6).fit(model, train_dataloaders=_full_batch(*_diabetes()))
+    assert abs(float(model.stiff.detach()[1])) < 1e-3
 
 
 def test_a_real_lbfgs_fit_does_not_report_a_stall():

@@ -27,6 +27,14 @@ def bench():
     return module
 
 
+@pytest.fixture(autouse=True)
+def _short_adam_phase(monkeypatch):
+    """Tests of the runner's wiring on toy data: an Adam phase of 10 steps, not the default 300."""
+    short = replace(uci.PRESETS["lbfgs"], adam_steps=10)
+    monkeypatch.setitem(uci.PRESETS, "lbfgs", short)
+    monkeypatch.setattr(uci, "DEFAULTS", short)
+
+
 def _write_dataset(root: Path, name: str = "toy", rows: int = 60, splits: int = 2) -> Path:
     """A tiny dataset in the standard layout: y = x0 - 2 x1 + noise, in odd units."""
     rng = np.random.default_rng(0)
@@ -85,6 +93,10 @@ def test_unknown_method_and_dataset_are_clear_errors(bench, tmp_path, capsys):
     base = ["--data-dir", str(tmp_path), "--dataset", "toy", "--method", "dvi"]
     with pytest.raises(ValueError, match="--optimizer"):
         bench.parse_args([*base, "--optimizer", "sgd"])
+    with pytest.raises(ValueError, match="--precision must be 32-true or 64-true"):
+        bench.parse_args([*base, "--precision", "bf16-mixed"])
+    _, (job, _) = bench.parse_args([*base, "--precision", "64-true", "--adam-steps", "7"])
+    assert (job.settings.precision, job.settings.adam_steps) == ("64-true", 7)
     for warm, ramp in (("0.7", "0.4"), ("-0.1", "0.2")):
         with pytest.raises(ValueError, match="fractions of the steps"):
             bench.parse_args([*base, "--kl-warmup", warm, "--kl-anneal", ramp])
@@ -211,6 +223,26 @@ def test_early_stopping_restores_the_best_validation_step(tmp_path):
     result = uci.run_job(job)
     assert 1 <= result["steps"] < uci.DEFAULTS.max_steps
     assert math.isfinite(result["test_ll"]) and result["cpu_seconds"] > 0
+
+
+def test_the_lbfgs_protocol_starts_with_adam_on_small_training_sets_only(tmp_path):
+    """Small data: ``adam_steps`` full-batch Adam steps, then L-BFGS; above ``adam_max_rows``, none."""
+    _write_dataset(tmp_path, rows=120)
+    small = replace(uci.DEFAULTS, adam_steps=6, patience=2, max_steps=5)
+    (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], small, 1)
+    warmed = uci.run_job(job)
+    assert warmed["adam_steps"] == 6 and 1 <= warmed["steps"] <= 5
+    (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], replace(small, adam_max_rows=10), 1)
+    direct = uci.run_job(job)
+    assert direct["adam_steps"] == 0 and direct["test_ll"] != warmed["test_ll"]
+    assert all(math.isfinite(r["test_ll"]) for r in (warmed, direct))
+
+
+def test_float64_training_through_the_runner(tmp_path):
+    _write_dataset(tmp_path, rows=120)
+    settings = replace(uci.DEFAULTS, adam_steps=4, max_steps=3, precision="64-true")
+    (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], settings, 1)
+    assert math.isfinite(uci.run_job(job)["test_ll"])
 
 
 def test_boston_one_split_through_the_real_path(bench, uci_dir, tmp_path):

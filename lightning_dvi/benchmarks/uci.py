@@ -8,12 +8,17 @@ process start-up not).
 
 Protocols (:data:`PRESETS`):
 
-* ``"lbfgs"`` (the default): full-batch L-BFGS with a strong-Wolfe line search
-  (``DVIRegressor(optimizer="lbfgs")``, ``lbfgs_iterations`` per step), no KL warm-up (a
-  deterministic objective needs none to make progress), early stopping on a seeded carve-out of
-  ``early_stopping_fraction`` of the training rows: validation NLL after every step, stop after
-  ``patience`` steps without improvement, restore the best step's weights
-  (:class:`~lightning_dvi.callbacks.RestoreBestWeights`), at most ``max_steps`` steps.
+* ``"lbfgs"`` (the default): on training sets of at most ``adam_max_rows`` rows, first
+  ``adam_steps`` full-batch Adam steps (learning rate ``lr``, the KL off for the first
+  ``kl_warmup`` of them and ramped in over the next ``kl_anneal``: fitting the data before the
+  KL prunes the network, which L-BFGS from the start does not do); then full-batch L-BFGS with a
+  strong-Wolfe line search (``DVIRegressor(optimizer="lbfgs")``, ``lbfgs_iterations`` per step)
+  on the full ELBO, early stopping on a seeded carve-out of ``early_stopping_fraction`` of the
+  training rows: validation NLL after every step, stop after ``patience`` steps without
+  improvement, restore the best step's weights
+  (:class:`~lightning_dvi.callbacks.RestoreBestWeights`), at most ``max_steps`` steps. Larger
+  training sets go to L-BFGS directly (their Adam steps would cost as much as the rest of the
+  fit). ``precision`` is the Trainer's (``"64-true"`` trains in float64).
 * ``"adam8000"``: the protocol of the paper-reproduction table (until issue 31 the default):
   Adam on minibatches of 64 with a cosine learning-rate decay, ``clip(epochs * ceil(N / 64),
   min_steps, max_steps)`` steps (8000 on the small sets), the KL off for the first half and
@@ -105,7 +110,9 @@ class Settings:
     """Optimisation hyper-parameters, shared by every dataset and method (see the module docstring).
 
     ``optimizer="lbfgs"`` uses ``lbfgs_iterations``, ``lbfgs_history``, ``max_steps`` (L-BFGS
-    steps), ``early_stopping_fraction`` and ``patience``; ``optimizer="adam"`` uses ``lr``,
+    steps), ``early_stopping_fraction`` and ``patience``, and for its Adam phase
+    ``adam_steps``, ``adam_max_rows``, ``lr``, ``kl_warmup`` and ``kl_anneal`` (fractions of
+    the Adam phase); ``optimizer="adam"`` uses ``lr``,
     ``batch_size``, ``epochs``, ``min_steps``, ``max_steps``, ``final_lr_fraction``,
     ``kl_warmup``, ``kl_anneal`` and ``grad_clip`` (and early stopping when
     ``early_stopping_fraction > 0``). The rest serve both.
@@ -122,13 +129,16 @@ class Settings:
     min_steps: int = 1
     max_steps: int = 300
     final_lr_fraction: float = 0.01
-    kl_warmup: float = 0.0
-    kl_anneal: float = 0.0
+    kl_warmup: float = 0.5
+    kl_anneal: float = 0.1
     grad_clip: float = 0.0
     init_log_noise: float = -3.0
     fixed_prior_variance: float = 1.0
     mc_eval_samples: int = 100
     seed: int = 0
+    adam_steps: int = 300
+    adam_max_rows: int = 5000
+    precision: Literal["32-true", "64-true"] = "32-true"
 
 
 PRESETS: dict[str, Settings] = {
@@ -261,8 +271,9 @@ def run_job(job: Job) -> dict[str, Any]:
     """Train one split and score it.
 
     Returns:
-        ``{"split", "test_ll", "rmse", "seconds", "cpu_seconds", "steps"}``: ``steps`` is the
-        number of optimisation steps run (L-BFGS steps of ``lbfgs_iterations`` iterations).
+        ``{"split", "test_ll", "rmse", "seconds", "cpu_seconds", "steps", "adam_steps"}``:
+        ``steps`` is the number of optimisation steps run (L-BFGS steps of ``lbfgs_iterations``
+        iterations), ``adam_steps`` those of the L-BFGS protocol's Adam phase (0 if none).
     """
     import torch
 
@@ -293,51 +304,71 @@ def run_job(job: Job) -> dict[str, Any]:
     steps = num_steps(dm.num_train, s)
     if job.steps_cap is not None:
         steps = min(steps, job.steps_cap)
-    model = DVIRegressor(
-        in_features=dm.in_features,
-        hidden=[job.hidden],
-        mode=spec["mode"],
-        num_samples=spec.get("num_samples"),
-        likelihood=spec["likelihood"],
-        prior=spec["prior"],
-        prior_alpha=1.0,
-        prior_beta=10.0,
-        prior_variance=s.fixed_prior_variance,
-        lr=s.lr,
-        lr_schedule="constant" if lbfgs else "cosine",
-        min_lr=0.0 if lbfgs else s.lr * s.final_lr_fraction,
-        kl_warmup_steps=round(s.kl_warmup * steps),
-        kl_anneal_steps=round(s.kl_anneal * steps),
-        init_log_noise=s.init_log_noise,
-        num_data=dm.num_train,
-        optimizer=s.optimizer,
-        lbfgs_iterations=s.lbfgs_iterations,
-        lbfgs_history=s.lbfgs_history,
+
+    def build(optimizer: str, warmup: int, anneal: int, cosine: bool) -> Any:
+        return DVIRegressor(
+            in_features=dm.in_features,
+            hidden=[job.hidden],
+            mode=spec["mode"],
+            num_samples=spec.get("num_samples"),
+            likelihood=spec["likelihood"],
+            prior=spec["prior"],
+            prior_alpha=1.0,
+            prior_beta=10.0,
+            prior_variance=s.fixed_prior_variance,
+            lr=s.lr,
+            lr_schedule="cosine" if cosine else "constant",
+            min_lr=s.lr * s.final_lr_fraction if cosine else 0.0,
+            kl_warmup_steps=warmup,
+            kl_anneal_steps=anneal,
+            init_log_noise=s.init_log_noise,
+            num_data=dm.num_train,
+            optimizer=optimizer,
+            lbfgs_iterations=s.lbfgs_iterations,
+            lbfgs_history=s.lbfgs_history,
+        )
+
+    def trainer(max_steps: int, callbacks: list[Any], validate: bool, clip: float) -> Any:
+        return lightning.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            max_epochs=-1,
+            precision=s.precision,
+            limit_val_batches=1.0 if validate else 0,
+            check_val_every_n_epoch=1,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=False,
+            num_sanity_val_steps=0,
+            # Nothing reads logged training values here (see DVIModule: logs_this_step).
+            log_every_n_steps=max_steps + 1,
+            gradient_clip_val=clip or None,
+            callbacks=callbacks,
+        )
+
+    warm, a = None, 0
+    if lbfgs and s.adam_steps > 0 and dm.num_train <= s.adam_max_rows:  # Adam first (KL warm-up)
+        a = s.adam_steps
+        warm = build("adam", round(s.kl_warmup * a), round(s.kl_anneal * a), False)
+        trainer(a, [], False, s.grad_clip).fit(warm, datamodule=dm)
+    model = build(
+        s.optimizer,
+        0 if lbfgs else round(s.kl_warmup * steps),
+        0 if lbfgs else round(s.kl_anneal * steps),
+        not lbfgs,
     )
+    if warm is not None:
+        model.to(next(warm.parameters()).dtype).load_state_dict(warm.state_dict())
     callbacks: list[Any] = []
     if early > 0:
         callbacks = [
             lightning.pytorch.callbacks.EarlyStopping("val/nll", patience=s.patience),
             RestoreBestWeights("val/nll"),
         ]
-    trainer = lightning.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        max_epochs=-1,
-        limit_val_batches=1.0 if early > 0 else 0,
-        check_val_every_n_epoch=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        num_sanity_val_steps=0,
-        # Nothing reads logged training values here (see DVIModule: logs_this_step).
-        log_every_n_steps=steps + 1,
-        gradient_clip_val=(s.grad_clip or None) if not lbfgs else None,
-        callbacks=callbacks,
-    )
-    trainer.fit(model, datamodule=dm)
+    trainer_ = trainer(steps, callbacks, early > 0, 0.0 if lbfgs else s.grad_clip)
+    trainer_.fit(model, datamodule=dm)
     held_out = dm.val_dataset if job.validation > 0 else dm.test_dataset
     assert held_out is not None
     x, y = held_out.tensors[0], held_out.tensors[1]
@@ -348,7 +379,8 @@ def run_job(job: Job) -> dict[str, Any]:
         "rmse": rmse,
         "seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time() - cpu_start,
-        "steps": int(trainer.global_step),
+        "steps": int(trainer_.global_step),
+        "adam_steps": a,
     }
 
 
@@ -362,7 +394,7 @@ def score(model: Any, x: Any, y: Any, mc_eval_samples: int) -> tuple[float, floa
     import torch
 
     model.eval()
-    y = y.double()
+    x, y = x.to(next(model.parameters()).dtype), y.double()
     with torch.no_grad():
         if model.mode in ("sample", "local"):
             ll = model.predictive_log_prob(x, y, method="mc", num_samples=mc_eval_samples)
