@@ -11,6 +11,7 @@ from lightning_dvi.benchmarks.torch_resnet import resnet18
 from lightning_dvi.nn import (
     BayesLinear,
     BayesLinearFullCov,
+    GraphNetwork,
     LastLayerNetwork,
     Sequential,
     bayes_layers,
@@ -154,6 +155,29 @@ def test_a_cut_inside_a_residual_block_names_the_live_values():
     assert len(cut.live) == 2 and cut.bayesian == ("layer4.1.conv2", "fc")
     with pytest.raises(NotImplementedError, match=r"2 values from the backbone \(layer4_0_relu"):
         from_torch(_resnet(), last_layers=2)
+
+
+def test_a_cut_between_blocks_converts_the_block_and_the_head_by_graph():
+    """last_layers=3 on ResNet-18: the head is layer4.1 (a residual block) and fc, one input."""
+    model = _resnet()
+    cut = split(model, 3)
+    assert len(cut.live) == 1 and cut.bayesian == ("layer4.1.conv1", "layer4.1.conv2", "fc")
+    net = from_torch(model, last_layers=3, scale_fraction=0.0)
+    assert isinstance(net.head, GraphNetwork)
+    x = torch.randn(4, 1, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        want = model(x)
+        out = net(x, mode="diag")
+        torch.testing.assert_close(out.mean, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(net(x, mode="sample", num_samples=2)[1], want)
+    net = from_torch(model, last_layers=3)
+    trainable = {n.split(".")[0] for n, p in net.named_parameters() if p.requires_grad}
+    assert trainable == {"head"}
+    assert {id(g.module) for g in parameter_groups(net)} <= {id(m) for m in net.head.modules()}
+    assert len({id(g.module) for g in parameter_groups(net)}) == 3  # two convs and fc
+    with torch.no_grad():
+        out = net(x, mode="diag")
+    assert torch.isfinite(out.mean).all() and (out.var > 0).all()
 
 
 def test_bad_last_layers_are_refused():

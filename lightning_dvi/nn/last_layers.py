@@ -168,15 +168,17 @@ _FLATTEN = (torch.flatten, "flatten")
 
 
 def convert_head(head: fx.GraphModule, convert: HeadConverter) -> BayesModule:
-    """The head as declared modules: a chain of nodes, each converted on its own.
+    """The head as declared modules.
 
-    ``call_module`` nodes go through ``convert`` (``from_torch`` of the layer); registered
-    activation functions (``torch.relu``, ``F.gelu``, ...) and ``torch.flatten`` become their
-    declared modules.
+    A chain of nodes is converted node by node: ``call_module`` nodes go through ``convert``
+    (``from_torch`` of the layer); registered activation functions (``torch.relu``,
+    ``F.gelu``, ...) and ``torch.flatten`` become their declared modules. A head of one input
+    that is not a chain (a whole residual block, then the output layer) goes to ``convert``
+    whole, which converts it by graph (:class:`~lightning_dvi.nn.GraphNetwork`).
 
     Raises:
-        NotImplementedError: for a head with several inputs (naming the live values) or a node
-            that is not a chain link.
+        NotImplementedError: for a head with several inputs (naming the live values), or a
+            node the converters do not support.
     """
     inputs = [n for n in head.graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:
@@ -186,22 +188,31 @@ def convert_head(head: fx.GraphModule, convert: HeadConverter) -> BayesModule:
             "feeds a skip connection. Converting a multi-input head needs the graph converter; "
             "choose a last_layers that cuts between blocks (e.g. last_layers=1)"
         )
+    if not _is_chain(head, inputs[0]):
+        # one input, a graph after it (a whole residual block before the output layer): the
+        # graph converter (nn.trace) takes it, as from_torch takes any traceable module
+        return convert(head)
     layers: list[BayesModule] = []
-    previous = inputs[0]
     for node in head.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         where = f"head node {node.name!r} ({node.op} {node.target})"
-        if node.all_input_nodes != [previous] or (node.args and node.args[0] is not previous):
-            raise NotImplementedError(
-                f"{where} is not a link of a chain (inputs: "
-                f"{[n.name for n in node.all_input_nodes]}); only chain-shaped heads convert today"
-            )
         layers.extend(_convert_node(head, node, convert, where))
-        previous = node
     if not layers:
         raise ValueError("from_torch(last_layers=...): the head has nothing to convert")
     return layers[0] if len(layers) == 1 else Sequential(*layers)
+
+
+def _is_chain(head: fx.GraphModule, first: fx.Node) -> bool:
+    """Whether every node of ``head`` takes exactly the previous node (as its first argument)."""
+    previous = first
+    for node in head.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.all_input_nodes != [previous] or (node.args and node.args[0] is not previous):
+            return False
+        previous = node
+    return True
 
 
 def _convert_node(
