@@ -256,17 +256,11 @@ def from_torch(
             raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
     if scale_fraction > 0 and min_scale <= 0:
         raise ValueError("min_scale must be > 0 when scale_fraction > 0 (finite KL)")
+    options = ConversionOptions(init, float(scale_fraction), float(min_scale), dict(layer_kwargs))
     if last_layers is not None:
         from .last_layers import last_layer_network
 
-        def convert(layer: nn.Module) -> BayesModule:
-            converted: BayesModule = from_torch(
-                layer, init, scale_fraction, min_scale, **layer_kwargs
-            )
-            return converted
-
-        return last_layer_network(module, last_layers, convert, freeze_backbone, head_covariance)
-    options = ConversionOptions(init, float(scale_fraction), float(min_scale), dict(layer_kwargs))
+        return last_layer_network(module, last_layers, options, freeze_backbone, head_covariance)
     if _by_graph(module):
         return graph_from_torch(module, options)
     layers: list[BayesModule] = []

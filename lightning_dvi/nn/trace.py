@@ -22,12 +22,13 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, fx, nn
 
 from .base import BayesModule
+from .container import Sequential
 from .graph import GraphNetwork
 from .registry import ConversionOptions, spec_for_function, spec_for_module
 from .torch_layers import describe_layer, plain
@@ -121,8 +122,8 @@ def _is_batch_size(arg: Any, source: fx.Node) -> bool:
 
 
 class _Builder:
-    def __init__(self, root: nn.Module, options: ConversionOptions) -> None:
-        self.root, self.options = root, options
+    def __init__(self, root: nn.Module, options: ConversionOptions, several_inputs: bool) -> None:
+        self.root, self.options, self.several_inputs = root, options, several_inputs
         self.nodes: list[dict[str, Any]] = []
         self.table: dict[str, dict[str, Any]] = {}
         self.built: dict[str, BayesModule] = {}
@@ -150,7 +151,7 @@ class _Builder:
 
     def visit(self, node: fx.Node) -> None:
         if node.op == "placeholder":
-            if self.nodes:
+            if self.nodes and not self.several_inputs:
                 raise _unsupported(node, "is a second input; a converted network takes one")
             self.nodes.append({"name": node.name, "op": "input"})
         elif node.op == "output":
@@ -277,19 +278,51 @@ class _Builder:
         self.nodes.append({"name": node.name, "op": "add", "inputs": operands})
 
 
-def graph_from_torch(module: nn.Module, options: ConversionOptions) -> GraphNetwork:
+@overload
+def graph_from_torch(
+    module: nn.Module,
+    options: ConversionOptions,
+    *,
+    several_inputs: bool = ...,
+    chain: Literal["graph"] = ...,
+) -> GraphNetwork: ...
+
+
+@overload
+def graph_from_torch(
+    module: nn.Module,
+    options: ConversionOptions,
+    *,
+    several_inputs: bool = ...,
+    chain: Literal["sequential"],
+) -> GraphNetwork | Sequential: ...
+
+
+def graph_from_torch(
+    module: nn.Module,
+    options: ConversionOptions,
+    *,
+    several_inputs: bool = False,
+    chain: Literal["graph", "sequential"] = "graph",
+) -> GraphNetwork | Sequential:
     """Trace ``module`` with ``torch.fx`` and build the equivalent :class:`GraphNetwork`.
 
     Args:
         module: any ``nn.Module`` whose forward ``torch.fx`` can trace, taking one tensor and
             returning one tensor.
         options: the conversion options (``from_torch``'s ``init``, ``scale_fraction``, ...).
+        several_inputs: accept a forward of several tensors (a graph of several ``input``
+            nodes, called with a tuple); ``False`` refuses a second input.
+        chain: ``"sequential"``: a graph of one input in which every node calls one module on
+            the previous node's value (no sums, no concatenations) is returned as a
+            :class:`~lightning_dvi.nn.Sequential` of those modules, in order; ``"graph"``:
+            always a :class:`GraphNetwork` (storable as plain data).
 
     Raises:
         NotImplementedError: for an untraceable module (saying why fx failed) or a node that
             has no declared equivalent (naming it, its op/target, module and source line).
     """
-    builder = _Builder(module, options)
+    builder = _Builder(module, options, several_inputs)
     try:
         for node in _trace(module).nodes:
             builder.visit(node)
@@ -297,7 +330,8 @@ def graph_from_torch(module: nn.Module, options: ConversionOptions) -> GraphNetw
         traced = {n.name: n for n in _trace(module, stacks=True).nodes}
         raise NotImplementedError(err.message(traced.get(err.node.name))) from err
     used = {v for n in builder.nodes for v in n.get("inputs", []) if isinstance(v, str)}
-    if builder.nodes[-1]["inputs"][0] == builder.nodes[0]["name"] or not builder.built:
+    inputs = {n["name"] for n in builder.nodes if n["op"] == "input"}
+    if builder.nodes[-1]["inputs"][0] in inputs or not builder.built:
         raise ValueError("from_torch: nothing left to convert (only dropped layers)")
     unused = [n["name"] for n in builder.nodes[:-1] if n["name"] not in used]
     if unused:
@@ -305,4 +339,18 @@ def graph_from_torch(module: nn.Module, options: ConversionOptions) -> GraphNetw
             f"from_torch: the values of nodes {unused} are computed but never used; a converted "
             "network follows one output"
         )
+    layers = _chain(builder.nodes, builder.built) if chain == "sequential" else None
+    if layers is not None:
+        return Sequential(*layers)
     return GraphNetwork(builder.nodes, builder.table, options.layer_kwargs, built=builder.built)
+
+
+def _chain(nodes: list[dict[str, Any]], built: dict[str, BayesModule]) -> list[BayesModule] | None:
+    """The modules of a chain (one input, each node calling a module on the previous value)."""
+    layers, previous = [], nodes[0]["name"]
+    for node in nodes[1:-1]:
+        if node["op"] != "call" or node["inputs"] != [previous]:
+            return None
+        layers.append(built[node["module"]])
+        previous = node["name"]
+    return layers if nodes[-1]["inputs"] == [previous] else None
