@@ -21,9 +21,9 @@ from lightning_dvi.nn import (
 from lightning_dvi.nn.last_layers import split
 
 
-def _resnet(dtype=torch.float64):
+def _resnet(dtype=torch.float64, width=8):
     torch.manual_seed(0)
-    model = resnet18(num_classes=10, in_channels=1, small_input=True, width=8)
+    model = resnet18(num_classes=10, in_channels=1, small_input=True, width=width)
     model.train()
     with torch.no_grad():  # non-trivial BatchNorm running statistics
         for _ in range(3):
@@ -184,18 +184,17 @@ def test_a_two_input_head_trains_only_its_two_layers():
     assert net.head.layers["layer4_1_conv2"].weight_raw_scale.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("mode", ["full", "diag"])
-def test_a_two_input_head_matches_monte_carlo_over_its_weights(mode):
+def test_a_two_input_head_matches_monte_carlo_over_its_weights():
     """The skip is deterministic: the sum adds its value, no variance and no cross term."""
     from lightning_dvi.diagnostics import compare_with_monte_carlo
 
-    net = from_torch(_resnet(), last_layers=2, scale_fraction=0.3)
+    net = from_torch(_resnet(width=4), last_layers=2, scale_fraction=0.3)
     x = torch.randn(3, 1, 8, 8, dtype=torch.float64)
     torch.manual_seed(2)
-    res = compare_with_monte_carlo(net, x, mode=mode, num_samples=20_000)
-    # 20,000 draws: 6 standard errors are 0.04 MC std (mean) and 0.03 (relative std); the
-    # rest is the ReLU moment matching over the per-pixel (diag) image moments
-    assert res.mean_error < 0.1 and res.std_rel_error < 0.1, res
+    res = compare_with_monte_carlo(net, x, mode="full", num_samples=8_000, chunk_size=2_000)
+    # 8,000 weight draws: 6 standard errors are 0.067 MC std (mean), 0.047 (relative std) and
+    # about 0.07 (correlation); the rest is the ReLU moment matching over per-pixel moments
+    assert res.mean_error < 0.1 and res.std_rel_error < 0.1 and res.corr_error < 0.1, res
 
 
 def test_a_two_input_head_with_a_full_covariance_output_layer():
