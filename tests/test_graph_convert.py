@@ -337,7 +337,7 @@ def test_graph_network_is_stored_as_plain_data_and_rebuilt():
 
 
 def test_bad_node_lists_are_refused():
-    with pytest.raises(ValueError, match="starts with its one 'input' node"):
+    with pytest.raises(ValueError, match="starts with its 'input' nodes"):
         GraphNetwork([{"name": "output", "op": "output", "inputs": ["x"]}], {})
     with pytest.raises(ValueError, match="input 'y' is not an earlier node"):
         GraphNetwork(

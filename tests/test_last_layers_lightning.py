@@ -101,3 +101,50 @@ def test_a_checkpoint_restores_the_backbone_and_head_exactly(tmp_path):
     # the file is data: it loads with weights_only=True (no pickled torch code)
     state = torch.load(path, weights_only=True)
     assert any(k.startswith("net.backbone.") for k in state["state_dict"])
+
+
+class _FlatResNet(nn.Module):
+    """A ResNet-18 on digits given as 64 features: the last two weight layers cut a block."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        from lightning_dvi.benchmarks.torch_resnet import resnet18
+
+        torch.manual_seed(seed)
+        self.resnet = resnet18(num_classes=10, in_channels=1, small_input=True, width=4)
+
+    def forward(self, x):
+        return self.resnet(x.unflatten(1, (1, 8, 8)))
+
+
+def _flat_resnet(seed=0):
+    model = _FlatResNet(seed).train()
+    with torch.no_grad():
+        model(torch.randn(32, 64))  # non-trivial BatchNorm statistics
+    return model.eval()
+
+
+def test_a_two_input_head_trains_exports_and_restores_from_a_checkpoint(tmp_path):
+    net = from_torch(_flat_resnet(), last_layers=2)
+    assert net.head.num_inputs == 2
+    backbone_before = {k: v.clone() for k, v in net.backbone.state_dict().items()}
+    head_before = [p.detach().clone() for p in net.head.parameters()]
+    clf = DVIClassifier(net=net, mode="full", lr=1e-2)
+    trainer = _trainer(tmp_path)
+    trainer.fit(clf, datamodule=DigitsDataModule(batch_size=64))
+    for k, v in net.backbone.state_dict().items():
+        torch.testing.assert_close(v, backbone_before[k], rtol=0, atol=0)
+    assert any((a != b).any() for a, b in zip(net.head.parameters(), head_before, strict=True))
+    x = torch.randn(5, 64)
+    probs = clf.eval().predictive(x)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5))
+    exported = export_predictive(clf, mode="full")
+    torch.testing.assert_close(exported(x), probs)
+    path = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = DVIClassifier.load_from_checkpoint(
+        path, net=from_torch(_flat_resnet(seed=1), last_layers=2), weights_only=True
+    )
+    assert torch.equal(loaded.eval().predictive(x), probs)
+    state = torch.load(path, weights_only=True)
+    assert any(k.startswith("net.head.layers.resnet_layer4_1_conv2.") for k in state["state_dict"])

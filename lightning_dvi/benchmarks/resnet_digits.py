@@ -17,6 +17,14 @@ the lowest validation NLL kept. Every other row starts from that trained network
   :class:`~lightning_dvi.DVIClassifier` (``mode="diag"``: the logits' Gaussian is exact for one
   Bayesian linear layer on deterministic features) with ``kl_weight=1`` and a Gaussian prior
   whose variance is chosen on the validation NLL (:func:`fit_converted`);
+* ``dvi_last1_defaults``: the same network trained with ``DVIClassifier``'s default arguments
+  (default ``kl_weight`` and prior, no prior selection; the same optimiser budget,
+  :func:`fit_defaults`);
+* ``dvi_last2``: last-2-layer DVI, ``from_torch(net, last_layers=2)``: the cut falls inside the
+  last BasicBlock, so the backbone returns the block's input (for the skip) and its first
+  convolution's activation, and the head (``layer4.1.conv2``, its BatchNorm, the residual sum,
+  ReLU, pooling, ``fc``) is a two-input graph whose inputs are deterministic; trained as
+  ``dvi_last1`` (``mode="diag"``, the same budget and prior selection);
 * ``ddvi_whole``: the whole ResNet converted by ``from_torch(net)`` (every convolution and
   ``fc`` Bayesian, posterior means at the trained weights, BatchNorm on its running
   statistics, the residual sums with their cross-covariances) and fine-tuned with
@@ -66,6 +74,7 @@ __all__ = [
     "Config",
     "as_sequential",
     "fit_converted",
+    "fit_defaults",
     "fit_deterministic",
     "fit_laplace",
     "fit_temperature_row",
@@ -233,6 +242,28 @@ def fit_converted(
     return best
 
 
+def fit_defaults(
+    split: ClassificationSplit,
+    base: Fitted,
+    config: Config,
+    seed: int,
+    convert: Callable[[ResNet], nn.Module],
+) -> Fitted:
+    """A DVI row with :class:`~lightning_dvi.DVIClassifier`'s default arguments.
+
+    No ``config.dvi_settings`` and no prior selection: the library's default ``kl_weight``,
+    prior and mode; only the optimiser budget (``config.dvi_budget``: learning rate, batch,
+    epochs, best validation epoch) is the tuned row's, so the two rows differ in the objective
+    alone. Time: the conversion and the one training.
+    """
+    start = time.process_time()
+    net = convert(copy.deepcopy(_trained_net(base)))
+    seconds = time.process_time() - start
+    fitted = fit_dvi(split, config.dvi_budget, seed, Row("dvi"), config.mc_eval, net=net)
+    fitted.train_seconds += seconds
+    return fitted
+
+
 def _last_layers(k: int) -> Callable[[ResNet], nn.Module]:
     def convert(net: ResNet) -> nn.Module:
         from ..nn import from_torch
@@ -265,6 +296,12 @@ ROWS: dict[str, PostHoc] = {
     "laplace": lambda split, base, config, seed: fit_laplace(split, base, config),
     "dvi_last1": lambda split, base, config, seed: fit_converted(
         split, base, config, seed, _last_layers(1)
+    ),
+    "dvi_last1_defaults": lambda split, base, config, seed: fit_defaults(
+        split, base, config, seed, _last_layers(1)
+    ),
+    "dvi_last2": lambda split, base, config, seed: fit_converted(
+        split, base, config, seed, _last_layers(2)
     ),
     "ddvi_whole": lambda split, base, config, seed: fit_converted(
         split, base, config, seed, _whole, config.whole_budget

@@ -55,28 +55,8 @@ class BayesModule(nn.Module):
                 mode, or a non-positive ``num_samples``.
         """
         validate_mode(mode)
-        if isinstance(x, Gaussian):
-            if mode in ("sample", "local"):
-                raise ValueError(f"mode={mode!r} needs a tensor input, got a Gaussian")
-            return _finish(self.propagate(x, mode), mode, self)
-        if not isinstance(x, Tensor):
-            raise ValueError(f"input must be a tensor or a Gaussian, got {type(x).__name__}")
-        if x.dim() < 1 or not x.dtype.is_floating_point:
-            raise ValueError(
-                f"input must be a floating tensor [..., D], got {x.dtype} {tuple(x.shape)}"
-            )
-        # A host read: skipped while torch.compile traces (it would split the graph);
-        # lightning_dvi.compile runs it once per call outside the compiled region.
-        if not all_finite(x):
-            raise ValueError("input contains NaN or Inf")
-        if mode in ("sample", "local"):
-            s = 1 if num_samples is None else num_samples
-            if not isinstance(s, int) or s < 1:
-                raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-            return self.propagate(x.unsqueeze(0).expand(s, *x.shape), mode)
-        if num_samples is not None:
-            raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")
-        return _finish(self.propagate(x, mode), mode, self)
+        out = self.propagate(prepare_input(x, mode, num_samples), mode)
+        return out if mode in ("sample", "local") else finish(out, mode, self)
 
     def propagate(self, x: Moments, mode: Mode) -> Moments:  # pragma: no cover - abstract
         """Propagate without input checks; ``x`` is ``[S, B, D]`` in the Monte Carlo modes."""
@@ -103,12 +83,43 @@ class BayesModule(nn.Module):
         return self.propagate_cross(cross, x, mode), self.propagate(x, mode)
 
 
+def prepare_input(x: Moments, mode: Mode, num_samples: int | None) -> Moments:
+    """Check an input of :meth:`BayesModule.forward`; in the Monte Carlo modes expand it to ``[S, ...]``.
+
+    Raises:
+        ValueError: as :meth:`BayesModule.forward` (``mode`` is already validated).
+    """
+    if isinstance(x, Gaussian):
+        if mode in ("sample", "local"):
+            raise ValueError(f"mode={mode!r} needs a tensor input, got a Gaussian")
+        return x
+    if not isinstance(x, Tensor):
+        raise ValueError(f"input must be a tensor or a Gaussian, got {type(x).__name__}")
+    if x.dim() < 1 or not x.dtype.is_floating_point:
+        raise ValueError(
+            f"input must be a floating tensor [..., D], got {x.dtype} {tuple(x.shape)}"
+        )
+    # A host read: skipped while torch.compile traces (it would split the graph);
+    # lightning_dvi.compile runs it once per call outside the compiled region.
+    if not all_finite(x):
+        raise ValueError("input contains NaN or Inf")
+    if mode in ("sample", "local"):
+        s = 1 if num_samples is None else num_samples
+        if not isinstance(s, int) or s < 1:
+            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        return x.unsqueeze(0).expand(s, *x.shape)
+    if num_samples is not None:
+        raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")
+    return x
+
+
 def as_mode(g: Gaussian, mode: Mode) -> Gaussian:
     """Convert ``g`` to the storage kind that ``mode`` asks for (:func:`moments.as_storage`)."""
     return as_storage(g, mode)
 
 
-def _finish(out: Moments, mode: Mode, module: BayesModule) -> Moments:
+def finish(out: Moments, mode: Mode, module: BayesModule) -> Moments:
+    """The outermost call's output: full storage in ``full`` mode (see :class:`BayesModule`)."""
     # In full mode, modules pass a diag Gaussian along while its covariance is *exactly*
     # diagonal (deterministic input -> first linear layer -> activation); users asked for
     # mode="full" get a full covariance back.

@@ -74,12 +74,14 @@ def _convert_flatten(module: nn.Module, options: ConversionOptions) -> BayesModu
     return TorchFlatten(module.start_dim, module.end_dim)
 
 
-def _flatten_call(start_dim: int = 0, end_dim: int = -1) -> BayesModule:
+def _flatten_call(
+    start_dim: int = 0, end_dim: int = -1, features: int | None = None
+) -> BayesModule:
     if start_dim == 0:
         raise NotImplementedError(
             "torch.flatten(x) with start_dim=0 merges the batch dimension; use torch.flatten(x, 1)"
         )
-    return TorchFlatten(start_dim, end_dim)
+    return TorchFlatten(start_dim, end_dim, features)
 
 
 @register_layer(
@@ -103,11 +105,18 @@ class TorchFlatten(BayesModule):
     Args:
         start_dim: first dimension to flatten (counted without the sample dimension).
         end_dim: last dimension to flatten.
+        features: the size the flattened dimension must have (``x.view(-1, N)``, converted
+            as ``flatten(1, -1)``: it keeps the batch only if a row has ``N`` values);
+            ``None``: no check.
+
+    Raises:
+        ValueError: at run time, for an input whose flattened size is not ``features``.
     """
 
-    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+    def __init__(self, start_dim: int = 1, end_dim: int = -1, features: int | None = None) -> None:
         super().__init__()
         self.start_dim, self.end_dim = int(start_dim), int(end_dim)
+        self.features = None if features is None else int(features)
 
     def _dims(self, offset: int) -> tuple[int, int]:
         start = self.start_dim + offset if self.start_dim >= 0 else self.start_dim
@@ -120,11 +129,23 @@ class TorchFlatten(BayesModule):
             if x.is_full:
                 if x.mean.dim() != 2:
                     raise ValueError("Flatten: a full-covariance Gaussian must be [B, D]")
-                return x
+                return self._checked(x, x.mean, mode)
             start, end = self._dims(0)
-            return Gaussian(x.mean.flatten(start, end), var=x.var.flatten(start, end))
+            flat = x.mean.flatten(start, end)
+            return self._checked(Gaussian(flat, var=x.var.flatten(start, end)), flat, mode)
         start, end = self._dims(1 if mode in ("sample", "local") else 0)
-        return x.flatten(start, end)
+        out = x.flatten(start, end)
+        return self._checked(out, out, mode)
+
+    def _checked(self, out: Moments, values: Tensor, mode: Mode) -> Moments:
+        if self.features is not None and values.shape[-1] != self.features:
+            batch = values.shape[1 if mode in ("sample", "local") else 0]
+            raise ValueError(
+                f"x.view(-1, {self.features}) of a batch of {batch} rows of "
+                f"{values.shape[-1]} values would change the batch size; converted networks "
+                "keep the batch (only a view that flattens each row is supported)"
+            )
+        return out
 
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         """Identity on flat inputs (Residual branches carry ``[B, D]`` moments)."""
@@ -134,7 +155,8 @@ class TorchFlatten(BayesModule):
 
     def extra_repr(self) -> str:
         """The flattened dimensions."""
-        return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
+        text = f"start_dim={self.start_dim}, end_dim={self.end_dim}"
+        return text if self.features is None else f"{text}, features={self.features}"
 
 
 def _leaves(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
@@ -256,17 +278,11 @@ def from_torch(
             raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
     if scale_fraction > 0 and min_scale <= 0:
         raise ValueError("min_scale must be > 0 when scale_fraction > 0 (finite KL)")
+    options = ConversionOptions(init, float(scale_fraction), float(min_scale), dict(layer_kwargs))
     if last_layers is not None:
         from .last_layers import last_layer_network
 
-        def convert(layer: nn.Module) -> BayesModule:
-            converted: BayesModule = from_torch(
-                layer, init, scale_fraction, min_scale, **layer_kwargs
-            )
-            return converted
-
-        return last_layer_network(module, last_layers, convert, freeze_backbone, head_covariance)
-    options = ConversionOptions(init, float(scale_fraction), float(min_scale), dict(layer_kwargs))
+        return last_layer_network(module, last_layers, options, freeze_backbone, head_covariance)
     if _by_graph(module):
         return graph_from_torch(module, options)
     layers: list[BayesModule] = []

@@ -44,8 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian, Mode
-from .base import BayesModule, Moments
+from ..gaussian import Gaussian, Mode, validate_mode
+from .base import BayesModule, Moments, finish, prepare_input
 from .registry import ConversionOptions, LayerSpec, layer_specs, register_layer
 from .torch_layers import build_layer, plain
 
@@ -106,6 +106,7 @@ def build_node_module(
 
 def _check_nodes(nodes: Sequence[Mapping[str, Any]], modules: Mapping[str, Any]) -> None:
     seen: set[str] = set()
+    num_inputs = max(next((i for i, n in enumerate(nodes) if not _is_input(n)), len(nodes)), 1)
     for i, node in enumerate(nodes):
         where = f"nodes[{i}]"
         if not isinstance(node, Mapping) or node.get("op") not in _OPS or "name" not in node:
@@ -113,8 +114,10 @@ def _check_nodes(nodes: Sequence[Mapping[str, Any]], modules: Mapping[str, Any])
         name, op, inputs = str(node["name"]), node["op"], list(node.get("inputs", []))
         if name in seen:
             raise ValueError(f"{where}: node name {name!r} is used twice")
-        if (op == "input") != (i == 0) or (op == "output") != (i == len(nodes) - 1):
-            raise ValueError("a graph starts with its one 'input' node and ends with 'output'")
+        if (op == "input") != (i < num_inputs) or (op == "output") != (i == len(nodes) - 1):
+            raise ValueError(
+                "a graph starts with its 'input' nodes (at least one) and ends with 'output'"
+            )
         for value in inputs:
             if isinstance(value, str) and value not in seen:
                 raise ValueError(f"{where} ({name}): input {value!r} is not an earlier node")
@@ -133,6 +136,10 @@ def _check_nodes(nodes: Sequence[Mapping[str, Any]], modules: Mapping[str, Any])
         seen.add(name)
 
 
+def _is_input(node: Any) -> bool:
+    return isinstance(node, Mapping) and node.get("op") == "input"
+
+
 @register_layer("graph", kind="container")
 class GraphNetwork(BayesModule):
     """Declared modules wired as a DAG, stored as plain data (see the module docstring).
@@ -141,7 +148,8 @@ class GraphNetwork(BayesModule):
     from :meth:`architecture` (plain data) by a checkpoint, then loaded with the trained weights.
 
     Args:
-        nodes: the node list, in execution order: ``{"name", "op": "input"}`` first, then
+        nodes: the node list, in execution order: ``{"name", "op": "input"}`` first (one per
+            input: a graph of several inputs is called with a tuple of them), then
             ``{"name", "op": "call", "module": key, "inputs": [node]}``,
             ``{"name", "op": "add", "inputs": [node, node or number]}``,
             ``{"name", "op": "cat", "dim": int, "inputs": [node, ...]}``, and
@@ -219,9 +227,47 @@ class GraphNetwork(BayesModule):
         assert isinstance(layer, BayesModule)  # built from the registry's declared kinds
         return layer
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    @property
+    def num_inputs(self) -> int:
+        """How many values the graph takes (its ``input`` nodes); several come as a tuple."""
+        return sum(1 for n in self.nodes if n["op"] == "input")
+
+    def forward(
+        self,
+        x: Moments | Sequence[Moments],
+        mode: Mode = "full",
+        num_samples: int | None = None,
+    ) -> Moments:
+        """As :meth:`BayesModule.forward`; a graph of several inputs takes a tuple of them.
+
+        Each input is checked (and, in the Monte Carlo modes, expanded to ``[S, ...]``) as a
+        single input is; tensors among them are deterministic: zero variance and zero
+        covariance with every other value.
+
+        Raises:
+            ValueError: as :meth:`BayesModule.forward`, and for a number of inputs other than
+                :attr:`num_inputs`.
+        """
+        if isinstance(x, (Tensor, Gaussian)):
+            return super().forward(x, mode, num_samples)
+        validate_mode(mode)
+        values = self._inputs(x)
+        out = self.propagate([prepare_input(v, mode, num_samples) for v in values], mode)
+        return out if mode in _MC else finish(out, mode, self)
+
+    def _inputs(self, x: Moments | Sequence[Moments]) -> list[Moments]:
+        values = [x] if isinstance(x, (Tensor, Gaussian)) else list(x)
+        if len(values) != self.num_inputs:
+            raise ValueError(
+                f"GraphNetwork: the graph takes {self.num_inputs} input(s) "
+                f"({', '.join(n['name'] for n in self.nodes[: self.num_inputs])}), "
+                f"got {len(values)}; pass several as a tuple"
+            )
+        return values
+
+    def propagate(self, x: Moments | Sequence[Moments], mode: Mode) -> Moments:
         """Run the nodes in order (moments with their cross-covariances, or samples)."""
-        return _Walk(self, mode).run(x)
+        return _Walk(self, mode).run(self._inputs(x))
 
     def extra_repr(self) -> str:
         """The node count for ``repr``."""
@@ -265,11 +311,13 @@ class _Walk:
         self.failed: dict[str, str] = {}
         self.uses = Counter(net._uses)
 
-    def run(self, x: Moments) -> Moments:
+    def run(self, xs: Sequence[Moments]) -> Moments:
+        feed = iter(xs)
         for node in self.net.nodes:
             name, op = node["name"], node["op"]
             inputs = node.get("inputs", [])
-            if op == "input":
+            if op == "input":  # a tensor is deterministic: no ancestor, independent of all
+                x = next(feed)
                 self._set(name, x, frozenset({name}) if isinstance(x, Gaussian) else frozenset())
             elif op == "output":
                 return self.values[inputs[0]]

@@ -15,10 +15,17 @@ layers (``call_module`` nodes whose module is a registered weight kind: ``nn.Lin
   modules, its posterior initialised from the trained weights (``init="torch"``).
 
 The values that cross the cut (the *live values*) are the backbone's outputs and the head's
-inputs. A chain-shaped head (one live value, then one node after another: ``fc`` of a ResNet;
-the last layers of an MLP) is converted today; a head with several inputs (``k = 2`` inside a
-ResNet block, whose input also feeds the skip) is a graph of several inputs, which
-:func:`convert_head` raises on, naming them, until a graph converter takes it.
+inputs. The head goes through the graph converter (:mod:`lightning_dvi.nn.trace`): a chain
+(one live value, then one node after another: ``fc`` of a ResNet; the last layers of an MLP)
+becomes a :class:`~lightning_dvi.nn.Sequential` (or its one layer), anything else a
+:class:`~lightning_dvi.nn.GraphNetwork`. A cut inside a residual block (``k = 2`` on
+ResNet-18: the block's input feeds the skip connection, the first convolution's activation
+feeds the second convolution) leaves several live values: the backbone returns them all, as
+a tuple, and the head is a graph of several inputs. They are tensors, hence deterministic: zero
+variance and zero covariance with each other and with the Bayesian layers' outputs, so a sum
+``branch + skip`` adds the skip's value to the branch's mean and nothing to its variance, which
+is exact (the skip is a function of :math:`x` alone, the branch's randomness is the head's
+weights).
 
 Why the head's output is exact for ``k = 1`` with a Linear head: its input :math:`h` is a
 deterministic function of :math:`x`, so :math:`a = hW^\top + b` is a linear map of the Gaussian
@@ -32,17 +39,18 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
-import torch
 from torch import Tensor, fx, nn
 
 from ..gaussian import Gaussian, Mode, all_finite, validate_mode
 from .base import BayesModule, Moments
 from .container import Sequential
 from .full_cov import BayesLinearFullCov
+from .graph import GraphNetwork
 from .linear import BayesLinear
-from .registry import layer_specs, register_layer, spec_for_function, spec_for_module
+from .registry import ConversionOptions, register_layer, spec_for_module
+from .trace import graph_from_torch
 
 __all__ = [
     "Cut",
@@ -54,8 +62,6 @@ __all__ = [
 ]
 
 HeadCovariance = Literal["diag", "full"]
-HeadConverter = Callable[[nn.Module], BayesModule]
-"""Converts a torch module (a layer of the head) into declared modules (``from_torch``)."""
 
 
 @dataclass(frozen=True)
@@ -164,83 +170,25 @@ def _head(
     return fx.GraphModule(traced, graph, class_name="Head")
 
 
-_FLATTEN = (torch.flatten, "flatten")
+def convert_head(head: fx.GraphModule, options: ConversionOptions) -> BayesModule:
+    """The head as declared modules, by the graph converter (:mod:`lightning_dvi.nn.trace`).
 
-
-def convert_head(head: fx.GraphModule, convert: HeadConverter) -> BayesModule:
-    """The head as declared modules.
-
-    A chain of nodes is converted node by node: ``call_module`` nodes go through ``convert``
-    (``from_torch`` of the layer); registered activation functions (``torch.relu``,
-    ``F.gelu``, ...) and ``torch.flatten`` become their declared modules. A head of one input
-    that is not a chain (a whole residual block, then the output layer) goes to ``convert``
-    whole, which converts it by graph (:class:`~lightning_dvi.nn.GraphNetwork`).
+    A chain (one input, each node applying one layer or function to the previous value: ``fc``
+    of a ResNet, the last layers of an MLP) becomes a :class:`Sequential`, or its one layer
+    (``last_layers=1`` on a Linear output layer gives a :class:`BayesLinear`); anything else (a
+    residual block before the output layer, a head of several inputs) a
+    :class:`~lightning_dvi.nn.GraphNetwork`, whose inputs are the live values in order.
 
     Raises:
-        NotImplementedError: for a head with several inputs (naming the live values), or a
-            node the converters do not support.
+        NotImplementedError: for a node the graph converter does not support.
+        ValueError: for a head with nothing to convert.
     """
-    inputs = [n for n in head.graph.nodes if n.op == "placeholder"]
-    if len(inputs) != 1:
-        raise NotImplementedError(
-            f"the Bayesian head takes {len(inputs)} values from the backbone "
-            f"({', '.join(n.name for n in inputs)}): a cut inside a block whose input also "
-            "feeds a skip connection. Converting a multi-input head needs the graph converter; "
-            "choose a last_layers that cuts between blocks (e.g. last_layers=1)"
-        )
-    if not _is_chain(head, inputs[0]):
-        # one input, a graph after it (a whole residual block before the output layer): the
-        # graph converter (nn.trace) takes it, as from_torch takes any traceable module
-        return convert(head)
-    layers: list[BayesModule] = []
-    for node in head.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        where = f"head node {node.name!r} ({node.op} {node.target})"
-        layers.extend(_convert_node(head, node, convert, where))
-    if not layers:
-        raise ValueError("from_torch(last_layers=...): the head has nothing to convert")
-    return layers[0] if len(layers) == 1 else Sequential(*layers)
-
-
-def _is_chain(head: fx.GraphModule, first: fx.Node) -> bool:
-    """Whether every node of ``head`` takes exactly the previous node (as its first argument)."""
-    previous = first
-    for node in head.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.all_input_nodes != [previous] or (node.args and node.args[0] is not previous):
-            return False
-        previous = node
-    return True
-
-
-def _convert_node(
-    head: fx.GraphModule, node: fx.Node, convert: HeadConverter, where: str
-) -> list[BayesModule]:
-    extra, kwargs = node.args[1:], dict(node.kwargs)
-    kwargs.pop("inplace", None)  # F.relu(x, inplace=...): the same function of x
-    if node.op == "call_module":
-        module = head.get_submodule(str(node.target))
-        spec = spec_for_module(module)
-        if spec is not None and spec.kind == "dropped":
-            return []
-        converted = convert(module)
-        return list(converted) if isinstance(converted, Sequential) else [converted]
-    if node.target in _FLATTEN:
-        start = int(cast(int, extra[0] if extra else kwargs.get("start_dim", 0)))
-        end = int(cast(int, extra[1] if len(extra) > 1 else kwargs.get("end_dim", -1)))
-        # torch.nn.Flatten's declared kind, found in the registry (nn.convert imports this module)
-        flatten = next(s.cls for s in layer_specs("shape") if s.name == "torch_flatten")
-        assert flatten is not None  # registered with its class in nn.convert
-        return [flatten(start, end)]  # TorchFlatten(start_dim, end_dim)
-    spec = spec_for_function(node.target) if callable(node.target) else None
-    if spec is None:
-        raise NotImplementedError(f"{where} has no declared equivalent")
-    try:
-        return [spec.build_from_call(*extra, **kwargs)]
-    except NotImplementedError as err:
-        raise NotImplementedError(f"{where}: {err}") from err
+    converted = graph_from_torch(head, options, several_inputs=True, chain="sequential")
+    if isinstance(converted, Sequential) and len(converted) == 1:
+        only = converted[0]
+        assert isinstance(only, BayesModule)  # built by the graph converter
+        return only
+    return converted
 
 
 def _full_covariance(head: BayesModule) -> BayesModule:
@@ -252,6 +200,8 @@ def _full_covariance(head: BayesModule) -> BayesModule:
     """
     if isinstance(head, BayesLinear):
         return BayesLinearFullCov.from_bayes_linear(head)
+    if isinstance(head, GraphNetwork):
+        return _graph_full_covariance(head)
     named = [(n, m) for n, m in head.named_modules() if isinstance(m, BayesLinear)]
     last = [m for m in head.modules() if isinstance(m, BayesModule) and m is not head]
     if not named or not any(m is named[-1][1] for m in last[-1:]):
@@ -265,10 +215,27 @@ def _full_covariance(head: BayesModule) -> BayesModule:
     return head
 
 
+def _graph_full_covariance(head: GraphNetwork) -> GraphNetwork:
+    by_name = {n["name"]: n for n in head.nodes}
+    node = by_name[head.nodes[-1]["inputs"][0]]
+    layer = head.layers[node["module"]] if node["op"] == "call" else None
+    if not isinstance(layer, BayesLinear):
+        raise ValueError(
+            "head_covariance='full' needs a head that ends in a Linear layer, got "
+            f"{type(layer).__name__ if layer is not None else node['op']!r}"
+        )
+    head.layers[node["module"]] = BayesLinearFullCov.from_bayes_linear(layer)
+    head.module_table[node["module"]] = {
+        "kind": "linear_full_cov",
+        "unstorable": "a full-covariance head is built by from_torch(head_covariance='full')",
+    }
+    return head
+
+
 def last_layer_network(
     model: nn.Module,
     last_layers: int,
-    convert: HeadConverter,
+    options: ConversionOptions,
     freeze_backbone: bool = True,
     head_covariance: HeadCovariance = "diag",
 ) -> LastLayerNetwork:
@@ -276,8 +243,8 @@ def last_layer_network(
 
     What ``from_torch(model, last_layers=k, ...)`` calls (see :mod:`this module
     <lightning_dvi.nn.last_layers>`). The backbone is a copy of the model's modules (freezing or
-    fine-tuning it leaves ``model`` as it was); the head's posterior is initialised by
-    ``convert``.
+    fine-tuning it leaves ``model`` as it was); the head's posterior is initialised as
+    ``options`` say (``from_torch``'s ``init``, ``scale_fraction``, ...).
 
     Raises:
         ValueError: for a ``head_covariance`` other than ``"diag"`` or ``"full"``, and as
@@ -288,7 +255,7 @@ def last_layer_network(
     if not isinstance(freeze_backbone, bool):
         raise ValueError(f"freeze_backbone must be True or False, got {freeze_backbone!r}")
     cut = split(model, last_layers)
-    head = convert_head(cut.head, convert)
+    head = convert_head(cut.head, options)
     if head_covariance == "full":
         head = _full_covariance(head)
     return LastLayerNetwork(cut.backbone, head, freeze_backbone=freeze_backbone)
@@ -305,7 +272,8 @@ class LastLayerNetwork(BayesModule):
     the backbone.
 
     Args:
-        backbone: a torch module ``x -> features`` (tensors in, a tensor out).
+        backbone: a torch module ``x -> features`` (a tensor in; a tensor out, or a tuple of
+            tensors for a head of several inputs, a :class:`~lightning_dvi.nn.GraphNetwork`).
         head: the declared head.
         freeze_backbone: ``True`` (default): the backbone's parameters get
             ``requires_grad=False`` and the backbone stays in eval mode when the network is put
@@ -348,15 +316,30 @@ class LastLayerNetwork(BayesModule):
             self.backbone.train(False)
         return self
 
-    def features(self, x: Tensor) -> Tensor:
-        """The backbone's output for a tensor input ``[B, ...]``."""
+    def features(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        """The backbone's output for a tensor input ``[B, ...]``: one tensor, or a tuple.
+
+        Raises:
+            TypeError: for a backbone output that is neither, or a tuple for a head that is
+                not a graph of that many inputs.
+        """
         out = self.backbone(x)
-        if not isinstance(out, Tensor):
-            raise NotImplementedError(
-                f"the backbone returned a {type(out).__name__}; a head with several inputs "
-                "needs the graph converter"
+        if isinstance(out, Tensor):
+            return out
+        inputs = self.head.num_inputs if isinstance(self.head, GraphNetwork) else 1
+        if not isinstance(out, tuple) or not all(isinstance(t, Tensor) for t in out):
+            raise TypeError(
+                f"the backbone must return a tensor or a tuple of tensors, got {type(out).__name__}"
             )
+        if len(out) != inputs:
+            raise TypeError(f"the backbone returned {len(out)} tensors; the head takes {inputs}")
         return out
+
+    def _head(self, feats: Tensor | tuple[Tensor, ...], mode: Mode) -> Moments:
+        if isinstance(feats, tuple):
+            assert isinstance(self.head, GraphNetwork)  # features() checked it
+            return self.head.propagate(feats, mode)
+        return self.head.propagate(feats, mode)
 
     def forward(self, x: Moments, mode: Mode = "full", num_samples: int | None = None) -> Moments:
         """As :meth:`BayesModule.forward`; the Monte Carlo modes run the backbone once."""
@@ -364,6 +347,7 @@ class LastLayerNetwork(BayesModule):
         if mode in ("sample", "local") and isinstance(x, Tensor):
             if not all_finite(x):
                 raise ValueError("input contains NaN or Inf")
+            # the head expands the features (a tuple of them for a graph head) to [S, B, ...]
             out: Tensor = self.head(self.features(x), mode=mode, num_samples=num_samples)
             return out
         return super().forward(x, mode, num_samples)
@@ -377,9 +361,15 @@ class LastLayerNetwork(BayesModule):
             )
         if mode in ("sample", "local"):  # x [S, B, ...] from an enclosing module
             feats = self.features(x.flatten(0, 1))
-            return self.head.propagate(feats.unflatten(0, x.shape[:2]), mode)
-        return self.head.propagate(self.features(x), mode)
+            return self._head(_each(feats, lambda t: t.unflatten(0, x.shape[:2])), mode)
+        return self._head(self.features(x), mode)
 
     def extra_repr(self) -> str:
         """Whether the backbone is frozen."""
         return f"freeze_backbone={self.freeze_backbone}"
+
+
+def _each(
+    feats: Tensor | tuple[Tensor, ...], fn: Callable[[Tensor], Tensor]
+) -> Tensor | tuple[Tensor, ...]:
+    return fn(feats) if isinstance(feats, Tensor) else tuple(fn(t) for t in feats)

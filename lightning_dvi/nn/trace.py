@@ -9,9 +9,14 @@ the layer registry:
   vanish; a parameter-free module may be called several times, a weight layer once;
 * ``call_function`` / ``call_method``: the registered kind of the function (``spec_for_function``:
   ``F.relu``, ``torch.tanh``, ``x.relu()``, ``torch.flatten``, ``F.adaptive_avg_pool2d``, ...),
-  ``x.view(x.size(0), -1)`` and ``reshape`` of that flattening kind, ``operator.add`` /
+  ``x.view(x.size(0), -1)``, ``x.view(-1, N)`` and ``reshape`` of those flattening kinds (the
+  batch kept: ``N`` is checked at run time), ``operator.add`` /
   ``torch.add`` / ``+=`` of two values or of a number, ``torch.cat`` along a feature dimension,
-  and ``x.contiguous()`` (dropped).
+  and ``x.contiguous()`` (dropped);
+* in-place operations (``x.relu_()``, ``F.relu_(x)``, ``F.relu(x, inplace=True)``,
+  ``nn.ReLU(inplace=True)``, ``x.add_(y)``, ``x += y``): converted as their out-of-place
+  versions, and every later read of the modified tensor reads the result (as in torch); an
+  in-place operation on a tensor that shares memory with a view of it is refused.
 
 Anything else raises ``NotImplementedError`` naming the node, its op and target, the module it
 sits in and its source line, and the supported list.
@@ -22,12 +27,13 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, fx, nn
 
 from .base import BayesModule
+from .container import Sequential
 from .graph import GraphNetwork
 from .registry import ConversionOptions, spec_for_function, spec_for_module
 from .torch_layers import describe_layer, plain
@@ -38,12 +44,14 @@ SUPPORTED_GRAPH_OPS = (
     "registered torch modules (Linear, Conv2d, AvgPool2d, MaxPool2d, AdaptiveAvgPool2d, Flatten, "
     "the activations, normalization layers, Dropout/Identity dropped), registered torch "
     "functions and tensor methods (F.relu, torch.relu, x.relu(), torch.tanh, F.gelu, F.elu, "
-    "torch.flatten, x.flatten, F.adaptive_avg_pool2d, ...), x.view/x.reshape(x.size(0), -1), "
-    "operator.add / torch.add / += of two values or of a number, torch.cat along a feature "
+    "torch.flatten, x.flatten, F.adaptive_avg_pool2d, ...) and their in-place forms (x.relu_(), "
+    "inplace=True), x.view/x.reshape(x.size(0), -1) or (-1, N), "
+    "operator.add / torch.add / x.add_ / += of two values or of a number, torch.cat along a feature "
     "dimension, x.contiguous()"
 )
 
 _ADD = (operator.add, operator.iadd, torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__)
+_IN_PLACE = (operator.iadd,)  # besides the `name_` methods and functions and `inplace=True`
 _CAT = (torch.cat, torch.concat, torch.concatenate)
 _RESHAPE = (Tensor.view, Tensor.reshape, torch.reshape)
 _NO_OP = (Tensor.contiguous,)
@@ -53,6 +61,16 @@ def _target(node: fx.Node) -> Callable[..., Any] | None:
     if node.op == "call_method":
         return getattr(Tensor, str(node.target), None)
     return node.target if callable(node.target) else None
+
+
+def _out_of_place(fn: Callable[..., Any], method: bool) -> Callable[..., Any] | None:
+    """``Tensor.relu`` for ``Tensor.relu_``, ``torch.relu`` for ``F.relu_``, ...; else ``None``."""
+    name = getattr(fn, "__name__", "")
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    spaces: tuple[Any, ...] = (Tensor,) if method else (torch, nn.functional)
+    found = (getattr(space, name[:-1], None) for space in spaces)
+    return next((f for f in found if callable(f)), None)
 
 
 def _where(node: fx.Node) -> str:
@@ -120,20 +138,72 @@ def _is_batch_size(arg: Any, source: fx.Node) -> bool:
     return False
 
 
+def _flat(node: fx.Node) -> dict[str, Any]:
+    """The flattening a ``view``/``reshape`` node stands for: ``{}`` or ``{"features": N}``.
+
+    ``x.view(x.size(0), -1)`` (any batch size spelling: ``x.shape[0]``) flattens every
+    dimension after the batch; ``x.view(-1, N)`` and ``x.view(x.size(0), N)`` do the same and
+    check at run time that a row has ``N`` values (else the batch size would change).
+
+    Raises:
+        _NodeError: for any other shape.
+    """
+    args = list(node.args)
+    shape = args[1:] if not (len(args) == 2 and isinstance(args[1], (list, tuple))) else args[1]
+    source = args[0]
+    if isinstance(source, fx.Node) and len(shape) == 2 and not node.kwargs:
+        batch: Any = shape[0]
+        features: Any = shape[1]
+        if features == -1 and _is_batch_size(batch, source):
+            return {}
+        is_int = isinstance(features, int) and not isinstance(features, bool)
+        if is_int and features > 0 and (batch == -1 or _is_batch_size(batch, source)):
+            return {"features": features}
+    raise _unsupported(
+        node, "is a reshape other than x.view(x.size(0), -1), x.view(-1, N) or x.view(B, N)"
+    )
+
+
 class _Builder:
-    def __init__(self, root: nn.Module, options: ConversionOptions) -> None:
-        self.root, self.options = root, options
+    def __init__(self, root: nn.Module, options: ConversionOptions, several_inputs: bool) -> None:
+        self.root, self.options, self.several_inputs = root, options, several_inputs
         self.nodes: list[dict[str, Any]] = []
         self.table: dict[str, dict[str, Any]] = {}
         self.built: dict[str, BayesModule] = {}
         self.alias: dict[str, str] = {}
         self.helpers: set[str] = set()  # x.size(0) / x.shape nodes, read by a flattening view
         self.called: dict[str, str] = {}  # torch module path -> key
+        self.viewed: set[str] = set()  # values that share memory with a view of them
 
     def ref(self, arg: Any, node: fx.Node) -> str:
         if not isinstance(arg, fx.Node) or arg.name in self.helpers:
             raise _unsupported(node, f"has a non-tensor operand {arg!r}")
         return self.alias.get(arg.name, arg.name)
+
+    def mutate(self, node: fx.Node, operand: Any) -> None:
+        """``node`` modified ``operand`` in place: later reads of it read ``node``'s value.
+
+        fx records ``h.relu_()`` (or ``F.relu(h, inplace=True)``, ``h += y``) as a node, but a
+        later ``h`` in the source is still the node before it; every name that stands for that
+        tensor is redirected to ``node`` from here on (earlier readers read it before).
+        """
+        if node.name in self.alias:  # a dropped in-place module (Dropout(inplace=True))
+            return
+        source = self.ref(operand, node)
+        if source in self.viewed:
+            raise _unsupported(
+                node,
+                "modifies in place a tensor that shares memory with a view of it (view, "
+                "reshape, flatten); write that operation out of place",
+            )
+        for name, target in list(self.alias.items()):
+            if target == source:
+                self.alias[name] = node.name
+        self.alias[source] = node.name
+
+    def view(self, node: fx.Node, source: Any) -> None:
+        """``node`` is a view of ``source`` (they share memory)."""
+        self.viewed.update({self.ref(source, node), node.name})
 
     def add_module(self, key: str, module: BayesModule, description: dict[str, Any]) -> str:
         key = re.sub(r"\W", "_", key) or "module"
@@ -150,7 +220,7 @@ class _Builder:
 
     def visit(self, node: fx.Node) -> None:
         if node.op == "placeholder":
-            if self.nodes:
+            if self.nodes and not self.several_inputs:
                 raise _unsupported(node, "is a second input; a converted network takes one")
             self.nodes.append({"name": node.name, "op": "input"})
         elif node.op == "output":
@@ -181,6 +251,8 @@ class _Builder:
                     node, "reuses a module with weights (weight sharing is not supported)"
                 )
             self.call(node, self.called[path], node.args[0])
+            if getattr(module, "inplace", False) is True:
+                self.mutate(node, node.args[0])
             return
         spec = spec_for_module(module)
         if spec is None:
@@ -198,10 +270,25 @@ class _Builder:
             description = {"kind": spec.name, "unstorable": str(err)}
         self.called[path] = self.add_module(path, converted, description)
         self.call(node, self.called[path], node.args[0])
+        if spec.kind == "shape":
+            self.view(node, node.args[0])
+        if getattr(module, "inplace", False) is True:  # nn.ReLU(inplace=True), ...
+            self.mutate(node, node.args[0])
 
     def visit_function(self, node: fx.Node) -> None:
         fn = _target(node)
         args, kwargs = list(node.args), dict(node.kwargs)
+        in_place = kwargs.pop("inplace", False) is True or fn in _IN_PLACE
+        out_of_place = None if fn is None else _out_of_place(fn, node.op == "call_method")
+        if out_of_place is not None:  # x.relu_(), F.relu_(x), x.add_(y): in place
+            fn, in_place = out_of_place, True
+        self.visit_call(node, fn, args, kwargs)
+        if in_place and args:
+            self.mutate(node, args[0])
+
+    def visit_call(
+        self, node: fx.Node, fn: Callable[..., Any] | None, args: list[Any], kwargs: dict[str, Any]
+    ) -> None:
         if (node.op == "call_method" and node.target == "size") or fn is getattr:
             self.helpers.add(node.name)  # checked where it is read
         elif (
@@ -224,26 +311,17 @@ class _Builder:
                 }
             )
         elif fn in _RESHAPE:
-            shape = (
-                args[1:] if not (len(args) == 2 and isinstance(args[1], (list, tuple))) else args[1]
-            )
-            source = args[0]
-            if (
-                not isinstance(source, fx.Node)
-                or len(shape) != 2
-                or shape[1] != -1
-                or not _is_batch_size(shape[0], source)
-            ):
-                raise _unsupported(node, "is a reshape other than x.view(x.size(0), -1)")
-            self.function(node, spec_for_function(torch.flatten), args[0], [1, -1], {})
+            self.function(node, spec_for_function(torch.flatten), args[0], [1, -1], _flat(node))
+            self.view(node, args[0])
         elif fn in _NO_OP:
             self.alias[node.name] = self.ref(args[0], node)
         else:
-            kwargs.pop("inplace", None)
             spec = None if fn is None else spec_for_function(fn)
             if spec is None or not args:
                 raise _unsupported(node)
             self.function(node, spec, args[0], args[1:], kwargs)
+            if spec.kind == "shape":
+                self.view(node, args[0])
 
     def function(
         self, node: fx.Node, spec: Any, source: Any, args: list[Any], kwargs: dict[str, Any]
@@ -277,19 +355,51 @@ class _Builder:
         self.nodes.append({"name": node.name, "op": "add", "inputs": operands})
 
 
-def graph_from_torch(module: nn.Module, options: ConversionOptions) -> GraphNetwork:
+@overload
+def graph_from_torch(
+    module: nn.Module,
+    options: ConversionOptions,
+    *,
+    several_inputs: bool = ...,
+    chain: Literal["graph"] = ...,
+) -> GraphNetwork: ...
+
+
+@overload
+def graph_from_torch(
+    module: nn.Module,
+    options: ConversionOptions,
+    *,
+    several_inputs: bool = ...,
+    chain: Literal["sequential"],
+) -> GraphNetwork | Sequential: ...
+
+
+def graph_from_torch(
+    module: nn.Module,
+    options: ConversionOptions,
+    *,
+    several_inputs: bool = False,
+    chain: Literal["graph", "sequential"] = "graph",
+) -> GraphNetwork | Sequential:
     """Trace ``module`` with ``torch.fx`` and build the equivalent :class:`GraphNetwork`.
 
     Args:
         module: any ``nn.Module`` whose forward ``torch.fx`` can trace, taking one tensor and
             returning one tensor.
         options: the conversion options (``from_torch``'s ``init``, ``scale_fraction``, ...).
+        several_inputs: accept a forward of several tensors (a graph of several ``input``
+            nodes, called with a tuple); ``False`` refuses a second input.
+        chain: ``"sequential"``: a graph of one input in which every node calls one module on
+            the previous node's value (no sums, no concatenations) is returned as a
+            :class:`~lightning_dvi.nn.Sequential` of those modules, in order; ``"graph"``:
+            always a :class:`GraphNetwork` (storable as plain data).
 
     Raises:
         NotImplementedError: for an untraceable module (saying why fx failed) or a node that
             has no declared equivalent (naming it, its op/target, module and source line).
     """
-    builder = _Builder(module, options)
+    builder = _Builder(module, options, several_inputs)
     try:
         for node in _trace(module).nodes:
             builder.visit(node)
@@ -297,7 +407,8 @@ def graph_from_torch(module: nn.Module, options: ConversionOptions) -> GraphNetw
         traced = {n.name: n for n in _trace(module, stacks=True).nodes}
         raise NotImplementedError(err.message(traced.get(err.node.name))) from err
     used = {v for n in builder.nodes for v in n.get("inputs", []) if isinstance(v, str)}
-    if builder.nodes[-1]["inputs"][0] == builder.nodes[0]["name"] or not builder.built:
+    inputs = {n["name"] for n in builder.nodes if n["op"] == "input"}
+    if builder.nodes[-1]["inputs"][0] in inputs or not builder.built:
         raise ValueError("from_torch: nothing left to convert (only dropped layers)")
     unused = [n["name"] for n in builder.nodes[:-1] if n["name"] not in used]
     if unused:
@@ -305,4 +416,18 @@ def graph_from_torch(module: nn.Module, options: ConversionOptions) -> GraphNetw
             f"from_torch: the values of nodes {unused} are computed but never used; a converted "
             "network follows one output"
         )
+    layers = _chain(builder.nodes, builder.built) if chain == "sequential" else None
+    if layers is not None:
+        return Sequential(*layers)
     return GraphNetwork(builder.nodes, builder.table, options.layer_kwargs, built=builder.built)
+
+
+def _chain(nodes: list[dict[str, Any]], built: dict[str, BayesModule]) -> list[BayesModule] | None:
+    """The modules of a chain (one input, each node calling a module on the previous value)."""
+    layers, previous = [], nodes[0]["name"]
+    for node in nodes[1:-1]:
+        if node["op"] != "call" or node["inputs"] != [previous]:
+            return None
+        layers.append(built[node["module"]])
+        previous = node["name"]
+    return layers if nodes[-1]["inputs"] == [previous] else None
