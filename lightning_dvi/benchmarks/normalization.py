@@ -13,10 +13,11 @@ sampling-free peers do) against Monte Carlo of ``torch.nn.functional.layer_norm`
 absolute error of the means (outputs are O(1)), the largest relative error of the variances,
 and (full) the largest covariance error over the largest variance.
 
-**Batch-norm train rule.** Two rules form train-mode statistics from propagated moments
-(:func:`lightning_dvi.moments.batch_norm_statistics`): ``"total"`` (variance of the means plus
-the mean variance) and ``"means"`` (variance of the means only). Each is compared with Monte
-Carlo of what a sampled network computes, in two settings:
+**Batch-norm train rule.** Four rules (:mod:`lightning_dvi.moments.normalization`):
+``"delta"`` (second-order delta method in the fluctuation of the batch statistics),
+``"independent"`` (exact quadrature), ``"total"`` (constant statistics: variance of the means
+plus the mean variance) and ``"means"`` (variance of the means only). Each is compared with
+Monte Carlo of what a sampled network computes, in two settings:
 
 * ``independent``: the batch holds independent Gaussians :math:`a_k \sim \mathcal N(m_k, v_k)`
   (a layer-level oracle): every draw is normalized by torch's ``batch_norm`` with its own batch
@@ -55,7 +56,7 @@ __all__ = [
     "main",
 ]
 
-RULES: tuple[BatchRule, ...] = ("independent", "total", "means")
+RULES: tuple[BatchRule, ...] = ("delta", "independent", "total", "means")
 RATIOS = (0.01, 0.1, 1.0, 10.0)
 SCALES = (0.03, 0.1, 0.3, 1.0)
 WIDTHS = (4, 16, 64, 256)
@@ -203,8 +204,8 @@ def batch_rule_independent(
     gen = torch.Generator().manual_seed(seed)
     mean = torch.randn(batch, channels, generator=gen, dtype=torch.float64)
     var = ratio * (0.5 + torch.rand(batch, channels, generator=gen, dtype=torch.float64))
-    if rule == "independent":
-        m, v = N.batch_normalize_diag(mean, var, 1e-5)
+    if rule in ("delta", "independent"):
+        m, v, _ = N.batch_normalize(mean, var, 1e-5, rule)
     else:
         mu, sigma2 = N.batch_norm_statistics(mean, var, (0,), rule)
         scale, shift = N.normalization_scale_shift(mu, sigma2, None, None, 1e-5)
