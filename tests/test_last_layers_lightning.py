@@ -101,3 +101,60 @@ def test_a_checkpoint_restores_the_backbone_and_head_exactly(tmp_path):
     # the file is data: it loads with weights_only=True (no pickled torch code)
     state = torch.load(path, weights_only=True)
     assert any(k.startswith("net.backbone.") for k in state["state_dict"])
+
+
+def _dense_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+    with torch.no_grad():
+        model(torch.randn(32, 64))  # non-trivial BatchNorm statistics
+    return model.eval()
+
+
+def _fit_one_step(tmp_path, net):
+    clf = DVIClassifier(net=net, num_classes=10, lr=1e-3)
+    trainer = Trainer(
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(clf, datamodule=DigitsDataModule(batch_size=32))
+    return clf
+
+
+def test_a_network_converted_from_an_eval_model_trains_its_batch_norm(tmp_path):
+    """Lightning 2.x keeps modes at fit start: the fit puts the converted net in train mode."""
+    net = from_torch(_dense_model())  # the torch model is in eval mode, and so is its copy
+    bn = net[1]
+    assert not bn.training
+    before, count = bn.running_mean.clone(), int(bn.num_batches_tracked)
+    with pytest.warns(UserWarning, match=r"train mode.*: net\.layers\.1 \(BatchNorm1d\)"):
+        _fit_one_step(tmp_path, net)
+    assert bn.training and int(bn.num_batches_tracked) == count + 1
+    assert not torch.equal(bn.running_mean, before)  # batch statistics, as a fit does
+    # freeze_statistics=True trains on the running statistics on purpose: no warning
+    net = from_torch(_dense_model())
+    net[1].freeze_statistics = True
+    before = net[1].running_mean.clone()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fit put batch normalization.*")
+        _fit_one_step(tmp_path, net)
+    assert torch.equal(net[1].running_mean, before)
+
+
+def test_a_frozen_backbone_stays_in_eval_mode_through_fit(tmp_path):
+    net = from_torch(_torch_model(), last_layers=1)
+    net.eval()  # even from eval mode: the fit trains the head, the backbone stays frozen
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fit put batch normalization.*")
+        clf = _fit_one_step(tmp_path, net)
+    assert clf.training and net.head.training and not net.backbone.training
+    unfrozen = from_torch(_torch_model(), last_layers=1, freeze_backbone=False)
+    unfrozen.eval()
+    with pytest.warns(UserWarning, match="fit put batch normalization in train mode"):
+        _fit_one_step(tmp_path, unfrozen)
+    assert unfrozen.backbone.training
