@@ -360,4 +360,4 @@ def test_the_rule_benchmark_prints_its_tables(capsys):
 
     main(["--skip-grid", "--draws", "200"])
     out = capsys.readouterr().out
-    assert out.count("\n| independent |") == 16 and "| network (deep) | 1 | means |" in out
+    assert out.count("\n| independent |") == 31 and "| network (deep) | 1 | means |" in out

@@ -27,8 +27,10 @@ Monte Carlo of what a sampled network computes, in two settings:
   second layer) in train mode, whose examples share each weight draw (their activations are
   correlated across the batch), against :func:`~lightning_dvi.diagnostics.compare_with_monte_carlo`.
 
-Errors are the largest over examples and units: the mean error in MC standard deviations and
-the relative error of the standard deviation.
+A third table sweeps the values per channel :math:`n` (the batch of the ``independent``
+setting, worst over its ratios): the ``"delta"`` expansion needs :math:`n \ge 16`, below which
+the rule takes the exact route. Errors are the largest over examples and units: the mean error
+in MC standard deviations and the relative error of the standard deviation.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ __all__ = [
     "RuleError",
     "batch_rule_independent",
     "batch_rule_network",
+    "batch_size_sweep",
     "gaussian_monte_carlo",
     "layer_norm_cell",
     "main",
@@ -194,18 +197,21 @@ class RuleError:
 
 def batch_rule_independent(
     ratio: float, rule: BatchRule, *, batch: int = 32, channels: int = 4, draws: int = 20_000,
-    seed: int = 0,
+    seed: int = 0, expansion_only: bool = False,
 ) -> RuleError:  # fmt: skip
     r"""Rule vs Monte Carlo on a batch of independent Gaussians with variance/spread ``ratio``.
 
     Means :math:`m_k \sim \mathcal N(0, 1)`, variances ``ratio`` times U(0.5, 1.5), so the mean
-    input variance over the variance of the means is about ``ratio``.
+    input variance over the variance of the means is about ``ratio``. ``expansion_only``: the
+    ``"delta"`` expansion also below 16 values (no exact route; the row is labelled so).
     """
     gen = torch.Generator().manual_seed(seed)
     mean = torch.randn(batch, channels, generator=gen, dtype=torch.float64)
     var = ratio * (0.5 + torch.rand(batch, channels, generator=gen, dtype=torch.float64))
     if rule in ("delta", "independent"):
-        m, v, _ = N.batch_normalize(mean, var, 1e-5, rule)
+        m, v, _ = N.batch_normalize(
+            mean, var, 1e-5, rule, 0 if expansion_only else N.DELTA_MIN_VALUES
+        )
     else:
         mu, sigma2 = N.batch_norm_statistics(mean, var, (0,), rule)
         scale, shift = N.normalization_scale_shift(mu, sigma2, None, None, 1e-5)
@@ -218,9 +224,29 @@ def batch_rule_independent(
     return RuleError(
         "independent",
         ratio,
-        rule,
+        f"{rule} (expansion)" if expansion_only else rule,
         ((m - mc_mean).abs() / mc_std).max().item(),
         (v.sqrt() / mc_std - 1).abs().max().item(),
+    )
+
+
+BATCHES = (8, 12, 16, 32, 128)
+
+
+def batch_size_sweep(
+    rule: BatchRule, batch: int, *, draws: int = 20_000, expansion_only: bool = False
+) -> RuleError:
+    """The worst errors of ``rule`` over :data:`RATIOS` for ``batch`` values per channel."""
+    rows = [
+        batch_rule_independent(r, rule, batch=batch, draws=draws, expansion_only=expansion_only)
+        for r in RATIOS
+    ]
+    return RuleError(
+        "independent",
+        batch,
+        rows[0].rule,
+        max(r.mean_error for r in rows),
+        max(r.std_rel_error for r in rows),
     )
 
 
@@ -270,6 +296,13 @@ def main(argv: list[str] | None = None) -> None:
         print()
     rows = [batch_rule_independent(r, rule, draws=args.draws) for r in RATIOS for rule in RULES]
     print(_table(rows, "input var / var of means"))
+    rows = [
+        batch_size_sweep(rule, b, draws=args.draws, expansion_only=rule == "delta")
+        for b in BATCHES
+        for rule in ("delta", "independent", "total")
+    ]
+    print()
+    print(_table(rows, "values per channel n"))
     rows = [
         batch_rule_network(s, rule, deep=deep, draws=args.draws)
         for deep in (False, True)
