@@ -113,16 +113,7 @@ def _dense_model():
 
 def _fit_one_step(tmp_path, net):
     clf = DVIClassifier(net=net, num_classes=10, lr=1e-3)
-    trainer = Trainer(
-        max_steps=1,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(clf, datamodule=DigitsDataModule(batch_size=32))
+    _trainer(tmp_path, max_steps=1).fit(clf, datamodule=DigitsDataModule(batch_size=32))
     return clf
 
 
