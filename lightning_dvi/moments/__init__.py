@@ -44,6 +44,7 @@ from .linear import (
     symmetrize,
 )
 from .normalization import (
+    DELTA_MIN_VALUES,
     affine_diag,
     affine_full,
     batch_norm_statistics,
@@ -76,6 +77,7 @@ from .special import (
 )
 
 __all__ = [
+    "DELTA_MIN_VALUES",
     "HEAD_WIDTH",
     "activation_moments",
     "add_independent",

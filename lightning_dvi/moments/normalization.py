@@ -67,6 +67,7 @@ from .layer_norm import normalize_diag_with_slope
 from .special import flush
 
 __all__ = [
+    "DELTA_MIN_VALUES",
     "affine_diag",
     "affine_full",
     "batch_norm_statistics",
