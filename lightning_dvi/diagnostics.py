@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -15,13 +16,23 @@ __all__ = ["FidelityResult", "compare_with_monte_carlo", "monte_carlo_moments"]
 
 @torch.no_grad()
 def monte_carlo_moments(
-    net: BayesModule, x: Tensor, num_samples: int = 20_000, chunk_size: int = 1_000
+    net: BayesModule,
+    x: Tensor,
+    num_samples: int = 20_000,
+    chunk_size: int = 1_000,
+    sample_mode: Literal["sample", "local"] = "sample",
 ) -> tuple[Tensor, Tensor]:
-    r"""Mean ``[B, D]`` and covariance ``[B, D, D]`` of the output over whole-weight draws.
+    r"""Mean ``[B, D]`` and covariance ``[B, D, D]`` of the output over weight draws.
 
-    Runs ``net(x, mode="sample")`` in chunks (memory is :math:`O(\text{chunk}\cdot|W|)`) and
-    accumulates first and second moments in float64.
+    Runs ``net(x, mode=sample_mode)`` in chunks (memory is :math:`O(\text{chunk}\cdot|W|)`)
+    and accumulates first and second moments in float64. ``"sample"`` draws whole weights,
+    shared by the examples of the batch; ``"local"`` (local reparameterisation) draws each
+    example's units independently, which is the semantics of per-example moments where a layer
+    couples the examples (train-mode batch normalization: its moments treat the examples of
+    a batch as independent Gaussians).
     """
+    if sample_mode not in ("sample", "local"):
+        raise ValueError(f"sample_mode must be 'sample' or 'local', got {sample_mode!r}")
     if num_samples < 2:
         raise ValueError(f"num_samples must be >= 2, got {num_samples}")
     total: Tensor | None = None
@@ -29,7 +40,7 @@ def monte_carlo_moments(
     done = 0
     while done < num_samples:
         s = min(chunk_size, num_samples - done)
-        f = net(x, mode="sample", num_samples=s).double()  # [s, B, D]
+        f = net(x, mode=sample_mode, num_samples=s).double()  # [s, B, D]
         part, part_outer = f.sum(0), torch.einsum("sbi,sbj->bij", f, f)
         total = part if total is None else total + part
         outer = part_outer if outer is None else outer + part_outer
@@ -61,13 +72,14 @@ def compare_with_monte_carlo(
     mode: Mode = "full",
     num_samples: int = 20_000,
     chunk_size: int = 1_000,
+    sample_mode: Literal["sample", "local"] = "sample",
 ) -> FidelityResult:
-    """Propagate ``x`` in ``mode`` and compare with :func:`monte_carlo_moments`."""
+    """Propagate ``x`` in ``mode`` and compare with :func:`monte_carlo_moments` (``sample_mode``)."""
     with torch.no_grad():
         out = net(x, mode=mode)
     if not isinstance(out, Gaussian):
         raise ValueError("the network output is deterministic; nothing to compare")
-    mc_mean, mc_cov = monte_carlo_moments(net, x, num_samples, chunk_size)
+    mc_mean, mc_cov = monte_carlo_moments(net, x, num_samples, chunk_size, sample_mode)
     mc_std = mc_cov.diagonal(dim1=-2, dim2=-1).clamp_min(1e-300).sqrt()
     mean_err = ((out.mean.double() - mc_mean).abs() / mc_std).max().item()
     std_err = (out.stddev.double() / mc_std - 1).abs().max().item()

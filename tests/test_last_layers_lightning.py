@@ -124,6 +124,14 @@ def _flat_resnet(seed=0):
     return model.eval()
 
 
+def _dense_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+    with torch.no_grad():
+        model(torch.randn(32, 64))  # non-trivial BatchNorm statistics
+    return model.eval()
+
+
 def test_a_two_input_head_trains_exports_and_restores_from_a_checkpoint(tmp_path):
     net = from_torch(_flat_resnet(), last_layers=2)
     assert net.head.num_inputs == 2
@@ -148,3 +156,43 @@ def test_a_two_input_head_trains_exports_and_restores_from_a_checkpoint(tmp_path
     assert torch.equal(loaded.eval().predictive(x), probs)
     state = torch.load(path, weights_only=True)
     assert any(k.startswith("net.head.layers.resnet_layer4_1_conv2.") for k in state["state_dict"])
+
+
+def _fit_one_step(tmp_path, net):
+    clf = DVIClassifier(net=net, num_classes=10, lr=1e-3)
+    _trainer(tmp_path, max_steps=1).fit(clf, datamodule=DigitsDataModule(batch_size=32))
+    return clf
+
+
+def test_a_network_converted_from_an_eval_model_trains_its_batch_norm(tmp_path):
+    """Lightning 2.x keeps modes at fit start: the fit puts the converted net in train mode."""
+    net = from_torch(_dense_model())  # the torch model is in eval mode, and so is its copy
+    bn = net[1]
+    assert not bn.training
+    before, count = bn.running_mean.clone(), int(bn.num_batches_tracked)
+    with pytest.warns(UserWarning, match=r"train mode.*: net\.layers\.1 \(BatchNorm1d\)"):
+        _fit_one_step(tmp_path, net)
+    assert bn.training and int(bn.num_batches_tracked) == count + 1
+    assert not torch.equal(bn.running_mean, before)  # batch statistics, as a fit does
+    # freeze_statistics=True trains on the running statistics on purpose: no warning
+    net = from_torch(_dense_model())
+    net[1].freeze_statistics = True
+    before = net[1].running_mean.clone()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fit put batch normalization.*")
+        _fit_one_step(tmp_path, net)
+    assert torch.equal(net[1].running_mean, before)
+
+
+def test_a_frozen_backbone_stays_in_eval_mode_through_fit(tmp_path):
+    net = from_torch(_torch_model(), last_layers=1)
+    net.eval()  # even from eval mode: the fit trains the head, the backbone stays frozen
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fit put batch normalization.*")
+        clf = _fit_one_step(tmp_path, net)
+    assert clf.training and net.head.training and not net.backbone.training
+    unfrozen = from_torch(_torch_model(), last_layers=1, freeze_backbone=False)
+    unfrozen.eval()
+    with pytest.warns(UserWarning, match="fit put batch normalization in train mode"):
+        _fit_one_step(tmp_path, unfrozen)
+    assert unfrozen.backbone.training

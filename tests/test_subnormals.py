@@ -93,11 +93,15 @@ DIAG = {
     "scale_gaussian": lambda m, v: _moments_of(M.scale_gaussian(Gaussian(m, var=v), 0.5)),
     "batch_norm_statistics": lambda m, v: M.batch_norm_statistics(*_image(m, v), (0, 2, 3)),
     "batch_normalize_diag": lambda m, v: M.batch_normalize_diag(*_image(m, v), 1e-5),
+    "batch_normalize": lambda m, v: M.batch_normalize(*_image(m, v), 1e-5),
     "normalization_scale_shift": lambda m, v: M.normalization_scale_shift(
         m, v, 0.5 * v.sqrt(), m, 1e-5
     ),
     "affine_diag": lambda m, v: M.affine_diag(m, v, 1e-3 * v.sqrt(), m),
     "normalize_diag": lambda m, v: M.normalize_diag(m.reshape(35, 23), v.reshape(35, 23)),
+    "normalize_diag_with_slope": lambda m, v: M.normalize_diag_with_slope(
+        m.reshape(35, 23), v.reshape(35, 23)
+    ),
 }
 FULL = {
     "relu_full": M.relu_full,
@@ -124,6 +128,9 @@ FULL = {
     ),
     "affine_full": lambda m, c: M.affine_full(m, c, 1e-3 * m.abs(), m),
     "normalize_full": M.normalize_full,
+    "batch_normalize_cov": lambda m, c: (
+        M.batch_normalize_cov(c, c.diagonal(0, -2, -1), 1e-3 * m.abs()),
+    ),
     "normalize_jacobian": lambda m, c: (M.normalize_jacobian(m, c),),
     "skip_covariance": lambda m, c: (M.skip_covariance(Gaussian(m, cov=c, validate=False)),),
     "as_storage": lambda m, c: _moments_of(

@@ -13,10 +13,11 @@ sampling-free peers do) against Monte Carlo of ``torch.nn.functional.layer_norm`
 absolute error of the means (outputs are O(1)), the largest relative error of the variances,
 and (full) the largest covariance error over the largest variance.
 
-**Batch-norm train rule.** Two rules form train-mode statistics from propagated moments
-(:func:`lightning_dvi.moments.batch_norm_statistics`): ``"total"`` (variance of the means plus
-the mean variance) and ``"means"`` (variance of the means only). Each is compared with Monte
-Carlo of what a sampled network computes, in two settings:
+**Batch-norm train rule.** Four rules (:mod:`lightning_dvi.moments.normalization`):
+``"delta"`` (second-order delta method in the fluctuation of the batch statistics),
+``"independent"`` (exact quadrature), ``"total"`` (constant statistics: variance of the means
+plus the mean variance) and ``"means"`` (variance of the means only). Each is compared with
+Monte Carlo of what a sampled network computes, in two settings:
 
 * ``independent``: the batch holds independent Gaussians :math:`a_k \sim \mathcal N(m_k, v_k)`
   (a layer-level oracle): every draw is normalized by torch's ``batch_norm`` with its own batch
@@ -26,8 +27,10 @@ Carlo of what a sampled network computes, in two settings:
   second layer) in train mode, whose examples share each weight draw (their activations are
   correlated across the batch), against :func:`~lightning_dvi.diagnostics.compare_with_monte_carlo`.
 
-Errors are the largest over examples and units: the mean error in MC standard deviations and
-the relative error of the standard deviation.
+A third table sweeps the values per channel :math:`n` (the batch of the ``independent``
+setting, worst over its ratios): the ``"delta"`` expansion needs :math:`n \ge 16`, below which
+the rule takes the exact route. Errors are the largest over examples and units: the mean error
+in MC standard deviations and the relative error of the standard deviation.
 """
 
 from __future__ import annotations
@@ -50,12 +53,13 @@ __all__ = [
     "RuleError",
     "batch_rule_independent",
     "batch_rule_network",
+    "batch_size_sweep",
     "gaussian_monte_carlo",
     "layer_norm_cell",
     "main",
 ]
 
-RULES: tuple[BatchRule, ...] = ("independent", "total", "means")
+RULES: tuple[BatchRule, ...] = ("delta", "independent", "total", "means")
 RATIOS = (0.01, 0.1, 1.0, 10.0)
 SCALES = (0.03, 0.1, 0.3, 1.0)
 WIDTHS = (4, 16, 64, 256)
@@ -193,18 +197,21 @@ class RuleError:
 
 def batch_rule_independent(
     ratio: float, rule: BatchRule, *, batch: int = 32, channels: int = 4, draws: int = 20_000,
-    seed: int = 0,
+    seed: int = 0, expansion_only: bool = False,
 ) -> RuleError:  # fmt: skip
     r"""Rule vs Monte Carlo on a batch of independent Gaussians with variance/spread ``ratio``.
 
     Means :math:`m_k \sim \mathcal N(0, 1)`, variances ``ratio`` times U(0.5, 1.5), so the mean
-    input variance over the variance of the means is about ``ratio``.
+    input variance over the variance of the means is about ``ratio``. ``expansion_only``: the
+    ``"delta"`` expansion also below 16 values (no exact route; the row is labelled so).
     """
     gen = torch.Generator().manual_seed(seed)
     mean = torch.randn(batch, channels, generator=gen, dtype=torch.float64)
     var = ratio * (0.5 + torch.rand(batch, channels, generator=gen, dtype=torch.float64))
-    if rule == "independent":
-        m, v = N.batch_normalize_diag(mean, var, 1e-5)
+    if rule in ("delta", "independent"):
+        m, v, _ = N.batch_normalize(
+            mean, var, 1e-5, rule, 0 if expansion_only else N.DELTA_MIN_VALUES
+        )
     else:
         mu, sigma2 = N.batch_norm_statistics(mean, var, (0,), rule)
         scale, shift = N.normalization_scale_shift(mu, sigma2, None, None, 1e-5)
@@ -217,9 +224,29 @@ def batch_rule_independent(
     return RuleError(
         "independent",
         ratio,
-        rule,
+        f"{rule} (expansion)" if expansion_only else rule,
         ((m - mc_mean).abs() / mc_std).max().item(),
         (v.sqrt() / mc_std - 1).abs().max().item(),
+    )
+
+
+BATCHES = (8, 12, 16, 32, 128)
+
+
+def batch_size_sweep(
+    rule: BatchRule, batch: int, *, draws: int = 20_000, expansion_only: bool = False
+) -> RuleError:
+    """The worst errors of ``rule`` over :data:`RATIOS` for ``batch`` values per channel."""
+    rows = [
+        batch_rule_independent(r, rule, batch=batch, draws=draws, expansion_only=expansion_only)
+        for r in RATIOS
+    ]
+    return RuleError(
+        "independent",
+        batch,
+        rows[0].rule,
+        max(r.mean_error for r in rows),
+        max(r.std_rel_error for r in rows),
     )
 
 
@@ -269,6 +296,13 @@ def main(argv: list[str] | None = None) -> None:
         print()
     rows = [batch_rule_independent(r, rule, draws=args.draws) for r in RATIOS for rule in RULES]
     print(_table(rows, "input var / var of means"))
+    rows = [
+        batch_size_sweep(rule, b, draws=args.draws, expansion_only=rule == "delta")
+        for b in BATCHES
+        for rule in ("delta", "independent", "total")
+    ]
+    print()
+    print(_table(rows, "values per channel n"))
     rows = [
         batch_rule_network(s, rule, deep=deep, draws=args.draws)
         for deep in (False, True)

@@ -36,6 +36,7 @@ from ..objective import ELBOTerms, elbo
 from ._config import KLScheduleConfig, LRSchedule, OptimiserConfig, OptimizerName, make_prior
 from ._convergence import ObjectiveConvergence
 from ._data import DataView
+from ._modes import enter_train_mode
 from ._network import MLP_ARGUMENTS, MLPConfig, UnbuiltNetwork, primitive, setup_network
 from ._validation import one_of, optional_positive_int, positive_float, positive_int, sampling
 from .checkpoint import load_checkpoint_data
@@ -645,8 +646,23 @@ class DVIModule(LightningModule):
         )
 
     def on_fit_start(self) -> None:
-        """Forget a previous fit's stalled-step state and warning."""
+        """Put the network in train mode; forget a previous fit's stalled-step state and warning.
+
+        Lightning 2.x keeps the modes modules have when ``fit`` starts; a network converted
+        from an ``eval()`` torch model would train its batch normalization on the running
+        statistics. A fit trains (a frozen last-layer backbone stays in eval mode), and a
+        warning names the batch norms it switched (``freeze_statistics=True`` keeps the
+        running statistics on purpose).
+        """
         super().on_fit_start()
+        switched = enter_train_mode(self)
+        if switched:
+            rank_zero_warn(
+                f"{type(self).__name__}: fit put batch normalization in train mode (batch "
+                f"statistics): {', '.join(switched)} (e.g. converted from an eval() torch "
+                "model); to train on the running statistics, set freeze_statistics=True on "
+                "those layers (or use from_torch(..., last_layers=k), whose backbone stays frozen)"
+            )
         self._lbfgs_stall_warned, self._lbfgs_stalls, self._lbfgs_first_loss = False, 0, None
 
     def on_train_epoch_end(self) -> None:

@@ -21,7 +21,12 @@ from .activations import (
 )
 from .algebra import add_independent, reindex_gaussian, scale_gaussian
 from .conv import conv2d_deterministic, conv2d_diag, conv2d_sample
-from .layer_norm import normalize_diag, normalize_full, normalize_jacobian
+from .layer_norm import (
+    normalize_diag,
+    normalize_diag_with_slope,
+    normalize_full,
+    normalize_jacobian,
+)
 from .layers import (
     HEAD_WIDTH,
     activation_moments,
@@ -39,9 +44,12 @@ from .linear import (
     symmetrize,
 )
 from .normalization import (
+    DELTA_MIN_VALUES,
     affine_diag,
     affine_full,
     batch_norm_statistics,
+    batch_normalize,
+    batch_normalize_cov,
     batch_normalize_diag,
     normalization_scale_shift,
 )
@@ -69,6 +77,7 @@ from .special import (
 )
 
 __all__ = [
+    "DELTA_MIN_VALUES",
     "HEAD_WIDTH",
     "activation_moments",
     "add_independent",
@@ -79,6 +88,8 @@ __all__ = [
     "asin_residual_over_x3",
     "avg_pool2d_diag",
     "batch_norm_statistics",
+    "batch_normalize",
+    "batch_normalize_cov",
     "batch_normalize_diag",
     "clip_correlation",
     "conv2d_deterministic",
@@ -108,6 +119,7 @@ __all__ = [
     "normal_pdf",
     "normalization_scale_shift",
     "normalize_diag",
+    "normalize_diag_with_slope",
     "normalize_full",
     "normalize_jacobian",
     "policy",

@@ -85,7 +85,7 @@ from torch import Tensor
 
 from .special import flush
 
-__all__ = ["normalize_diag", "normalize_full", "normalize_jacobian"]
+__all__ = ["normalize_diag", "normalize_diag_with_slope", "normalize_full", "normalize_jacobian"]
 
 TIGHT_RATIO = 1e-6
 """Below this input-variance/spread ratio :math:`\\rho` the tight (linearized) form is used."""
@@ -125,8 +125,8 @@ def _tight_ratio(trace: Tensor, m: Tensor, eps: float) -> Tensor:
     return trace / ((m * m).sum(-1) + d * eps)
 
 
-def _normalize_diag(mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The body of :func:`normalize_diag` (float64 inputs)."""
+def _normalize_diag(mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The body of :func:`normalize_diag_with_slope` (float64 inputs)."""
     d = mean.shape[-1]
     m = _centre(mean)
     trace = var.sum(-1) * (1 - 1 / d)
@@ -147,6 +147,10 @@ def _normalize_diag(mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tens
     ey = (w_half * m_t).sum(0)
     ey2 = (w_one * (var_t + m_t * m_t)).sum(0)
     out_var = (ey2 - ey * ey).clamp_min(0)
+    # E[dy_i/da_i] = (1 - 1/D) E[s^-1/2] - E[z_i^2 s^-3/2] / D
+    w_3half = _weights(base, t, 1.5)
+    slope = (1 - 1 / d) * _weights(base, t, 0.5).sum(0).unsqueeze(-1)
+    slope = slope - (w_3half.unsqueeze(-1) * (var_t + m_t * m_t)).sum(0) / d
     # the tight form
     s0 = (m * m).mean(-1, keepdim=True) + eps
     mh = m / s0.sqrt()
@@ -160,7 +164,8 @@ def _normalize_diag(mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tens
     tight = (_tight_ratio(trace, m, eps) < TIGHT_RATIO).unsqueeze(-1)
     mean_out = torch.where(tight, mh, ey)
     var_out = torch.where(tight, lin_var.clamp_min(0), out_var)
-    return mean_out, var_out
+    slope_out = torch.where(tight, (1 - 1 / d - mh * mh / d) / s0.sqrt(), slope)
+    return mean_out, var_out, slope_out
 
 
 _JITTER = 1e-7
@@ -273,8 +278,33 @@ def normalize_diag(mean: Tensor, var: Tensor, eps: float = 1e-5) -> tuple[Tensor
         ``(mean, var)`` of :math:`y`, each ``[..., D]`` (the output units are correlated; these
         are their marginals).
     """
-    out_mean, out_var = _normalize_diag(*_wide(mean, var), eps)
+    out_mean, out_var, _ = _normalize_diag(*_wide(mean, var), eps)
     return flush(out_mean.to(mean.dtype)), flush(out_var.to(mean.dtype))
+
+
+def normalize_diag_with_slope(
+    mean: Tensor, var: Tensor, eps: float = 1e-5
+) -> tuple[Tensor, Tensor, Tensor]:
+    r""":func:`normalize_diag` and the expected self-derivative :math:`E[\partial y_i/\partial a_i]`.
+
+    By Stein's lemma :math:`\operatorname{Cov}(r, y_i) = \operatorname{Cov}(r, a_i)\,
+    E[\partial y_i/\partial a_i]` for an :math:`r` jointly Gaussian with :math:`a_i` and
+    independent of the other units (a skip connection across batch normalization, whose
+    "units" are the examples of a batch), with
+
+    .. math::
+        E[\partial y_i/\partial a_i] = (1 - \tfrac1D)\,E[s^{-1/2}] - \tfrac1D E[z_i^2 s^{-3/2}]
+
+    (the diagonal of :func:`normalize_jacobian` for a diagonal :math:`\Sigma`), by the same
+    quadrature (:math:`p = 1/2, 3/2`), or :math:`(1 - \frac1D - \hat m_i^2/D)/\sqrt{s_0}` in the
+    tight form.
+
+    Returns:
+        ``(mean, var, slope)``, each ``[..., D]``.
+    """
+    out_mean, out_var, slope = _normalize_diag(*_wide(mean, var), eps)
+    dtype = mean.dtype
+    return flush(out_mean.to(dtype)), flush(out_var.to(dtype)), flush(slope.to(dtype))
 
 
 def normalize_full(mean: Tensor, cov: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor]:

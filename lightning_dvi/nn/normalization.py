@@ -11,8 +11,9 @@ tell them apart.
 on a Gaussian once the statistics :math:`(\mu_c, \sigma^2_c)` are fixed:
 
 * eval mode (or ``freeze_statistics=True``): the running statistics;
-* train mode: batch statistics of the propagated moments (``batch_rule``, see
-  :mod:`lightning_dvi.moments.normalization`), with torch's running-statistic update
+* train mode: batch normalization of the propagated moments (``batch_rule``, see
+  :mod:`lightning_dvi.moments.normalization`; the default ``"delta"`` accounts for the
+  draw-to-draw fluctuation of the batch statistics), with torch's running-statistic update
   (momentum, or the cumulative average for ``momentum=None``; the unbiased batch variance);
   in the Monte Carlo modes each draw of ``[S, B, ...]`` is normalized by its own batch
   statistics, as the sampled network would be, and the running statistics take their average
@@ -25,7 +26,7 @@ zero input variance the module is torch's ``BatchNorm`` (outputs and running sta
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,7 @@ class _BatchNorm(BayesModule):
         affine: bool = True,
         track_running_stats: bool = True,
         *,
-        batch_rule: BatchRule = "total",
+        batch_rule: BatchRule = "delta",
         freeze_statistics: bool = False,
     ) -> None:
         super().__init__()
@@ -77,10 +78,10 @@ class _BatchNorm(BayesModule):
             raise ValueError(f"{self._name}: eps must be positive, got {eps!r}")
         if momentum is not None and not 0 <= momentum <= 1:
             raise ValueError(f"{self._name}: momentum must be None or in [0, 1], got {momentum!r}")
-        if batch_rule not in ("total", "independent", "means"):
+        if batch_rule not in ("delta", "total", "independent", "means"):
             raise ValueError(
-                f"{self._name}: batch_rule must be 'total', 'independent' or 'means', got "
-                f"{batch_rule!r}"
+                f"{self._name}: batch_rule must be 'delta', 'total', 'independent' or 'means', "
+                f"got {batch_rule!r}"
             )
         if freeze_statistics and not track_running_stats:
             raise ValueError(f"{self._name}: freeze_statistics needs track_running_stats=True")
@@ -207,8 +208,8 @@ class _BatchNorm(BayesModule):
             dims = (0, *range(2, rank))
             mu, sigma2 = N.batch_norm_statistics(g.mean, g.var, dims, self.batch_rule)
             self._update(mu, sigma2, n)
-            if self.batch_rule == "independent":
-                return self._independent(g, rank)
+            if self.batch_rule in ("delta", "independent"):
+                return self._normalized(g, rank)
         else:
             mu, sigma2 = self._running(rank)
         scale, shift = self._affine(mu, sigma2, rank)
@@ -218,38 +219,46 @@ class _BatchNorm(BayesModule):
         mean, var = N.affine_diag(g.mean, g.var, scale, shift)
         return Gaussian(mean, var=var, validate=False)
 
-    def _independent(self, g: Gaussian, rank: int) -> Gaussian:
-        """The ``"independent"`` train rule: each channel layer-normalized over its batch."""
-        mean, var = N.batch_normalize_diag(g.mean, g.var, self.eps)
-        ones = torch.ones((), dtype=mean.dtype, device=mean.device)
-        gain = self._channel(self.weight, rank)
-        shift = self._channel(self.bias, rank)
-        gain, shift = (ones if gain is None else gain), (0 * ones if shift is None else shift)
-        mean, var = N.affine_diag(mean, var, gain, shift)
+    def _normalized(self, g: Gaussian, rank: int) -> Gaussian:
+        """The ``"delta"``/``"independent"`` train rules: moments of per-draw batch normalization."""
+        mean, var, slope = self._rule_moments(g, rank)
         if g.cov is None:
             return Gaussian(mean, var=var, validate=False)
-        # keep the correlations across channels: Sigma'_cc' = Sigma_cc' r_c r_c'
-        sd_in = g.var.sqrt()
-        ratio = torch.where(
-            sd_in > 0, var.sqrt() / sd_in.clamp_min(torch.finfo(sd_in.dtype).tiny), 0
+        return Gaussian(mean, cov=N.batch_normalize_cov(g.cov, var, slope), validate=False)
+
+    def _rule_moments(self, g: Gaussian, rank: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Mean, variance and expected self-derivative after the rule and the affine part."""
+        rule: Literal["delta", "independent"] = (
+            "independent" if self.batch_rule == "independent" else "delta"
         )
-        cov = g.cov * (ratio.unsqueeze(-1) * ratio.unsqueeze(-2))
-        return Gaussian(
-            mean, cov=cov + torch.diag_embed(var - torch.diagonal(cov, 0, -2, -1)), validate=False
-        )
+        mean, var, slope = N.batch_normalize(g.mean, g.var, self.eps, rule)
+        gain = self._channel(self.weight, rank)
+        shift = self._channel(self.bias, rank)
+        if gain is not None:
+            mean, var, slope = gain * mean, var * (gain * gain), slope * gain
+        if shift is not None:
+            mean = mean + shift
+        return mean, var, slope
 
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
-        r""":math:`\operatorname{Cov}(r, s \circ a + t) = \operatorname{Cov}(r, a)\operatorname{diag}(s)`.
+        r""":math:`\operatorname{Cov}(r, y_k) = \operatorname{Cov}(r, a_k)\,g_k` (Stein's lemma).
 
-        The statistics are those :meth:`propagate` uses (it runs after this, and it is what
-        updates the running statistics, once per batch); under the ``"independent"`` rule,
-        the ``"total"`` statistics (the cross-covariance of a skip connection then passes the
-        constant-statistics gain :math:`s`).
+        :math:`g_k = E[\partial y_k/\partial a_k]` per example and channel: the constant gain
+        :math:`s` of the affine map (eval mode, ``freeze_statistics``, the ``"total"`` and
+        ``"means"`` rules), or the expected self-derivative of the ``"delta"`` and
+        ``"independent"`` rules (:func:`~lightning_dvi.moments.batch_normalize`), the same
+        :math:`g` that forms the covariance across channels in full mode.
+        :meth:`propagate` runs after this and updates the running statistics, once per batch.
         """
         user = self._check(x, mode)
         if len(user) != 2:
             raise ValueError(f"{self._name} inside a Residual block needs a flat [B, C] input")
-        if self._uses_batch_statistics():
+        batch = self._uses_batch_statistics()
+        if batch and self.batch_rule in ("delta", "independent"):
+            self._batch_size(user)
+            slope = self._rule_moments(x.to_diag(), 2)[2]
+            return M.cross_through_activation(cross, slope)
+        if batch:
             mu, sigma2 = N.batch_norm_statistics(x.mean, x.var, (0,), self.batch_rule)
         else:
             mu, sigma2 = self._running(2)
@@ -258,7 +267,7 @@ class _BatchNorm(BayesModule):
 
     def extra_repr(self) -> str:
         """Options for ``repr``."""
-        extra = "" if self.batch_rule == "total" else f", batch_rule={self.batch_rule!r}"
+        extra = "" if self.batch_rule == "delta" else f", batch_rule={self.batch_rule!r}"
         if self.freeze_statistics:
             extra += ", freeze_statistics=True"
         return (
@@ -353,10 +362,12 @@ class BatchNorm1d(_BatchNorm):
         momentum: running-statistics factor (``None``: cumulative average), as in torch.
         affine: learn :math:`\gamma, \beta` (point parameters).
         track_running_stats: keep running statistics (eval mode uses them).
-        batch_rule: the train-mode rule on moments: ``"total"`` (constant statistics, the
-            mean variance added to the variance of the means), ``"independent"`` (each channel
-            layer-normalized over its batch: exact for independent examples, 81 times the
-            activations' memory) or ``"means"`` (see :mod:`lightning_dvi.moments.normalization`).
+        batch_rule: the train-mode rule on moments: ``"delta"`` (second-order delta method in
+            the fluctuation of the batch statistics, :math:`O(n)`; the exact route below 16
+            values per channel), ``"total"`` (constant statistics, the mean variance added to
+            the variance of the means), ``"independent"`` (each channel layer-normalized over
+            its batch: exact for independent examples, 81 times the activations' memory) or
+            ``"means"`` (see :mod:`lightning_dvi.moments.normalization`).
         freeze_statistics: use (and keep) the running statistics in train mode too, e.g. to
             fine-tune a converted network with small batches (an attribute: set it on the
             converted modules, ``for m in net.modules(): ...``).
