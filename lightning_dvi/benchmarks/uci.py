@@ -326,6 +326,9 @@ def run_job(job: Job) -> dict[str, Any]:
             optimizer=optimizer,
             lbfgs_iterations=s.lbfgs_iterations,
             lbfgs_history=s.lbfgs_history,
+            # early stopping reads only val/nll; the other validation values cost more than the
+            # validation's forward pass when it runs after every step
+            val_metrics=["nll"],
         )
 
     def trainer(max_steps: int, callbacks: list[Any], validate: bool, clip: float) -> Any:

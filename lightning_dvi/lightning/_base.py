@@ -152,6 +152,7 @@ class DVIModule(LightningModule):
     net: nn.Module
     val_metrics: MetricCollection
     test_metrics: MetricCollection
+    logs_val_elbo: bool = True  # a subclass may log fewer validation values (val_metrics)
 
     def __init__(
         self,
@@ -678,7 +679,8 @@ class DVIModule(LightningModule):
 
     def _eval_step(self, batch: tuple[Tensor, Tensor], stage: str) -> None:
         terms = self._elbo(batch, 1.0, stage)
-        self._log_terms(terms, stage, batch[0].shape[0])
+        if stage != "val" or self.logs_val_elbo:
+            self._log_terms(terms, stage, batch[0].shape[0])
         self._update_metrics(getattr(self, f"{stage}_metrics"), *batch)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:

@@ -33,6 +33,7 @@ from .functional import (
 )
 
 __all__ = [
+    "REGRESSION_METRIC_NAMES",
     "RMSE",
     "GaussianCRPS",
     "GaussianNLL",
@@ -40,8 +41,37 @@ __all__ = [
     "RegressionCalibrationError",
     "RegressionMetrics",
     "Sharpness",
+    "regression_metric_selection",
     "regression_metrics",
 ]
+
+REGRESSION_METRIC_NAMES = ("nll", "rmse", "crps", "coverage", "calibration", "sharpness")
+"""The members of :class:`RegressionMetrics`, in its order."""
+
+
+def regression_metric_selection(
+    argument: str, names: Sequence[str] | None, extra: Sequence[str] = ()
+) -> tuple[str, ...]:
+    """``names`` checked against :data:`REGRESSION_METRIC_NAMES` (and ``extra``); ``None``: all.
+
+    Raises:
+        ValueError: naming ``argument``, for a bare string, an empty selection or an unknown
+            name (the message lists the choices).
+    """
+    choices = (*REGRESSION_METRIC_NAMES, *extra)
+    if names is None:
+        return choices
+    if isinstance(names, str) or not names:
+        raise ValueError(
+            f"{argument} must be a non-empty list of names from {', '.join(choices)} (or None "
+            f"for all), got {names!r}"
+        )
+    unknown = [name for name in names if name not in choices]
+    if unknown:
+        raise ValueError(
+            f"{argument}: unknown metric {unknown[0]!r}; choose from {', '.join(choices)}"
+        )
+    return tuple(name for name in choices if name in names)
 
 
 class _GaussianMetric(Metric):
@@ -298,6 +328,11 @@ class RegressionMetrics(MetricCollection):
         coverage_levels: levels of the central intervals whose coverage is reported.
         num_calibration_levels: grid size for ``mace`` and ``rmsce``.
         validate_args: check inputs on every update.
+        include: the members to build, from :data:`REGRESSION_METRIC_NAMES` (``"nll"``,
+            ``"rmse"``, ``"crps"``, ``"coverage"``, ``"calibration"``, ``"sharpness"``);
+            ``None`` (default): all. A validation pass that only feeds early stopping on the
+            NLL needs ``["nll"]``, and each member left out saves its update, its ``compute``
+            and its logged keys.
 
     Examples:
         >>> metrics = RegressionMetrics(prefix="test/")
@@ -312,18 +347,19 @@ class RegressionMetrics(MetricCollection):
         coverage_levels: Sequence[float] = (0.5, 0.9, 0.95),
         num_calibration_levels: int = 100,
         validate_args: bool = True,
+        include: Sequence[str] | None = None,
     ) -> None:
+        names = regression_metric_selection("include", include)
+        members: dict[str, Metric] = {
+            "nll": GaussianNLL(validate_args=False),
+            "rmse": RMSE(validate_args=False),
+            "crps": GaussianCRPS(validate_args=False),
+            "coverage": IntervalCoverage(coverage_levels, validate_args=False),
+            "calibration": RegressionCalibrationError(num_calibration_levels, validate_args=False),
+            "sharpness": Sharpness(validate_args=False),
+        }
         super().__init__(
-            {
-                "nll": GaussianNLL(validate_args=False),
-                "rmse": RMSE(validate_args=False),
-                "crps": GaussianCRPS(validate_args=False),
-                "coverage": IntervalCoverage(coverage_levels, validate_args=False),
-                "calibration": RegressionCalibrationError(
-                    num_calibration_levels, validate_args=False
-                ),
-                "sharpness": Sharpness(validate_args=False),
-            },
+            {name: metric for name, metric in members.items() if name in names},
             prefix=prefix or None,
             # Merging states by value after the first batch is unsafe for sums and never saves
             # much here.
