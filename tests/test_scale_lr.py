@@ -1,4 +1,4 @@
-"""``scale_lr_factor``: the posterior scales' own Adam learning rate, found by protocol and wired."""
+"""``scale_lr``: the posterior scales' own Adam learning rate, found by protocol and wired."""
 
 import math
 import warnings
@@ -40,19 +40,20 @@ def test_scale_parameters_are_found_by_protocol_not_by_name():
 
 def test_param_groups_split_only_when_asked():
     a, b, c = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
-    one = param_groups([a, b, c], [b], 0.1, 1.0)
+    one = param_groups([a, b, c], [b], 0.1, None)
+    assert len(param_groups([a, b, c], [b], 0.1, 0.1)) == 1
     assert len(one) == 1 and one[0]["params"] == [a, b, c] and one[0]["lr"] == 0.1
-    two = param_groups([a, b, c], [b, torch.nn.Parameter(torch.zeros(1))], 0.1, 0.3)
+    two = param_groups([a, b, c], [b, torch.nn.Parameter(torch.zeros(1))], 0.1, 0.03)
     assert [g["params"] for g in two] == [[a, c], [b]]
     assert [g["lr"] for g in two] == pytest.approx([0.1, 0.03])
-    assert len(param_groups([a], [b], 0.1, 0.3)) == 1  # no scale among the trained parameters
+    assert len(param_groups([a], [b], 0.1, 0.03)) == 1  # no scale among the trained parameters
 
 
-def test_scale_lr_factor_is_checked():
-    with pytest.raises(ValueError, match="scale_lr_factor must be a finite number > 0"):
-        OptimiserConfig(scale_lr_factor=0.0)
-    with pytest.raises(ValueError, match="nor scale_lr_factor"):
-        DVIRegressor(in_features=1, optimizer="lbfgs", scale_lr_factor=0.5)
+def test_scale_lr_is_checked():
+    with pytest.raises(ValueError, match="scale_lr must be a finite number > 0"):
+        OptimiserConfig(scale_lr=0.0)
+    with pytest.raises(ValueError, match="nor scale_lr"):
+        DVIRegressor(in_features=1, optimizer="lbfgs", scale_lr=0.5)
 
 
 def _fit(model, steps=4):
@@ -69,8 +70,8 @@ def _fit(model, steps=4):
 
 
 def test_a_fit_trains_the_scales_at_their_own_rate():
-    model = DVIClassifier(hidden=[5], lr=0.01, scale_lr_factor=0.25, lr_schedule="cosine")
-    assert model.hparams.scale_lr_factor == 0.25
+    model = DVIClassifier(hidden=[5], lr=0.01, scale_lr=0.0025, lr_schedule="cosine")
+    assert model.hparams.scale_lr == 0.0025
     trainer = _fit(model)
     (optimiser,) = trainer.optimizers
     scales = {id(p) for p in posterior_scale_parameters(model.net)}
@@ -86,7 +87,7 @@ def test_a_fit_trains_the_scales_at_their_own_rate():
     assert group["lr"] == pytest.approx(0.0) and rest["lr"] == pytest.approx(0.0)
     # Adam's first step moves every raw scale by about its group's rate (the sign of the gradient)
     layer = model.net.layers[0]
-    fresh = DVIClassifier(in_features=3, num_classes=2, hidden=[5], lr=0.01, scale_lr_factor=0.25)
+    fresh = DVIClassifier(in_features=3, num_classes=2, hidden=[5], lr=0.01, scale_lr=0.0025)
     before = fresh.net.layers[0].weight_raw_scale.detach().clone()
     _fit(fresh, steps=1)
     step = (fresh.net.layers[0].weight_raw_scale.detach() - before).abs()

@@ -146,10 +146,11 @@ class DVIModule(LightningModule):
             the ELBO). :math:`\lambda < 1` trains a tempered posterior, which is no longer the
             ELBO's optimum but can be better calibrated on small data sets (measured in
             docs/calibration.md); validation and test still report the untempered ELBO.
-        scale_lr_factor: Adam's learning rate for the posterior scales' parameters over
-            ``lr`` (default 1: one rate; see
-            :class:`~lightning_dvi.lightning._config.OptimiserConfig`). The means, biases and any
-            likelihood parameters keep ``lr``.
+        scale_lr: Adam's learning rate for the posterior scales' parameters (``None``, the
+            default: ``lr``); the means and any likelihood parameters keep ``lr``. A raw scale
+            is the logarithm of a small standard deviation, so this rate is the relative pace
+            at which the standard deviations move (see
+            :class:`~lightning_dvi.lightning._config.OptimiserConfig`).
 
     Attributes:
         likelihood: the observation model.
@@ -195,7 +196,7 @@ class DVIModule(LightningModule):
         lbfgs_iterations: int = 20,
         lbfgs_history: int = 20,
         convergence_tol: float | None = None,
-        scale_lr_factor: float = 1.0,
+        scale_lr: float | None = None,
     ) -> None:
         super().__init__()
         self._compile = compile_options(compile)  # validated here; applied in _elbo
@@ -210,7 +211,7 @@ class DVIModule(LightningModule):
             optimizer,
             lbfgs_iterations,
             lbfgs_history,
-            scale_lr_factor,
+            scale_lr,
         )
         if optimizer == "lbfgs" and self.mode in _MC_MODES:
             raise ValueError(
@@ -717,9 +718,9 @@ class DVIModule(LightningModule):
         r"""Adam over the variational parameters (and any likelihood parameters) that train.
 
         Parameters with ``requires_grad=False`` (a frozen backbone) are left out. With
-        ``scale_lr_factor`` not 1 the posterior scales' parameters
+        ``scale_lr`` set (and not ``lr``) the posterior scales' parameters
         (:func:`~lightning_dvi.lightning._config.posterior_scale_parameters`) are a second
-        parameter group at ``lr * scale_lr_factor``.
+        parameter group at ``scale_lr``.
 
         With ``lr_schedule="cosine"`` the learning rate follows, per optimisation step
         :math:`t` of :math:`T` (``trainer.estimated_stepping_batches``),

@@ -40,13 +40,16 @@ class OptimiserConfig:
     r"""The optimiser: Adam with a learning-rate schedule, or L-BFGS with a line search.
 
     Adam (``optimizer="adam"``, the default) takes ``lr``, ``lr_schedule``, ``min_lr``,
-    ``weight_decay`` and ``scale_lr_factor``: the posterior scales' parameters (the raw
-    ``softplus`` arguments of the standard deviations, a full covariance's factor; see
-    :func:`posterior_scale_parameters`) train at :math:`\eta\cdot` ``scale_lr_factor``, the
-    means and everything else at :math:`\eta`. Adam moves every raw scale by about
-    :math:`\eta` per step whatever its gradient's size, so a standard deviation that the data
-    barely constrain grows as :math:`e^{\eta t}` until its gradient changes sign; the factor
-    sets that pace apart from the means' (docs/calibration.md measures it). L-BFGS (``optimizer="lbfgs"``, :class:`torch.optim.LBFGS` with the
+    ``weight_decay`` and ``scale_lr``: the posterior scales' parameters (the raw ``softplus``
+    arguments of the standard deviations, a full covariance's factor; see
+    :func:`posterior_scale_parameters`) train at :math:`\eta_s` = ``scale_lr``, the means and
+    everything else at :math:`\eta` = ``lr`` (``scale_lr=None``: one rate). Adam moves every
+    raw scale by about :math:`\eta_s` per step whatever its gradient's size, and for a small
+    standard deviation the raw scale is its logarithm (:math:`\operatorname{softplus}(r)\approx
+    e^r`), so a standard deviation that the data barely constrain grows as
+    :math:`e^{\eta_s t}` until its gradient changes sign: :math:`\eta_s` is a relative pace,
+    without the weights' units, which sets the posterior's noise level within a budget of
+    steps apart from the means' rate (docs/calibration.md measures it). L-BFGS (``optimizer="lbfgs"``, :class:`torch.optim.LBFGS` with the
     strong-Wolfe line search) is for a deterministic objective, DVI/dDVI on full batches (or
     large fixed ones): one optimisation step runs up to ``lbfgs_iterations`` quasi-Newton
     iterations, each step length chosen by the line search from a unit first trial, with the
@@ -63,8 +66,8 @@ class OptimiserConfig:
         optimizer: ``"adam"`` or ``"lbfgs"``.
         lbfgs_iterations: L-BFGS iterations per optimisation step (``>= 1``).
         lbfgs_history: curvature pairs L-BFGS keeps (``>= 1``).
-        scale_lr_factor: the posterior scales' learning rate over ``lr`` (``> 0``; 1: one rate
-            for every parameter).
+        scale_lr: the posterior scales' learning rate :math:`\eta_s > 0`; ``None``: ``lr``.
+            The cosine schedule multiplies both rates alike.
     """
 
     lr: float = 1e-3
@@ -74,7 +77,7 @@ class OptimiserConfig:
     optimizer: OptimizerName = "adam"
     lbfgs_iterations: int = 20
     lbfgs_history: int = 20
-    scale_lr_factor: float = 1.0
+    scale_lr: float | None = None
 
     def __post_init__(self) -> None:
         lr, min_lr = self.lr, self.min_lr
@@ -86,7 +89,8 @@ class OptimiserConfig:
         one_of("optimizer", self.optimizer, ("adam", "lbfgs"))
         self.lbfgs_iterations = positive_int("lbfgs_iterations", self.lbfgs_iterations)
         self.lbfgs_history = positive_int("lbfgs_history", self.lbfgs_history)
-        self.scale_lr_factor = positive_float("scale_lr_factor", self.scale_lr_factor)
+        if self.scale_lr is not None:
+            self.scale_lr = positive_float("scale_lr", self.scale_lr)
         if self.optimizer == "lbfgs":
             check(
                 self.lr_schedule == "constant" and self.weight_decay == 0.0,
@@ -95,10 +99,10 @@ class OptimiserConfig:
                 f"weight_decay={self.weight_decay}; use optimizer='adam' for those",
             )
             check(
-                self.scale_lr_factor == 1.0,
+                self.scale_lr is None,
                 "optimizer='lbfgs' takes no lr_schedule or weight_decay (its line search picks "
-                f"each step length), nor scale_lr_factor (got {self.scale_lr_factor}); use "
-                "optimizer='adam' for it",
+                f"each step length), nor scale_lr (got {self.scale_lr}); use optimizer='adam' "
+                "for it, or scale_lr=None",
             )
 
     def configure(
@@ -109,8 +113,8 @@ class OptimiserConfig:
     ) -> torch.optim.Optimizer | dict[str, Any]:
         """The optimiser over ``parameters``, with the cosine schedule of ``lr_schedule="cosine"``.
 
-        ``scale_parameters`` (a subset of ``parameters``) form a second Adam parameter group at
-        ``lr * scale_lr_factor`` when the factor is not 1 (:func:`param_groups`); the schedule
+        ``scale_parameters`` (those among ``parameters``) form a second Adam parameter group at
+        ``scale_lr`` when it is set and differs from ``lr`` (:func:`param_groups`); the schedule
         multiplies both rates alike.
 
         The schedule (:meth:`DVIModule.configure_optimizers
@@ -130,7 +134,7 @@ class OptimiserConfig:
                 tolerance_change=1e-9,
                 line_search_fn="strong_wolfe",
             )
-        groups = param_groups(parameters, scale_parameters, self.lr, self.scale_lr_factor)
+        groups = param_groups(parameters, scale_parameters, self.lr, self.scale_lr)
         optimiser = torch.optim.Adam(groups, lr=self.lr, weight_decay=self.weight_decay)
         if self.lr_schedule == "constant":
             return optimiser
@@ -155,27 +159,28 @@ def param_groups(
     parameters: Iterable[nn.Parameter],
     scale_parameters: Iterable[nn.Parameter],
     lr: float,
-    scale_lr_factor: float,
+    scale_lr: float | None,
 ) -> list[dict[str, Any]]:
-    """Optimiser parameter groups: ``parameters`` at ``lr``, the scale ones at ``lr * scale_lr_factor``.
+    """Optimiser parameter groups: ``parameters`` at ``lr``, the scale ones at ``scale_lr``.
 
-    One group when the factor is 1 or no scale parameter is among ``parameters`` (those not in
-    ``parameters``, e.g. frozen ones, are ignored); otherwise the other parameters first, then
-    the scales, each in the order given.
+    One group when ``scale_lr`` is ``None`` or ``lr``, or no scale parameter is among
+    ``parameters`` (those not in ``parameters``, e.g. frozen ones, are ignored); otherwise the
+    other parameters first, then the scales, each in the order given.
 
     Examples:
         >>> a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
-        >>> [(len(g["params"]), g["lr"]) for g in param_groups([a, b], [b], 0.1, 0.5)]
+        >>> [(len(g["params"]), g["lr"]) for g in param_groups([a, b], [b], 0.1, 0.05)]
         [(1, 0.1), (1, 0.05)]
     """
     params = list(parameters)
-    scale_ids = {id(p) for p in scale_parameters} if scale_lr_factor != 1.0 else set()
+    split = scale_lr is not None and scale_lr != lr
+    scale_ids = {id(p) for p in scale_parameters} if split else set()
     scales = [p for p in params if id(p) in scale_ids]
     if not scales:
         return [{"params": params, "lr": lr}]
     rest = [p for p in params if id(p) not in scale_ids]
     groups = [{"params": rest, "lr": lr}] if rest else []
-    return [*groups, {"params": scales, "lr": lr * scale_lr_factor}]
+    return [*groups, {"params": scales, "lr": scale_lr}]
 
 
 def posterior_scale_parameters(module: nn.Module) -> list[nn.Parameter]:
