@@ -33,7 +33,14 @@ from ..likelihoods import Likelihood
 from ..nn import BayesModule, HasPosterior, bayes_layers
 from ..nn.builders import Activation
 from ..objective import ELBOTerms, elbo
-from ._config import KLScheduleConfig, LRSchedule, OptimiserConfig, OptimizerName, make_prior
+from ._config import (
+    KLScheduleConfig,
+    LRSchedule,
+    OptimiserConfig,
+    OptimizerName,
+    make_prior,
+    posterior_scale_parameters,
+)
 from ._convergence import ObjectiveConvergence
 from ._data import DataView
 from ._modes import enter_train_mode
@@ -140,6 +147,11 @@ class DVIModule(LightningModule):
             the ELBO). :math:`\lambda < 1` trains a tempered posterior, which is no longer the
             ELBO's optimum but can be better calibrated on small data sets (measured in
             docs/calibration.md); validation and test still report the untempered ELBO.
+        scale_lr: Adam's learning rate for the posterior scales' parameters (``None``, the
+            default: ``lr``); the means and any likelihood parameters keep ``lr``. A raw scale
+            is the logarithm of a small standard deviation, so this rate is the relative pace
+            at which the standard deviations move (see
+            :class:`~lightning_dvi.lightning._config.OptimiserConfig`).
 
     Attributes:
         likelihood: the observation model.
@@ -186,6 +198,7 @@ class DVIModule(LightningModule):
         lbfgs_iterations: int = 20,
         lbfgs_history: int = 20,
         convergence_tol: float | None = None,
+        scale_lr: float | None = None,
     ) -> None:
         super().__init__()
         self._compile = compile_options(compile)  # validated here; applied in _elbo
@@ -193,7 +206,14 @@ class DVIModule(LightningModule):
         num_samples = self.num_samples  # the hyper-parameters record it resolved
         self.num_data = optional_positive_int("num_data (the training-set size N)", num_data)
         self.optimiser_config = OptimiserConfig(
-            lr, lr_schedule, min_lr, weight_decay, optimizer, lbfgs_iterations, lbfgs_history
+            lr,
+            lr_schedule,
+            min_lr,
+            weight_decay,
+            optimizer,
+            lbfgs_iterations,
+            lbfgs_history,
+            scale_lr,
         )
         if optimizer == "lbfgs" and self.mode in _MC_MODES:
             raise ValueError(
@@ -715,7 +735,10 @@ class DVIModule(LightningModule):
     def configure_optimizers(self) -> Any:
         r"""Adam over the variational parameters (and any likelihood parameters) that train.
 
-        Parameters with ``requires_grad=False`` (a frozen backbone) are left out.
+        Parameters with ``requires_grad=False`` (a frozen backbone) are left out. With
+        ``scale_lr`` set (and not ``lr``) the posterior scales' parameters
+        (:func:`~lightning_dvi.lightning._config.posterior_scale_parameters`) are a second
+        parameter group at ``scale_lr``.
 
         With ``lr_schedule="cosine"`` the learning rate follows, per optimisation step
         :math:`t` of :math:`T` (``trainer.estimated_stepping_batches``),
@@ -729,7 +752,9 @@ class DVIModule(LightningModule):
         # frozen parameters (a LastLayerNetwork's backbone) are not the optimiser's
         trainable = [p for p in self.parameters() if p.requires_grad]
         return self.optimiser_config.configure(
-            trainable, lambda: self._total_steps("lr_schedule='cosine'")
+            trainable,
+            lambda: self._total_steps("lr_schedule='cosine'"),
+            posterior_scale_parameters(self.net),
         )
 
     @property

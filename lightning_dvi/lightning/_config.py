@@ -11,16 +11,25 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 
+from ..nn import bayes_layers
 from ..objective import KLSchedule
 from ..priors import EmpiricalBayes, GaussianPrior, Prior
 from ._validation import check, fraction, one_of, positive_float, positive_int
 
-__all__ = ["KLScheduleConfig", "LRSchedule", "OptimiserConfig", "OptimizerName", "make_prior"]
+__all__ = [
+    "KLScheduleConfig",
+    "LRSchedule",
+    "OptimiserConfig",
+    "OptimizerName",
+    "make_prior",
+    "param_groups",
+    "posterior_scale_parameters",
+]
 
 LRSchedule = Literal["constant", "cosine"]
 OptimizerName = Literal["adam", "lbfgs"]
@@ -30,8 +39,17 @@ OptimizerName = Literal["adam", "lbfgs"]
 class OptimiserConfig:
     r"""The optimiser: Adam with a learning-rate schedule, or L-BFGS with a line search.
 
-    Adam (``optimizer="adam"``, the default) takes ``lr``, ``lr_schedule``, ``min_lr`` and
-    ``weight_decay``. L-BFGS (``optimizer="lbfgs"``, :class:`torch.optim.LBFGS` with the
+    Adam (``optimizer="adam"``, the default) takes ``lr``, ``lr_schedule``, ``min_lr``,
+    ``weight_decay`` and ``scale_lr``: the posterior scales' parameters (the raw ``softplus``
+    arguments of the standard deviations, a full covariance's factor; see
+    :func:`posterior_scale_parameters`) train at :math:`\eta_s` = ``scale_lr``, the means and
+    everything else at :math:`\eta` = ``lr`` (``scale_lr=None``: one rate). Adam moves every
+    raw scale by about :math:`\eta_s` per step whatever its gradient's size, and for a small
+    standard deviation the raw scale is its logarithm (:math:`\operatorname{softplus}(r)\approx
+    e^r`), so a standard deviation that the data barely constrain grows as
+    :math:`e^{\eta_s t}` until its gradient changes sign: :math:`\eta_s` is a relative pace,
+    without the weights' units, which sets the posterior's noise level within a budget of
+    steps apart from the means' rate (docs/calibration.md measures it). L-BFGS (``optimizer="lbfgs"``, :class:`torch.optim.LBFGS` with the
     strong-Wolfe line search) is for a deterministic objective, DVI/dDVI on full batches (or
     large fixed ones): one optimisation step runs up to ``lbfgs_iterations`` quasi-Newton
     iterations, each step length chosen by the line search from a unit first trial, with the
@@ -48,6 +66,8 @@ class OptimiserConfig:
         optimizer: ``"adam"`` or ``"lbfgs"``.
         lbfgs_iterations: L-BFGS iterations per optimisation step (``>= 1``).
         lbfgs_history: curvature pairs L-BFGS keeps (``>= 1``).
+        scale_lr: the posterior scales' learning rate :math:`\eta_s > 0`; ``None``: ``lr``.
+            The cosine schedule multiplies both rates alike.
     """
 
     lr: float = 1e-3
@@ -57,6 +77,7 @@ class OptimiserConfig:
     optimizer: OptimizerName = "adam"
     lbfgs_iterations: int = 20
     lbfgs_history: int = 20
+    scale_lr: float | None = None
 
     def __post_init__(self) -> None:
         lr, min_lr = self.lr, self.min_lr
@@ -68,6 +89,8 @@ class OptimiserConfig:
         one_of("optimizer", self.optimizer, ("adam", "lbfgs"))
         self.lbfgs_iterations = positive_int("lbfgs_iterations", self.lbfgs_iterations)
         self.lbfgs_history = positive_int("lbfgs_history", self.lbfgs_history)
+        if self.scale_lr is not None:
+            self.scale_lr = positive_float("scale_lr", self.scale_lr)
         if self.optimizer == "lbfgs":
             check(
                 self.lr_schedule == "constant" and self.weight_decay == 0.0,
@@ -75,11 +98,24 @@ class OptimiserConfig:
                 f"each step length), got lr_schedule={self.lr_schedule!r}, "
                 f"weight_decay={self.weight_decay}; use optimizer='adam' for those",
             )
+            check(
+                self.scale_lr is None,
+                "optimizer='lbfgs' takes no lr_schedule or weight_decay (its line search picks "
+                f"each step length), nor scale_lr (got {self.scale_lr}); use optimizer='adam' "
+                "for it, or scale_lr=None",
+            )
 
     def configure(
-        self, parameters: Iterable[nn.Parameter], total_steps: Callable[[], int]
+        self,
+        parameters: Iterable[nn.Parameter],
+        total_steps: Callable[[], int],
+        scale_parameters: Iterable[nn.Parameter] = (),
     ) -> torch.optim.Optimizer | dict[str, Any]:
         """The optimiser over ``parameters``, with the cosine schedule of ``lr_schedule="cosine"``.
+
+        ``scale_parameters`` (those among ``parameters``) form a second Adam parameter group at
+        ``scale_lr`` when it is set and differs from ``lr`` (:func:`param_groups`); the schedule
+        multiplies both rates alike.
 
         The schedule (:meth:`DVIModule.configure_optimizers
         <lightning_dvi.lightning._base.DVIModule.configure_optimizers>`) calls ``total_steps``
@@ -98,7 +134,8 @@ class OptimiserConfig:
                 tolerance_change=1e-9,
                 line_search_fn="strong_wolfe",
             )
-        optimiser = torch.optim.Adam(parameters, lr=self.lr, weight_decay=self.weight_decay)
+        groups = param_groups(parameters, scale_parameters, self.lr, self.scale_lr)
+        optimiser = torch.optim.Adam(groups, lr=self.lr, weight_decay=self.weight_decay)
         if self.lr_schedule == "constant":
             return optimiser
         floor = self.min_lr / self.lr
@@ -116,6 +153,52 @@ class OptimiserConfig:
 
         schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, factor)
         return {"optimizer": optimiser, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def param_groups(
+    parameters: Iterable[nn.Parameter],
+    scale_parameters: Iterable[nn.Parameter],
+    lr: float,
+    scale_lr: float | None,
+) -> list[dict[str, Any]]:
+    """Optimiser parameter groups: ``parameters`` at ``lr``, the scale ones at ``scale_lr``.
+
+    One group when ``scale_lr`` is ``None`` or ``lr``, or no scale parameter is among
+    ``parameters`` (those not in ``parameters``, e.g. frozen ones, are ignored); otherwise the
+    other parameters first, then the scales, each in the order given.
+
+    Examples:
+        >>> a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
+        >>> [(len(g["params"]), g["lr"]) for g in param_groups([a, b], [b], 0.1, 0.05)]
+        [(1, 0.1), (1, 0.05)]
+    """
+    params = list(parameters)
+    split = scale_lr is not None and scale_lr != lr
+    scale_ids = {id(p) for p in scale_parameters} if split else set()
+    scales = [p for p in params if id(p) in scale_ids]
+    if not scales:
+        return [{"params": params, "lr": lr}]
+    rest = [p for p in params if id(p) not in scale_ids]
+    groups = [{"params": rest, "lr": lr}] if rest else []
+    return [*groups, {"params": scales, "lr": scale_lr}]
+
+
+def posterior_scale_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``module``'s posterior scales: every parameter a layer with a posterior holds itself that is not one of its groups' means.
+
+    Found by the :class:`~lightning_dvi.nn.HasPosterior` protocol, not by name: a
+    ``BayesLinear``'s ``weight_raw_scale`` and ``bias_raw_scale``, a full-covariance layer's
+    Cholesky factor and diagonal, a user layer's own scale parameters. Each parameter once.
+    """
+    seen: set[int] = set()
+    out: list[nn.Parameter] = []
+    for layer in bayes_layers(module):
+        means = {id(group.loc) for group in layer.parameter_groups()}
+        for parameter in cast(nn.Module, layer).parameters(recurse=False):
+            if id(parameter) not in means and id(parameter) not in seen:
+                seen.add(id(parameter))
+                out.append(parameter)
+    return out
 
 
 @dataclass

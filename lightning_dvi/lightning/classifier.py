@@ -83,7 +83,7 @@ class DVIClassifier(DVIModule):
         lr: Adam's learning rate; default 3e-3 (the regressor's is 1e-3): at 1e-3 a
             classifier is still under-trained after 60 digits epochs (docs/calibration.md).
         **kwargs: the shared arguments of :class:`~lightning_dvi.lightning._base.DVIModule`
-            (``prior_variance``, ``lr``, the KL schedule, ``init_scale``, ``net``, ...; see
+            (``prior_variance``, the KL schedule, ``init_scale``, ``scale_lr``, ``net``, ...; see
             :class:`~lightning_dvi.DVIRegressor`).
 
     Examples:
