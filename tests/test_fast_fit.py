@@ -114,6 +114,39 @@ def test_val_metrics_selects_what_validation_logs(tmp_path):
             DVIRegressor(in_features=3, hidden=[4], num_data=10, val_metrics=bad)
 
 
+def test_val_metrics_without_elbo_skips_the_validation_elbo(tmp_path, monkeypatch):
+    """val_metrics=["nll"]: the validation computes no ELBO (nothing logs it); training and
+    testing still do, and the fit is the same to the last bit as with the ELBO computed."""
+    import lightning_dvi.lightning._base as base
+
+    calls = []
+    real = base.elbo
+
+    def counting(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(base, "elbo", counting)
+    fits = {}
+    for logs_elbo in (True, False):
+        calls.clear()
+        dm = _uci(tmp_path / str(logs_elbo), batch_size=30, val_fraction=0.2)
+        torch.manual_seed(0)
+        model = DVIRegressor(hidden=[8], optimizer="lbfgs", lbfgs_iterations=3, val_metrics=["nll"])
+        model.logs_val_elbo = logs_elbo  # True: the old path, an ELBO per validation batch
+        trainer = cpu_trainer(max_epochs=3, enable_checkpointing=False)
+        trainer.fit(model, datamodule=dm)
+        fits[logs_elbo] = (
+            [p.detach().clone() for p in model.parameters()],
+            float(trainer.callback_metrics["val/nll"]),
+            calls.count(False),  # evaluations without grad: the validation's
+        )
+    (p_old, nll_old, val_old), (p_new, nll_new, val_new) = fits[True], fits[False]
+    assert val_old >= 3 and val_new == 0  # (the sanity check validates too)
+    assert nll_new == nll_old
+    assert all(torch.equal(a, b) for a, b in zip(p_old, p_new, strict=True))
+
+
 def test_val_metrics_elbo_only_skips_the_predictive(tmp_path):
     dm = _uci(tmp_path, batch_size=30, val_fraction=0.2)
     model = DVIRegressor(hidden=[4], optimizer="lbfgs", lbfgs_iterations=2, val_metrics=["elbo"])

@@ -110,6 +110,38 @@ def test_parameter_groups_and_positive_scales():
     assert any(k.endswith("weight_prior_variance") for k in net.state_dict())
 
 
+def test_has_posterior_and_parameter_groups_fast_paths_equal_the_protocol_walk():
+    """has_posterior's direct attribute check answers as isinstance(m, HasPosterior) does;
+    parameter_groups (no names) returns named_parameter_groups' groups in the same order."""
+    from lightning_dvi.nn import HasPosterior, has_posterior, named_parameter_groups
+
+    class WithGroups(torch.nn.Module):
+        def parameter_groups(self):
+            return []
+
+    class Disabled(torch.nn.Module):
+        parameter_groups = None
+
+    class NotAModule:
+        def parameter_groups(self):
+            return []
+
+    per_instance = torch.nn.Module()
+    per_instance.parameter_groups = lambda: []
+    net = mlp(3, [5, 4], 2, residual=True)
+    candidates = [*net.modules(), torch.nn.Linear(2, 2), WithGroups(), Disabled(), NotAModule()]
+    for m in [*candidates, per_instance, object()]:
+        protocol = isinstance(m, torch.nn.Module) and isinstance(m, HasPosterior)
+        assert has_posterior(m) == protocol, type(m).__name__
+    assert sum(has_posterior(m) for m in net.modules()) == 3
+    named = named_parameter_groups(net)
+    fast = parameter_groups(net)
+    assert [g.name for g in fast] == [g.name for _, g in named]
+    assert all(
+        a.loc is b.loc and a.module is b.module for a, (_, b) in zip(fast, named, strict=True)
+    )
+
+
 def test_gradients_flow_in_every_mode():
     net = mlp(2, [6, 6], 2, residual=True)
     x = torch.randn(3, 2)

@@ -698,9 +698,11 @@ class DVIModule(LightningModule):
         self.converged = self.convergence.converged = stop
 
     def _eval_step(self, batch: tuple[Tensor, Tensor], stage: str) -> None:
-        terms = self._elbo(batch, 1.0, stage)
+        # The ELBO is computed only to be logged: a validation that logs none of it
+        # (DVIRegressor(val_metrics=[...]) without "elbo", e.g. early stopping on val/nll after
+        # every L-BFGS step) skips a network pass, the KL and a host read per validation.
         if stage != "val" or self.logs_val_elbo:
-            self._log_terms(terms, stage, batch[0].shape[0])
+            self._log_terms(self._elbo(batch, 1.0, stage), stage, batch[0].shape[0])
         self._update_metrics(getattr(self, f"{stage}_metrics"), *batch)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:

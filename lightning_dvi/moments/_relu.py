@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
@@ -109,16 +108,17 @@ class _ReluDiag(torch.autograd.Function):
         # E[h]/sd = relu(mu) + phi u for either sign of mu; Var[h]/var = phi w - (phi u)^2 for
         # mu < 0 and 1 - phi w - phi u (2 a + phi u) for mu >= 0 (no cancellation on that side).
         # threshold: clamp at 0 and flush the tails below the cutoff to exact zeros in one op
+        # (torch.threshold_ directly: the same kernel without F.threshold's Python wrapper)
         cut = tail_cutoff(mean.dtype)
-        out_mean = F.threshold((relu + pu).mul_(sd), cut, 0.0, inplace=True)
+        out_mean = torch.threshold_((relu + pu).mul_(sd), cut, 0.0)
         pw = pdf * w
         pos = (mu * big(mu.dtype)).clamp_(0, 1)  # 1 for mu > 0, 0 for mu <= 0
         # (phi u)^2 only matters where it is above ~eps * phi w: below, it would be subnormal
-        pu_sq = F.threshold(pu, 1e-18 if mean.dtype == torch.float32 else 1e-150, 0.0)
+        pu_sq = torch.threshold(pu, 1e-18 if mean.dtype == torch.float32 else 1e-150, 0.0)
         out_var = torch.lerp(pw, 1 - pw, pos).sub_(pu_sq * torch.add(pu, relu, alpha=2))
-        out_var = F.threshold(out_var.mul_(var_c), cut, 0.0, inplace=True)
-        cdf = F.threshold(torch.lerp(half, 1 - half, pos), cut, 0.0, inplace=True)
-        ctx.save_for_backward(cdf, F.threshold(pdf.div_(sd), cut, 0.0, inplace=True), out_mean, var)
+        out_var = torch.threshold_(out_var.mul_(var_c), cut, 0.0)
+        cdf = torch.threshold_(torch.lerp(half, 1 - half, pos), cut, 0.0)
+        ctx.save_for_backward(cdf, torch.threshold_(pdf.div_(sd), cut, 0.0), out_mean, var)
         return out_mean, out_var
 
     @staticmethod

@@ -93,8 +93,14 @@ class HasPosterior(Protocol):
 
 
 def has_posterior(module: object) -> bool:
-    """Whether ``module`` holds a weight posterior (implements :class:`HasPosterior`)."""
-    return isinstance(module, nn.Module) and isinstance(module, HasPosterior)
+    """Whether ``module`` holds a weight posterior (implements :class:`HasPosterior`).
+
+    The protocol's one member checked directly: ``isinstance(module, HasPosterior)`` on a
+    ``runtime_checkable`` protocol walks the protocol's attributes through :mod:`typing` on
+    every call (tens of microseconds per network walk, twice per ELBO evaluation), for the same
+    answer (a ``parameter_groups`` attribute that is not ``None``).
+    """
+    return isinstance(module, nn.Module) and getattr(module, "parameter_groups", None) is not None
 
 
 GroupMoments = Mapping[str, tuple[Tensor, Tensor | None]]
