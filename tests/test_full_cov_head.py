@@ -170,6 +170,10 @@ def test_bad_arguments_are_refused():
         BayesLinearFullCov(2, 2, scale_transform="relu")
     with pytest.raises(ValueError, match="features must be positive"):
         BayesLinearFullCov(0, 2)
+    with pytest.raises(ValueError, match="prior_variance must be finite and positive"):
+        BayesLinearFullCov(2, 2, prior_variance=0.0)
+    with pytest.raises(ValueError, match="init_scale must be finite and positive"):
+        BayesLinearFullCov(2, 2, init_scale=-1.0)
     layer = BayesLinearFullCov(2, 3)
     with pytest.raises(ValueError, match="last dimension 2"):
         layer(torch.randn(4, 5))

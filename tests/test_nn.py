@@ -196,6 +196,13 @@ def test_bad_construction():
         BayesLinear(2, 2, init_scale=-1.0)
     with pytest.raises(ValueError, match="scale_transform"):
         BayesLinear(2, 2, scale_transform="square")
+    # the same checks as BayesLinearFullCov (posterior_init_settings): finite and positive
+    with pytest.raises(ValueError, match="init_loc_std must be finite and positive"):
+        BayesLinear(2, 2, init_loc_std=float("nan"))
+    with pytest.raises(ValueError, match="init_bias_scale must be finite and positive"):
+        BayesLinear(2, 2, init_bias_scale=float("inf"))
+    with pytest.raises(ValueError, match="prior_variance must be finite and positive"):
+        BayesLinear(2, 2, prior_variance=float("nan"))
 
 
 def test_full_mode_keeps_exactly_diagonal_stages_cheap_but_equal():

@@ -12,19 +12,29 @@ few thousand.
 
 from __future__ import annotations
 
-import math
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import moments as M
 from ..gaussian import Gaussian, Mode
 from ..moments import full_cov_linear as FC
 from .base import BayesModule, Moments
-from .linear import BayesLinear, ScaleTransform, _affine_values, check_linear_input
-from .posterior import ParameterGroup, cached_scale, substituted
+from .linear import (
+    BayesLinear,
+    ScaleTransform,
+    _affine_values,
+    check_linear_input,
+    posterior_init_settings,
+)
+from .posterior import (
+    ParameterGroup,
+    _raw_from_scale,
+    _scale_from_raw,
+    cached_scale,
+    substituted,
+)
 from .registry import register_layer
 
 __all__ = ["BayesLinearFullCov"]
@@ -68,6 +78,11 @@ class BayesLinearFullCov(BayesModule):
         ((5, 2, 2), True)
     """
 
+    scale_transform: str
+    init_loc_std: float
+    init_scale: float
+    init_bias_scale: float
+
     def __init__(
         self,
         in_features: int,
@@ -82,19 +97,11 @@ class BayesLinearFullCov(BayesModule):
         super().__init__()
         if in_features < 1 or out_features < 1:
             raise ValueError(f"features must be positive, got ({in_features}, {out_features})")
-        if scale_transform not in ("softplus", "exp"):
-            raise ValueError(
-                f"scale_transform must be 'softplus' or 'exp', got {scale_transform!r}"
-            )
         self.in_features, self.out_features = in_features, out_features
+        self.init_loc_std, self.init_scale, self.init_bias_scale = posterior_init_settings(
+            in_features, init_loc_std, init_scale, init_bias_scale, prior_variance, scale_transform
+        )
         self.scale_transform = scale_transform
-        self.init_loc_std = math.sqrt(2.0 / in_features) if init_loc_std is None else init_loc_std
-        self.init_scale = 0.1 / math.sqrt(in_features) if init_scale is None else init_scale
-        self.init_bias_scale = self.init_scale / 10 if init_bias_scale is None else init_bias_scale
-        for name in ("init_loc_std", "init_scale", "init_bias_scale"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
         size = out_features * (in_features + 1)
         self.weight_loc = nn.Parameter(torch.empty(out_features, in_features))
         self.bias_loc = nn.Parameter(torch.empty(out_features))
@@ -108,12 +115,10 @@ class BayesLinearFullCov(BayesModule):
 
     # ------------------------------------------------------------------ parameters
     def _positive(self, raw: Tensor) -> Tensor:
-        return F.softplus(raw) if self.scale_transform == "softplus" else raw.exp()
+        return _scale_from_raw(raw, self.scale_transform)
 
     def _raw(self, scale: Tensor) -> Tensor:
-        if self.scale_transform == "exp":
-            return scale.log()
-        return scale + torch.log(-torch.expm1(-scale))  # softplus^{-1}; -inf at 0
+        return _raw_from_scale(scale, self.scale_transform)
 
     def reset_parameters(self) -> None:
         """Re-draw the means; a diagonal :math:`L` at the initial scales."""

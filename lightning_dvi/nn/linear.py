@@ -6,7 +6,6 @@ import math
 from typing import Literal, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import moments as M
@@ -15,6 +14,7 @@ from .base import BayesModule, Moments
 from .posterior import (
     ParameterGroup,
     WeightMoments,
+    _scale_from_raw,
     cached_scale,
     given_weights,
     posterior_moments,
@@ -91,7 +91,7 @@ class FactorisedLayer(BayesModule):
         return _inverse_softplus(scale) if self.scale_transform == "softplus" else math.log(scale)
 
     def _positive(self, raw: Tensor) -> Tensor:
-        return F.softplus(raw) if self.scale_transform == "softplus" else raw.exp()
+        return _scale_from_raw(raw, self.scale_transform)
 
     def reset_parameters(self) -> None:
         """Re-draw the means and reset the scales to their initial values."""
@@ -135,6 +135,40 @@ class FactorisedLayer(BayesModule):
         return w_loc, w_var, b_loc, b_var
 
 
+def posterior_init_settings(
+    fan_in: int,
+    init_loc_std: float | None,
+    init_scale: float | None,
+    init_bias_scale: float | None,
+    prior_variance: float,
+    scale_transform: str,
+) -> tuple[float, float, float]:
+    r"""Validate a weight layer's posterior arguments; its ``(init_loc_std, init_scale, init_bias_scale)``.
+
+    Shared by every Gaussian weight layer (:func:`init_factorised_posterior`,
+    :class:`~lightning_dvi.nn.BayesLinearFullCov`): ``init_loc_std`` defaults to
+    :math:`\sqrt{2/\mathrm{fan_{in}}}` (He), ``init_scale`` to
+    :math:`0.1/\sqrt{\mathrm{fan_{in}}}` and ``init_bias_scale`` to a tenth of
+    ``init_scale``. Each of the three and ``prior_variance`` must be finite and
+    positive, and ``scale_transform`` one of ``"softplus"``, ``"exp"``.
+    """
+    if scale_transform not in ("softplus", "exp"):
+        raise ValueError(f"scale_transform must be 'softplus' or 'exp', got {scale_transform!r}")
+    if not (math.isfinite(prior_variance) and prior_variance > 0):
+        raise ValueError(f"prior_variance must be finite and positive, got {prior_variance}")
+    loc_std = math.sqrt(2.0 / fan_in) if init_loc_std is None else init_loc_std
+    scale = 0.1 * math.sqrt(1.0 / fan_in) if init_scale is None else init_scale
+    bias_scale = scale / 10 if init_bias_scale is None else init_bias_scale
+    for name, value in (
+        ("init_loc_std", loc_std),
+        ("init_scale", scale),
+        ("init_bias_scale", bias_scale),
+    ):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be finite and positive, got {value!r}")
+    return loc_std, scale, bias_scale
+
+
 def init_factorised_posterior(
     layer: FactorisedLayer,
     weight_shape: tuple[int, ...],
@@ -155,17 +189,10 @@ def init_factorised_posterior(
     scales :math:`0.1/\sqrt{\mathrm{fan_{in}}}`, bias scales a tenth of that). The caller then
     calls ``reset_parameters()``.
     """
-    if scale_transform not in ("softplus", "exp"):
-        raise ValueError(f"scale_transform must be 'softplus' or 'exp', got {scale_transform!r}")
-    if prior_variance <= 0:
-        raise ValueError(f"prior_variance must be positive, got {prior_variance}")
+    layer.init_loc_std, layer.init_scale, layer.init_bias_scale = posterior_init_settings(
+        fan_in, init_loc_std, init_scale, init_bias_scale, prior_variance, scale_transform
+    )
     layer.scale_transform = scale_transform
-    layer.init_loc_std = math.sqrt(2.0 / fan_in) if init_loc_std is None else init_loc_std
-    layer.init_scale = 0.1 * math.sqrt(1.0 / fan_in) if init_scale is None else init_scale
-    layer.init_bias_scale = layer.init_scale / 10 if init_bias_scale is None else init_bias_scale
-    for name in ("init_scale", "init_bias_scale"):
-        if getattr(layer, name) <= 0:
-            raise ValueError(f"{name} must be positive, got {getattr(layer, name)}")
     layer.weight_loc = nn.Parameter(torch.empty(weight_shape))
     layer.weight_raw_scale = nn.Parameter(torch.empty(weight_shape))
     layer.register_buffer("weight_prior_variance", torch.tensor(float(prior_variance)))

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Protocol, cast, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
@@ -240,6 +241,11 @@ def posterior_moments(layer: HasPosterior) -> GroupMoments:
     if given is not None:
         return given
     return {g.name: (g.loc, g.scale * g.scale) for g in layer.parameter_groups()}
+
+
+def _scale_from_raw(raw: Tensor, transform: str) -> Tensor:
+    """A layer's positive transform of its unconstrained scale parameter (``softplus``/``exp``)."""
+    return F.softplus(raw) if transform == "softplus" else raw.exp()
 
 
 def _raw_from_scale(scale: Tensor, transform: str) -> Tensor:
