@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dvi import DVIClassifier, DVIRegressor
 from lightning_dvi.lightning._convergence import ObjectiveConvergence
+from lightning_dvi.optim import LBFGS
 
 
 @pytest.fixture(autouse=True)
@@ -199,7 +200,7 @@ def test_an_lbfgs_step_that_never_moves_is_reported_after_a_restart(monkeypatch)
         with torch.enable_grad():
             return closure()
 
-    monkeypatch.setattr(torch.optim.LBFGS, "step", stalled_step)
+    monkeypatch.setattr(LBFGS, "step", stalled_step)
     x, y = _diabetes()
     model = DVIRegressor(hidden=[8], optimizer="lbfgs", lbfgs_iterations=3)
     with pytest.warns(UserWarning, match="L-BFGS step 2 did not move the parameters") as record:
@@ -213,7 +214,8 @@ class _StiffStart(DVIRegressor):
     The float32 stall of UCI protein split 2 in two parameters: L-BFGS's first step moves
     along the stiff coordinate and stores one pair of curvature 1e8, which scales every later
     direction by 1e-8; the line search's trials then change the float32 loss by less than its
-    rounding, and ``torch.optim.LBFGS`` alone leaves ``b`` at 1 for ever (checked below).
+    rounding, and the optimiser alone (``torch.optim.LBFGS`` as well) leaves ``b`` at 1 for ever
+    (checked below).
     """
 
     def __init__(self) -> None:
@@ -225,8 +227,8 @@ class _StiffStart(DVIRegressor):
         return 0.5 * (1e8 * a.square() + b.square())
 
 
-def test_torch_lbfgs_alone_stalls_on_the_stiff_start():
-    """The reproduction is real: plain torch L-BFGS (same settings) never moves ``b``."""
+def test_the_optimiser_alone_stalls_on_the_stiff_start():
+    """The reproduction is real: the L-BFGS optimiser alone (same settings) never moves ``b``."""
     model = _StiffStart()
     optimiser = model.configure_optimizers()
     for _ in range(6):

@@ -577,7 +577,8 @@ class DVIModule(LightningModule):
         without its curvature memory instead (:meth:`_restart_stalled`).
 
         An overflowing trial point can make the line search's cubic interpolation return a NaN
-        step length (torch's ``_strong_wolfe`` mixes float32 gradients into it). The step is then
+        step length (torch's ``_strong_wolfe`` mixed float32 gradients into it; the line search of
+        :class:`lightning_dvi.optim.LBFGS` treats an infinite value as a failed trial). The step is then
         undone and the curvature memory cleared, so the next step starts along the steepest
         descent direction with a short first trial; a second failure in a row is an error.
         """

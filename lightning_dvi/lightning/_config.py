@@ -18,6 +18,7 @@ from torch import nn
 
 from ..nn import bayes_layers
 from ..objective import KLSchedule
+from ..optim import LBFGS
 from ..priors import EmpiricalBayes, GaussianPrior, Prior
 from ._validation import check, fraction, one_of, positive_float, positive_int
 
@@ -49,8 +50,9 @@ class OptimiserConfig:
     e^r`), so a standard deviation that the data barely constrain grows as
     :math:`e^{\eta_s t}` until its gradient changes sign: :math:`\eta_s` is a relative pace,
     without the weights' units, which sets the posterior's noise level within a budget of
-    steps apart from the means' rate (docs/calibration.md measures it). L-BFGS (``optimizer="lbfgs"``, :class:`torch.optim.LBFGS` with the
-    strong-Wolfe line search) is for a deterministic objective, DVI/dDVI on full batches (or
+    steps apart from the means' rate (docs/calibration.md measures it). L-BFGS (``optimizer="lbfgs"``, :class:`lightning_dvi.optim.LBFGS`:
+    :class:`torch.optim.LBFGS`'s method with the strong-Wolfe line search, at a per-iteration cost
+    independent of the history) is for a deterministic objective, DVI/dDVI on full batches (or
     large fixed ones): one optimisation step runs up to ``lbfgs_iterations`` quasi-Newton
     iterations, each step length chosen by the line search from a unit first trial, with the
     curvature of the last ``lbfgs_history`` steps; a step ends early once the largest gradient
@@ -123,7 +125,7 @@ class OptimiserConfig:
         checkpoint is restored would lose a resumed loader's position.
         """
         if self.optimizer == "lbfgs":
-            return torch.optim.LBFGS(
+            return LBFGS(
                 parameters,
                 lr=1.0,
                 max_iter=self.lbfgs_iterations,
@@ -132,7 +134,6 @@ class OptimiserConfig:
                 history_size=self.lbfgs_history,
                 tolerance_grad=1e-7,
                 tolerance_change=1e-9,
-                line_search_fn="strong_wolfe",
             )
         groups = param_groups(parameters, scale_parameters, self.lr, self.scale_lr)
         optimiser = torch.optim.Adam(groups, lr=self.lr, weight_decay=self.weight_decay)
