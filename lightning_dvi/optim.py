@@ -288,7 +288,7 @@ class LBFGS(torch.optim.Optimizer):
         state["k"] = k + 1
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor]) -> Tensor:  # type: ignore[override]
+    def step(self, closure: Callable[[], Tensor]) -> Tensor:  # type: ignore[override]  # the closure is required
         """Up to ``max_iter`` L-BFGS iterations.
 
         Args:

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "max-steps-budget" if field.name == "max_steps" else field.name.replace("_", "-")
         kind = (
             str
-            if field.name in ("optimizer", "precision")
+            if field.name in ("optimizer", "precision", "target_resolution")
             else type(getattr(PRESETS["lbfgs"], field.name))
         )
         p.add_argument(f"--{flag}", type=kind, default=None, dest=f"set_{field.name}",

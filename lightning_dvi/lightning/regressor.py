@@ -17,7 +17,7 @@ from ._base import DVIModule, PredictiveMethod, resolve_method
 from ._data import DataView, target_statistics
 from ._validation import one_of
 
-__all__ = ["DVIRegressor", "VarianceSplit"]
+__all__ = ["DVIRegressor", "VarianceSplit", "target_grid_step"]
 
 
 class VarianceSplit(Metric):
@@ -64,6 +64,53 @@ def _regression_likelihood(likelihood: str, init_log_noise: float) -> Regression
 
 
 _VAL_EXTRAS = ("elbo", "variance_split")  # val_metrics names beyond RegressionMetrics' members
+
+
+def target_grid_step(y: Tensor) -> float:
+    r"""The largest decimal step :math:`\Delta = 10^k \le` the targets' range that every target is a multiple of.
+
+    "Recorded with so many decimals": integer scores give 1, prices in cents 0.01. A target
+    counts as a multiple when it is within :math:`10^{-3}\Delta` of one, so values that went
+    through float32 still count; :math:`-6 \le k \le 6`. Fewer than two distinct targets, or none of the steps, give 0
+    (continuous).
+
+    Examples:
+        >>> target_grid_step(torch.tensor([3.0, 5.0, 6.0]))
+        1.0
+        >>> target_grid_step(torch.tensor([21.6, 34.7, 50.0]))
+        0.1
+        >>> target_grid_step(torch.tensor([0.1234567, 0.5]))
+        0.0
+    """
+    y = y.detach().reshape(-1).to(torch.float64)
+    if y.numel() < 2 or not bool(torch.isfinite(y).all()):
+        return 0.0
+    spread = float(y.max() - y.min())
+    if spread == 0:
+        return 0.0
+    # a step above the spread would count every target as a multiple of it (all near 0)
+    largest = min(6, math.floor(math.log10(spread) + 1e-9))
+    for k in range(largest, -7, -1):
+        step = 10.0**k
+        ratio = y / step
+        if float((ratio - ratio.round()).abs().max()) <= 1e-3:
+            return step
+    return 0.0
+
+
+def _checked_target_resolution(value: float | str | None) -> float | str | None:
+    if value is None or value == "auto":
+        return value
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value >= 0)
+    ):
+        raise ValueError(
+            f"target_resolution must be None, 'auto' or a finite number >= 0 (the targets' grid "
+            f"step in their original units), got {value!r}"
+        )
+    return float(value)
 
 
 def _checked_target_statistics(loc: float | None, scale: float | None) -> tuple[float, float]:
@@ -132,6 +179,15 @@ class DVIRegressor(DVIModule):
         target_scale: :math:`s`, the standard deviation of the training targets.
         standardize_targets: ``True`` (default): batches hold raw ``y`` and the module
             standardises it; ``False``: batches hold already-standardised ``y``.
+        target_resolution: the grid step :math:`\Delta` the targets are recorded on, in their
+            original units (1 for integer scores, 0.01 for two decimals): the training objective
+            then reads each target as :math:`y + u`, :math:`u\sim\mathcal U(-\Delta/2,
+            \Delta/2)`, which adds :math:`(\Delta/s)^2/12` to :math:`\Sigma_{mm}` in the
+            expected log-likelihood (:func:`~lightning_dvi.likelihoods.gaussian.dequantisation_variance`)
+            and keeps the fitted noise from collapsing where many targets are equal. ``"auto"``
+            reads the largest decimal step of the training targets in ``setup()``
+            (:func:`target_grid_step`; 0 for continuous targets); ``None`` (default) or 0: none.
+            Gaussian likelihoods only. The predictive and every metric are unchanged.
         val_metrics: what a validation epoch computes and logs: any of ``"nll"``,
             ``"rmse"``, ``"crps"``, ``"coverage"``, ``"calibration"``, ``"sharpness"``
             (:class:`~lightning_dvi.metrics.RegressionMetrics` members), ``"elbo"``
@@ -173,9 +229,16 @@ class DVIRegressor(DVIModule):
         target_scale: float | None = None,
         standardize_targets: bool = True,
         val_metrics: list[str] | None = None,
+        target_resolution: float | Literal["auto"] | None = None,
         **kwargs: Any,
     ) -> None:
         lik = _regression_likelihood(likelihood, init_log_noise)
+        resolution = _checked_target_resolution(target_resolution)
+        if resolution is not None and isinstance(lik, Poisson):
+            raise ValueError(
+                "DVIRegressor: target_resolution is for the Gaussian likelihoods; "
+                "likelihood='poisson' models the counts' grid itself"
+            )
         val_names = regression_metric_selection("val_metrics", val_metrics, _VAL_EXTRAS)
         if not isinstance(standardize_targets, bool):
             raise ValueError(f"standardize_targets must be a bool, got {standardize_targets!r}")
@@ -197,6 +260,8 @@ class DVIRegressor(DVIModule):
         # the map back to the original units keeps their precision (1e8 + 0.5 is not a float32).
         self.register_buffer("target_loc", torch.tensor(loc, dtype=torch.float64))
         self.register_buffer("target_scale", torch.tensor(scale, dtype=torch.float64))
+        self.target_resolution = resolution
+        self._sync_target_resolution()
         members = [name for name in val_names if name not in _VAL_EXTRAS]
         self.val_metrics = (
             RegressionMetrics(prefix="val/", include=members)
@@ -250,12 +315,33 @@ class DVIRegressor(DVIModule):
                     f"targets of shape {tuple(targets.shape)}"
                 )
             from_data = target_statistics(targets)
-        if from_data is None:
+        if from_data is not None:
+            loc, scale = _checked_target_statistics(*from_data)
+            self.hparams["target_loc"], self.hparams["target_scale"] = loc, scale
+            self.target_loc.fill_(loc)
+            self.target_scale.fill_(scale)
+        if self.target_resolution == "auto" and view.stage == "fit":
+            targets = view.targets()
+            if targets is None:
+                raise ValueError(
+                    "DVIRegressor(target_resolution='auto'): the training batches hold no "
+                    "targets y to read the grid from; pass the step, e.g. target_resolution=1.0"
+                )
+            y = targets.to(torch.float64)
+            if not self.standardize_targets:  # the batches hold standardised targets
+                y = y * self.target_scale + self.target_loc
+            self.target_resolution = target_grid_step(y)
+            self.hparams["target_resolution"] = self.target_resolution
+        self._sync_target_resolution()
+
+    def _sync_target_resolution(self) -> None:
+        r"""Give the likelihood the grid step in the units it sees, :math:`\Delta / s`."""
+        if isinstance(self.likelihood, Poisson):
             return
-        loc, scale = _checked_target_statistics(*from_data)
-        self.hparams["target_loc"], self.hparams["target_scale"] = loc, scale
-        self.target_loc.fill_(loc)
-        self.target_scale.fill_(scale)
+        step = self.target_resolution
+        self.likelihood.resolution = (
+            step / float(self.target_scale) if isinstance(step, float) else 0.0
+        )
 
     def _network_dtype(self) -> torch.dtype:
         parameter = next(self.net.parameters(), None)
