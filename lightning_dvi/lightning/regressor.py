@@ -67,12 +67,13 @@ _VAL_EXTRAS = ("elbo", "variance_split")  # val_metrics names beyond RegressionM
 
 
 def target_grid_step(y: Tensor) -> float:
-    r"""The largest decimal step :math:`\Delta = 10^k \le` the targets' range that every target is a multiple of.
+    r"""The largest decimal step :math:`\Delta = 10^k` that every target is a multiple of.
 
     "Recorded with so many decimals": integer scores give 1, prices in cents 0.01. A target
     counts as a multiple when it is within :math:`10^{-3}\Delta` of one, so values that went
-    through float32 still count; :math:`-6 \le k \le 6`. Fewer than two distinct targets, or none of the steps, give 0
-    (continuous).
+    through float32 still count. :math:`-6 \le k \le 6`, and :math:`\Delta` is at most the
+    targets' range (every target is near a multiple of a much larger step: 0). Fewer than two
+    distinct targets, or none of the steps, give 0 (continuous).
 
     Examples:
         >>> target_grid_step(torch.tensor([3.0, 5.0, 6.0]))
