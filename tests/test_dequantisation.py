@@ -185,3 +185,17 @@ def test_a_given_step_is_divided_by_the_target_scale():
         in_features=1, hidden=[4], likelihood="homoscedastic", target_resolution=0.5
     )
     assert homo.likelihood.resolution == pytest.approx(0.5)
+
+
+def test_coarse_in_memory_targets_warn_and_name_the_option():
+    x, y = _integer_data(60)  # integer scores, standard deviation about 2.5
+    with pytest.warns(UserWarning, match="target_resolution='auto'"):
+        _fit(None, x, y, steps=1)
+
+
+@pytest.mark.parametrize("resolution", ["auto", 0.0])
+def test_no_warning_once_the_resolution_is_chosen_or_for_fine_targets(resolution, recwarn):
+    x, y = _integer_data(60)
+    _fit(resolution, x, y, steps=1)
+    _fit(None, x, y * 0.013 + torch.linspace(0, 1e-3, 60), steps=1)  # continuous
+    assert not [w for w in recwarn if "lie on a grid" in str(w.message)]

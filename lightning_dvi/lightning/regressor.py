@@ -8,6 +8,7 @@ from typing import Any, Literal, cast
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.utils.data import TensorDataset
 from torchmetrics import Metric, MetricCollection
 
 from ..likelihoods import HeteroscedasticGaussian, HomoscedasticGaussian, Poisson
@@ -187,7 +188,9 @@ class DVIRegressor(DVIModule):
             expected log-likelihood (:func:`~lightning_dvi.likelihoods.gaussian.dequantisation_variance`)
             and keeps the fitted noise from collapsing where many targets are equal. ``"auto"``
             reads the largest decimal step of the training targets in ``setup()``
-            (:func:`target_grid_step`; 0 for continuous targets); ``None`` (default) or 0: none.
+            (:func:`target_grid_step`; 0 for continuous targets); ``None`` (default) or 0: none
+            (``None`` warns at ``fit`` when in-memory targets lie on a grid of at least a tenth
+            of their standard deviation).
             Gaussian likelihoods only. The predictive and every metric are unchanged.
         val_metrics: what a validation epoch computes and logs: any of ``"nll"``,
             ``"rmse"``, ``"crps"``, ``"coverage"``, ``"calibration"``, ``"sharpness"``
@@ -333,7 +336,34 @@ class DVIRegressor(DVIModule):
                 y = y * self.target_scale + self.target_loc
             self.target_resolution = target_grid_step(y)
             self.hparams["target_resolution"] = self.target_resolution
+        elif self.target_resolution is None and view.stage == "fit":
+            self._warn_if_coarse_targets(view)
         self._sync_target_resolution()
+
+    def _warn_if_coarse_targets(self, view: DataView) -> None:
+        """Warn when in-memory training targets sit on a grid coarse against their spread.
+
+        Only for a tensor dataset (no pass over a loader) and a Gaussian likelihood: a grid step
+        of at least a tenth of the targets' standard deviation is where the noise can collapse
+        on equal targets (UCI wine: 1 against 0.8).
+        """
+        dataset = view.dataset()
+        if isinstance(self.likelihood, Poisson) or not isinstance(dataset, TensorDataset):
+            return
+        if len(dataset.tensors) < 2:
+            return
+        y = dataset.tensors[1].to(torch.float64)
+        if not self.standardize_targets:
+            y = y * self.target_scale + self.target_loc
+        step = target_grid_step(y)
+        if step >= 0.1 * float(self.target_scale):
+            rank_zero_warn(
+                f"DVIRegressor: the training targets lie on a grid of step {step:g}, "
+                f"{step / float(self.target_scale):.2g} of their standard deviation; where many "
+                "are equal the fitted noise can collapse towards zero and a test target one step "
+                "away scores very badly. Pass target_resolution='auto' to train on dequantised "
+                "targets (or target_resolution=0 to keep them as they are and silence this)"
+            )
 
     def _sync_target_resolution(self) -> None:
         r"""Give the likelihood the grid step in the units it sees, :math:`\Delta / s`."""
