@@ -7,13 +7,21 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_dvi.benchmarks import baselines, classification
-from lightning_dvi.benchmarks.classification import Row, markdown_table, run_row, summarise
+from lightning_dvi.benchmarks.baselines import Fitted
+from lightning_dvi.benchmarks.classification import (
+    Row,
+    markdown_table,
+    run_row,
+    run_row_pooled,
+    summarise,
+)
 from lightning_dvi.benchmarks.data import (
     Budget,
     ClassificationSplit,
+    digits_folds,
     digits_split,
     plain_cnn,
     plain_mlp,
@@ -50,6 +58,72 @@ def test_digits_split_sizes_strata_and_preprocessing() -> None:
     assert abs(float(images.x_train.mean())) < 1e-5
     with pytest.raises(ValueError, match="inputs"):
         digits_split("raw")  # type: ignore[arg-type]
+
+
+def test_digits_folds_partition_every_digit_once() -> None:
+    folds = digits_folds("standardized", folds=5)
+    assert len(folds) == 5
+    # the test sets partition the 1797 digits: every (input, label) row is tested exactly once
+    raw = digits_folds("scaled", folds=5)
+    tested = torch.cat([torch.cat([f.x_test, f.y_test[:, None].double()], 1) for f in raw])
+    assert len(tested) == 1797
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    every = torch.cat([torch.tensor(x / 16.0), torch.tensor(y[:, None], dtype=torch.float64)], 1)
+    assert torch.equal(torch.unique(tested, dim=0), torch.unique(every, dim=0))
+    for fold in folds:
+        assert len(fold.y_val) == 180 and fold.num_train + 180 + len(fold.y_test) == 1797
+        for part in (fold.y_train, fold.y_val, fold.y_test):  # stratified
+            counts = torch.bincount(part, minlength=10).double()
+            assert counts.min() >= 0.8 * counts.mean()
+        moving = fold.x_train.std(0) > 0  # standardised with the fold's own training rows
+        assert torch.allclose(fold.x_train.mean(0), torch.zeros(64), atol=1e-5)
+        assert torch.allclose(
+            fold.x_train.std(0, unbiased=False)[moving], torch.ones(64)[moving], atol=1e-4
+        )
+    images = digits_folds("global", folds=2, images=True)
+    assert images[0].input_shape == (1, 8, 8)
+    assert torch.equal(digits_folds(folds=3)[1].y_test, digits_folds(folds=3)[1].y_test)
+    with pytest.raises(ValueError, match="folds >= 2"):
+        digits_folds(folds=1)
+    with pytest.raises(ValueError, match="num_val"):
+        digits_folds(folds=2, num_val=2000)
+
+
+def test_run_row_pooled_scores_the_concatenated_predictions(monkeypatch) -> None:
+    """Pooling: the metrics of the concatenated test predictions, each fold's own model."""
+    folds = digits_folds("scaled", folds=3)
+    gen = torch.Generator().manual_seed(0)
+    made: list[tuple[Tensor, Tensor]] = []
+
+    def fake_fit(split, row, budget, seed):
+        w = torch.randn(64, 10, generator=gen)
+
+        def predict(x: Tensor) -> Tensor:
+            return (x.reshape(len(x), -1) @ w).softmax(-1)
+
+        made.append((predict(split.x_test), split.y_test))
+        return Fitted(predict, 1.5, 7)
+
+    monkeypatch.setattr(classification, "fit_row", fake_fit)
+    out = run_row_pooled(folds, Row("plain"), TINY, seed=0)
+    probs, target = torch.cat([p for p, _ in made]), torch.cat([y for _, y in made])
+    expected = classification.classification_summary(probs, target)
+    for key in ("acc", "nll", "ece", "brier"):
+        assert out[key] == pytest.approx(expected[key], rel=1e-6), key
+    assert out["rows"] == 1797 and out["train_s"] == pytest.approx(4.5)
+    assert out["best_epoch"] == [7, 7, 7] and 0 <= out["ood_auroc"] <= 1
+    assert out["confidence"] == pytest.approx(float(probs.max(-1).values.mean()))
+    assert 0 < out["ece_floor"] < out["ece"]  # random weights: far from calibrated
+    with pytest.raises(ValueError, match="at least one split"):
+        run_row_pooled([], Row("plain"), TINY, seed=0)
+
+
+def test_run_row_pooled_trains_each_fold() -> None:
+    folds = digits_folds("standardized", folds=2)
+    out = run_row_pooled(folds, Row("plain", hidden=(16,)), TINY, seed=0)
+    assert out["rows"] == 1797 and out["acc"] > 0.8 and len(out["best_epoch"]) == 2
 
 
 def test_synthetic_split_is_deterministic_and_nested() -> None:

@@ -129,3 +129,25 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main()
     assert "unknown rows" in capsys.readouterr().err
+
+
+def test_benchmark_script_folds(tmp_path, monkeypatch, capsys):
+    bench = _benchmark_module()
+    out = tmp_path / "pooled.json"
+    argv = ["bench", "--protocol", "scaled", "--rows", "plain,defaults", "--seeds", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--epochs", "1", "--folds", "2", "--json", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        bench.main()
+    finally:
+        torch.set_num_threads(threads)
+    stdout = capsys.readouterr().out
+    assert "scaled, 2 folds pooled: 1 seed(s)" in stdout and "| ece_floor |" in stdout
+    results = json.loads(out.read_text())["results"]
+    for row in ("plain", "defaults"):
+        (run,) = results[row]
+        assert run["rows"] == 1797 and 0 < run["ece_floor"] < 0.1 and len(run["best_epoch"]) == 2
+    monkeypatch.setattr(sys, "argv", ["bench", "--protocol", "defaults", "--folds", "2"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--folds" in capsys.readouterr().err

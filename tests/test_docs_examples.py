@@ -193,7 +193,10 @@ def test_documented_example_runs(block: Block, tmp_path: Path) -> None:
         earlier = [
             [b.line, b.code]
             for b in BLOCKS
-            if block.continues and b.page == block.page and b.lang == "python" and b.line < block.line
+            if block.continues
+            and b.page == block.page
+            and b.lang == "python"
+            and b.line < block.line
         ]
         spec = tmp_path / "block.json"
         spec.write_text(

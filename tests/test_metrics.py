@@ -372,3 +372,39 @@ def test_ddp_two_process_sync_equals_single_process(tmp_path):
         assert synced.keys() == expected.keys()
         for name, value in expected.items():
             assert synced[name].item() == pytest.approx(value.item(), abs=1e-12), (rank, name)
+
+
+def test_ece_noise_floor_matches_torchmetrics_over_labels_drawn_from_the_predictions():
+    """Oracle: torchmetrics' ECE averaged over labels sampled (multinomial) from the predictions."""
+    from torchmetrics.functional.classification import multiclass_calibration_error
+
+    from lightning_dvi.metrics import ece_noise_floor
+
+    gen = torch.Generator().manual_seed(3)
+    probs = (3.0 * torch.randn(360, 10, generator=gen, dtype=torch.float64)).softmax(-1)
+    draws = [
+        float(
+            multiclass_calibration_error(
+                probs, torch.multinomial(probs, 1, generator=gen)[:, 0], num_classes=10, n_bins=15
+            )
+        )
+        for _ in range(2000)
+    ]
+    reference = float(np.mean(draws))
+    floor = ece_noise_floor(probs, draws=4000)
+    assert floor == pytest.approx(reference, rel=0.03)
+    # the floor falls like 1/sqrt(N): four times the rows (the same predictions), half the floor
+    many = ece_noise_floor(probs.repeat(4, 1), draws=4000)
+    assert many == pytest.approx(floor / 2, rel=0.1)
+    assert ece_noise_floor(probs, draws=50, seed=1) == ece_noise_floor(probs, draws=50, seed=1)
+    assert ece_noise_floor(torch.eye(4)) == 0.0  # certain (and right) predictions do not scatter
+
+
+@pytest.mark.parametrize(
+    "probs, draws", [(torch.ones(0, 3), 10), (torch.ones(3), 10), (torch.eye(3), 0)]
+)
+def test_ece_noise_floor_rejects_bad_input(probs, draws):
+    from lightning_dvi.metrics import ece_noise_floor
+
+    with pytest.raises(ValueError, match="ece_noise_floor"):
+        ece_noise_floor(probs, draws=draws)

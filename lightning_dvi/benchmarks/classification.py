@@ -44,17 +44,21 @@ from .data import Budget, ClassificationSplit, plain_cnn, plain_mlp
 
 __all__ = [
     "METRICS",
+    "POOLED_METRICS",
     "Row",
     "evaluate",
     "fit_dvi",
     "markdown_table",
     "run_row",
+    "run_row_pooled",
     "summarise",
 ]
 
 RowKind = Literal["plain", "plain_tuned", "ensemble", "mc_dropout", "laplace", "dvi"]
 #: Metrics of a run, in table order (``train_s``: CPU seconds of training).
 METRICS = ("acc", "nll", "ece", "brier", "ood_auroc", "ood_auroc_mi", "train_s")
+#: Metrics of a pooled run (:func:`run_row_pooled`), in table order.
+POOLED_METRICS = ("acc", "nll", "ece", "ece_floor", "confidence", "brier", "ood_auroc", "train_s")
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,48 @@ def evaluate(split: ClassificationSplit, fitted: Fitted, mc_eval: int = 64) -> d
     out["details"] = {k: v for k, v in fitted.details.items() if k != "history"}
     if "history" in fitted.details:
         out["history"] = fitted.details["history"]
+    return out
+
+
+def run_row_pooled(
+    splits: Sequence[ClassificationSplit],
+    row: Row,
+    budget: Budget,
+    seed: int,
+    ece_draws: int = 200,
+) -> dict[str, Any]:
+    """Train ``row`` on every split and score the pooled test predictions as one test set.
+
+    For splits whose test sets partition a data set
+    (:func:`~lightning_dvi.benchmarks.data.digits_folds`), every row is scored once, by the
+    model that did not train on it: accuracy, NLL, ECE, Brier score, AURC and the OOD AUROC of
+    the predictive entropy over all the pooled rows (no mutual information: it needs samples
+    of every fold's model on the same inputs), the mean ``confidence``, the ECE a perfectly
+    calibrated model with these predictions would score on this many rows
+    (``ece_floor``, :func:`~lightning_dvi.metrics.ece_noise_floor`), the summed CPU seconds of
+    training (``train_s``) and every split's ``best_epoch``.
+
+    Raises:
+        ValueError: for no splits.
+    """
+    from ..metrics import ece_noise_floor
+
+    if not splits:
+        raise ValueError("run_row_pooled needs at least one split")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    probs, ood_probs, targets, seconds, best = [], [], [], 0.0, []
+    for split in splits:
+        fitted = fit_row(split, row, budget, seed)
+        probs.append(fitted.predict(split.x_test))
+        ood_probs.append(fitted.predict(split.ood_inputs()))
+        targets.append(split.y_test)
+        seconds += fitted.train_seconds
+        best.append(fitted.best_epoch)
+    pooled = torch.cat(probs)
+    out: dict[str, Any] = classification_summary(pooled, torch.cat(targets), torch.cat(ood_probs))
+    out["confidence"] = float(pooled.max(-1).values.mean())
+    out["ece_floor"] = ece_noise_floor(pooled, draws=ece_draws, seed=seed)
+    out.update(train_s=seconds, best_epoch=best, rows=len(pooled))
     return out
 
 

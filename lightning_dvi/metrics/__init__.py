@@ -13,6 +13,7 @@ from .classification import (
     ExpectedCalibrationError,
     classification_metrics,
 )
+from .functional import ece_noise_floor
 from .ood import (
     AURC,
     OODAUPR,
@@ -55,6 +56,7 @@ __all__ = [
     "class_probability_samples",
     "classification_metrics",
     "classification_summary",
+    "ece_noise_floor",
     "functional",
     "mutual_information",
     "predictive_entropy",
