@@ -61,10 +61,16 @@ ROWS = {
     "defaults": Row("dvi"),  # DVIClassifier's defaults, the protocol's architecture and lr
     "elbo": Row("dvi", settings={"kl_weight": 1.0}),  # the defaults with the untempered ELBO
     "old_defaults": Row("dvi", settings=OLD_DEFAULTS),
-    "true_defaults": Row("dvi", hidden=(64,), settings={"lr": 3e-3}),  # DVIClassifier()
+    "true_defaults": Row("dvi", hidden=(128, 128)),  # DVIClassifier(): [128, 128], lr 3e-3
+    "plain_128": Row("plain", hidden=(128, 128)),  # a plain network of that shape
+    "true_defaults_64": Row(
+        "dvi", hidden=(64,), settings={"lr": 3e-3}
+    ),  # DVIClassifier() until [128, 128]
     "true_defaults_lr1e-3": Row("dvi", hidden=(64,), settings={"lr": 1e-3}),  # before the lr
     "plain_64": Row("plain", hidden=(64,)),
 }
+# rows with their own network (DVIClassifier()'s and the plain twins), whatever the protocol's
+FIXED_SHAPE = ("true_defaults", "plain_128", "true_defaults_64", "true_defaults_lr1e-3", "plain_64")
 PROTOCOLS = {
     "mlp": (lambda: digits_split("standardized"), Budget(), "mlp", list(ROWS)),
     "scaled": (lambda: digits_split("scaled"), Budget(), "mlp", list(ROWS)),
@@ -93,7 +99,7 @@ SWEEP = [
 def _row(name: str, arch: str, hidden: tuple[int, ...]) -> Row:
     """The named row on the protocol's architecture (the true defaults keep their own shape)."""
     row = ROWS[name]
-    if name in ("true_defaults", "true_defaults_lr1e-3", "plain_64"):
+    if name in FIXED_SHAPE:
         return row
     return Row(row.kind, arch, hidden, row.settings)  # type: ignore[arg-type]  # arch: a PROTOCOLS literal
 

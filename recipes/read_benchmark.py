@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--rows", type=int, default=300_000)
     parser.add_argument("--cols", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--check", action="store_true", help="compare the values with numpy.loadtxt's")
+    parser.add_argument(
+        "--check", action="store_true", help="compare the values with numpy.loadtxt's"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         path = write_table(Path(folder) / "table.csv", args.rows, args.cols)
