@@ -108,46 +108,46 @@ def _benchmark_module():
     return module
 
 
-def test_benchmark_script_smoke(tmp_path, monkeypatch, capsys):
+def _run_benchmark(monkeypatch, capsys, argv: list[str], out) -> tuple[str, dict]:
+    """Run the recipe's main() with ``argv``; its stdout and the JSON it wrote."""
     bench = _benchmark_module()
-    out = tmp_path / "results.json"
-    argv = ["bench", "--protocol", "cnn", "--rows", "plain,defaults", "--seeds", "1"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--epochs", "1", "--json", str(out), "--interleave"])
+    monkeypatch.setattr(sys, "argv", ["bench", *argv, "--json", str(out)])
     threads = torch.get_num_threads()
     try:
         bench.main()
     finally:
         torch.set_num_threads(threads)
-    stdout = capsys.readouterr().out
+    return capsys.readouterr().out, json.loads(out.read_text())["results"]
+
+
+def _refused(monkeypatch, capsys, argv: list[str]) -> str:
+    """The recipe's error message for a bad command line."""
+    monkeypatch.setattr(sys, "argv", ["bench", *argv])
+    with pytest.raises(SystemExit):
+        _benchmark_module().main()
+    return capsys.readouterr().err
+
+
+def test_benchmark_script_smoke(tmp_path, monkeypatch, capsys):
+    argv = ["--protocol", "cnn", "--rows", "plain,defaults", "--seeds", "1", "--epochs", "1"]
+    stdout, results = _run_benchmark(
+        monkeypatch, capsys, [*argv, "--interleave"], tmp_path / "results.json"
+    )
     assert "| plain |" in stdout and "| defaults |" in stdout
-    results = json.loads(out.read_text())["results"]
     for row in ("plain", "defaults"):
         (run,) = results[row]
         assert 0 <= run["ood_auroc"] <= 1 and run["train_s"] > 0
     assert "ood_auroc_mi" in results["defaults"][0]
-    monkeypatch.setattr(sys, "argv", ["bench", "--rows", "nope"])
-    with pytest.raises(SystemExit):
-        bench.main()
-    assert "unknown rows" in capsys.readouterr().err
+    assert "unknown rows" in _refused(monkeypatch, capsys, ["--rows", "nope"])
 
 
 def test_benchmark_script_folds(tmp_path, monkeypatch, capsys):
-    bench = _benchmark_module()
-    out = tmp_path / "pooled.json"
-    argv = ["bench", "--protocol", "scaled", "--rows", "plain,defaults", "--seeds", "1"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--epochs", "1", "--folds", "2", "--json", str(out)])
-    threads = torch.get_num_threads()
-    try:
-        bench.main()
-    finally:
-        torch.set_num_threads(threads)
-    stdout = capsys.readouterr().out
+    argv = ["--protocol", "scaled", "--rows", "plain,defaults", "--seeds", "1", "--epochs", "1"]
+    stdout, results = _run_benchmark(
+        monkeypatch, capsys, [*argv, "--folds", "2"], tmp_path / "pooled.json"
+    )
     assert "scaled, 2 folds pooled: 1 seed(s)" in stdout and "| ece_floor |" in stdout
-    results = json.loads(out.read_text())["results"]
     for row in ("plain", "defaults"):
         (run,) = results[row]
         assert run["rows"] == 1797 and 0 < run["ece_floor"] < 0.1 and len(run["best_epoch"]) == 2
-    monkeypatch.setattr(sys, "argv", ["bench", "--protocol", "defaults", "--folds", "2"])
-    with pytest.raises(SystemExit):
-        bench.main()
-    assert "--folds" in capsys.readouterr().err
+    assert "--folds" in _refused(monkeypatch, capsys, ["--protocol", "defaults", "--folds", "2"])
