@@ -32,12 +32,14 @@ perfectly calibrated model would score on as many rows (``ece_floor``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import warnings
 
 import torch
 
 from lightning_dvi.benchmarks.classification import (
+    METRICS,
     POOLED_METRICS,
     Row,
     markdown_table,
@@ -136,43 +138,32 @@ def main() -> None:
     unknown = [name for name in names if name not in ROWS]
     if unknown or args.seeds < 1:
         parser.error(f"unknown rows {unknown} (known: {list(ROWS)}) or --seeds < 1")
-    if args.folds is not None:
-        if args.protocol == "defaults" or args.folds < 2 or args.interleave:
-            parser.error("--folds needs K >= 2, a digits protocol and no --interleave")
-        _, budget, arch, _ = PROTOCOLS[args.protocol]
-        if args.epochs:
-            budget = Budget(args.epochs, budget.lr, budget.batch_size)
-        hidden = (64,) if arch == "cnn" else (100, 100)
-        splits = FOLDS[args.protocol](args.folds)
-        pooled = {}
-        for name in names:
-            row = _row(name, arch, hidden)
-            pooled[name] = [run_row_pooled(splits, row, budget, s) for s in range(args.seeds)]
-            print(f"{args.protocol} {name}: done", flush=True)
-        table = markdown_table(pooled, POOLED_METRICS)
-        print(f"\n{args.protocol}, {args.folds} folds pooled: {args.seeds} seed(s)\n{table}")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"args": vars(args), "results": pooled}, fh, indent=1, default=str)
-        return
+    if args.folds is not None and (
+        args.protocol == "defaults" or args.folds < 2 or args.interleave
+    ):
+        parser.error("--folds needs K >= 2, a digits protocol and no --interleave")
     results: dict[str, list[dict]] = {}
     for case, make, hidden, budget, arch in cases:
-        split = make()
         if args.epochs:
             budget = Budget(args.epochs, budget.lr, budget.batch_size)
+        # --folds: every row on each fold, scored on the pooled out-of-fold predictions
+        data = FOLDS[args.protocol](args.folds) if args.folds else make()
+        train = functools.partial(run_row_pooled if args.folds else run_row, data)
         rows = {name: _row(name, arch, hidden) for name in names}
         keys = {name: f"{name} ({case})" if args.protocol == "defaults" else name for name in names}
         if args.interleave:  # seed by seed, the rows' order reversed every other seed
             for seed in range(args.seeds):
                 for name in names if seed % 2 == 0 else names[::-1]:
-                    run = run_row(split, rows[name], budget, seed)
+                    run = train(rows[name], budget, seed)
                     results.setdefault(keys[name], []).append(run)
                     print(f"{case} {name} seed {seed}: {run['train_s']:.2f} CPU s", flush=True)
             continue
         for name in names:
-            results[keys[name]] = [run_row(split, rows[name], budget, s) for s in range(args.seeds)]
+            results[keys[name]] = [train(rows[name], budget, s) for s in range(args.seeds)]
             print(f"{case} {name}: done", flush=True)
-    print(f"\n{args.protocol}: {args.seeds} seed(s)\n{markdown_table(results)}")
+    title = f"{args.protocol}, {args.folds} folds pooled" if args.folds else args.protocol
+    table = markdown_table(results, POOLED_METRICS if args.folds else METRICS)
+    print(f"\n{title}: {args.seeds} seed(s)\n{table}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=1, default=str)
