@@ -401,7 +401,14 @@ def test_ece_noise_floor_matches_torchmetrics_over_labels_drawn_from_the_predict
 
 
 @pytest.mark.parametrize(
-    "probs, draws", [(torch.ones(0, 3), 10), (torch.ones(3), 10), (torch.eye(3), 0)]
+    "probs, draws",
+    [
+        (torch.ones(0, 3), 10),
+        (torch.ones(3), 10),
+        (torch.eye(3), 0),
+        (torch.tensor([[float("nan"), 0.5]]), 10),
+        (torch.tensor([[1.5, -0.5]]), 10),
+    ],
 )
 def test_ece_noise_floor_rejects_bad_input(probs, draws):
     from lightning_dvi.metrics import ece_noise_floor

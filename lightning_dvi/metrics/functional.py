@@ -180,6 +180,13 @@ def categorical_brier(probs: Tensor, target: Tensor) -> Tensor:
     return ((probs - one_hot) ** 2).sum(dim=-1)
 
 
+def _confidence_bins(confidence: Tensor, n_bins: int) -> tuple[Tensor, Tensor]:
+    """Equal-width bin edges on [0, 1] (float64) and each confidence's bin (1 joins the last)."""
+    edges = torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64, device=confidence.device)
+    index = (torch.bucketize(confidence, edges, right=True) - 1).clamp(0, n_bins - 1)
+    return edges, index
+
+
 def reliability_bins(confidence: Tensor, accuracy: Tensor, n_bins: int) -> dict[str, Tensor]:
     r"""Reliability-diagram bins of top-label confidences and hits.
 
@@ -196,8 +203,7 @@ def reliability_bins(confidence: Tensor, accuracy: Tensor, n_bins: int) -> dict[
         bin (``[n_bins]`` each, float64; empty bins hold 0).
     """
     confidence, accuracy = confidence.double(), accuracy.double()
-    edges = torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64, device=confidence.device)
-    index = (torch.bucketize(confidence, edges, right=True) - 1).clamp(0, n_bins - 1)
+    edges, index = _confidence_bins(confidence, n_bins)
     count = torch.zeros(n_bins, dtype=torch.float64, device=confidence.device)
     count.index_add_(0, index, torch.ones_like(confidence))
     conf_sum = torch.zeros_like(count).index_add_(0, index, confidence)
@@ -235,7 +241,8 @@ def ece_noise_floor(probs: Tensor, n_bins: int = 15, draws: int = 200, seed: int
         The mean ECE over the draws.
 
     Raises:
-        ValueError: for an empty or non-2-D ``probs`` or ``draws < 1``.
+        ValueError: for an empty or non-2-D ``probs``, a NaN or a value outside [0, 1], or
+            ``draws < 1``.
 
     Examples:
         >>> ece_noise_floor(torch.eye(3))  # certain and calibrated: no scatter
@@ -247,9 +254,10 @@ def ece_noise_floor(probs: Tensor, n_bins: int = 15, draws: int = 200, seed: int
             f"{tuple(probs.shape)} and draws={draws}"
         )
     confidence = probs.detach().double().max(-1).values
+    if not bool(((confidence >= 0) & (confidence <= 1)).all()):
+        raise ValueError("ece_noise_floor needs probabilities in [0, 1] (got NaN or out of range)")
     n = confidence.shape[0]
-    edges = torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64, device=confidence.device)
-    index = (torch.bucketize(confidence, edges, right=True) - 1).clamp(0, n_bins - 1)
+    _, index = _confidence_bins(confidence, n_bins)
     gen = torch.Generator(device=confidence.device).manual_seed(seed)
     uniform = torch.rand(draws, n, generator=gen, dtype=torch.float64, device=confidence.device)
     gap = (uniform < confidence).double() - confidence  # hit minus confidence, per draw and row
