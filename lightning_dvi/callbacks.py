@@ -1,4 +1,4 @@
-"""Lightning callbacks: empirical Bayes, checkpoints, progress, plots, predictions, OOD, temperature.
+"""Lightning callbacks: empirical Bayes, warm start, checkpoints, progress, plots, predictions, OOD, temperature.
 
 A stable import path for YAML configs
 (``class_path: lightning_dvi.callbacks.EmpiricalBayesRefresh``; ``EmpiricalBayes`` is its
@@ -14,6 +14,7 @@ from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDia
 from .lightning.predictions import PredictionWriter
 from .lightning.progress import DVIProgressBar, ProgressLog
 from .lightning.temperature import TemperatureScaling
+from .lightning.warm_start import PointEstimateWarmStart
 
 __all__ = [
     "CalibrationPlot",
@@ -21,6 +22,7 @@ __all__ = [
     "EmpiricalBayes",
     "EmpiricalBayesRefresh",
     "OODEvaluation",
+    "PointEstimateWarmStart",
     "PredictionWriter",
     "PredictiveBandPlot",
     "ProgressLog",

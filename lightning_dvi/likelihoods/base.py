@@ -128,6 +128,25 @@ class Likelihood(nn.Module):
         """:meth:`log_prob` on already validated targets ``[B]``: the :meth:`conditional`'s."""
         return self.conditional(f).log_prob(y)
 
+    def point_fit_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        r"""Per-datum loss of a point-estimate network, for the warm start before (D)VI.
+
+        :func:`lightning_dvi.warm_start.fit_point_estimate` fits the network with every weight
+        at its posterior mean on this loss. The base class uses the plug-in negative
+        log-likelihood :math:`-\log p(y\mid f)` (cross-entropy for
+        :class:`~lightning_dvi.likelihoods.Categorical`); the two Gaussians override it with
+        the squared error of the mean output, :math:`(y - f_0)^2`, and leave the noise to the
+        variational fit.
+
+        Args:
+            f: network outputs ``[B, D]`` at the posterior means.
+            y: targets ``[B]`` (regression also accepts ``[B, 1]``).
+
+        Returns:
+            ``[B]``.
+        """
+        return -self.log_prob(f, y)
+
     def conditional(self, f: Tensor) -> torch.distributions.Distribution:
         r"""The observation model :math:`p(y\mid f)` at network outputs ``f [..., B, D]``.
 

@@ -1,0 +1,165 @@
+r"""``PointEstimateWarmStart``: fit the posterior means as a plain network when training starts.
+
+The Lightning front end of :func:`lightning_dvi.warm_start.fit_point_estimate`: at the start of
+``fit`` (after a checkpoint would be restored, before the first optimisation step) it gathers
+every training batch into one, and the validation batches (early stopping) when the run has any,
+fits the network with every weight at its posterior mean on the likelihood's point-fit loss by
+full-batch L-BFGS, and hands the fitted means to the ELBO's optimiser. A run without
+validation batches holds out a seeded ``holdout`` fraction of the training rows for the
+warm start's early stopping (the ELBO still trains on every row): a point estimate fitted to
+convergence over-fits (diabetes, 50 hidden units: 200 steps, 8 CPU s, where early stopping
+takes a few). A run resumed from a checkpoint (``global_step > 0``) is not warm-started again.
+
+Meant for data that fits in memory in one batch (UCI-size tables); the fit holds all training
+rows at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from ..warm_start import PointFit, fit_point_estimate
+from ._base import DVIModule
+
+__all__ = ["PointEstimateWarmStart"]
+
+
+def _loaders(value: Any) -> list[Iterable[Any]]:
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return list(value.values())
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _rows(module: DVIModule, loaders: list[Iterable[Any]]) -> tuple[Tensor, Tensor] | None:
+    """Every ``(x, y)`` batch of the loaders, concatenated, on the module's device."""
+    xs, ys = [], []
+    for loader in loaders:
+        for batch in loader:
+            x, y = batch[0], batch[1]
+            xs.append(x.to(module.device))
+            ys.append(module._network_targets(y.to(module.device)))
+    if not xs:
+        return None
+    return torch.cat(xs), torch.cat(ys)
+
+
+def _validation_loaders(trainer: Trainer) -> Any:
+    """The fit's validation dataloaders, or ``None`` (none given, or ``limit_val_batches=0``)."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    source = getattr(val_loop, "_data_source", None)
+    if source is None or not source.is_defined():
+        return None
+    val_loop.setup_data()  # Lightning sets it up lazily, at the first validation; idempotent
+    return trainer.val_dataloaders
+
+
+def _hold_out(
+    rows: tuple[Tensor, Tensor], fraction: float, seed: int
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor] | None]:
+    """Split off ``round(fraction * N)`` random rows (at least one row stays on each side)."""
+    n = rows[0].shape[0]
+    k = min(max(round(fraction * n), 1), n - 1)
+    if k < 1:
+        return rows, None
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(rows[0].device)
+    held, kept = order[:k], order[k:]
+    return (rows[0][kept], rows[1][kept]), (rows[0][held], rows[1][held])
+
+
+class PointEstimateWarmStart(Callback):
+    """Fit the posterior means as a point estimate before the first optimisation step.
+
+    Args:
+        max_steps: at most this many L-BFGS steps.
+        patience: stop after this many steps without a lower validation loss (when the run has
+            validation batches; otherwise the fit runs until the loss stops changing).
+        iterations: L-BFGS iterations per step.
+        history_size: L-BFGS curvature pairs kept.
+        holdout: without validation batches, the fraction of the training rows held out (at
+            random, seeded by ``seed``) for the warm start's early stopping; 0 fits all rows
+            until the loss stops changing or ``max_steps``.
+        seed: the holdout's seed.
+
+    Attributes:
+        result: the last fit's :class:`~lightning_dvi.warm_start.PointFit` (``None`` before
+            one, or when the run was resumed).
+
+    Examples:
+        >>> import lightning
+        >>> from lightning_dvi import DVIRegressor
+        >>> from lightning_dvi.callbacks import PointEstimateWarmStart
+        >>> warm = PointEstimateWarmStart()
+        >>> trainer = lightning.Trainer(max_steps=20, callbacks=[warm], logger=False)
+    """
+
+    def __init__(
+        self,
+        max_steps: int = 200,
+        patience: int = 5,
+        iterations: int = 20,
+        history_size: int = 50,
+        holdout: float = 0.1,
+        seed: int = 0,
+    ) -> None:
+        for name, value in (
+            ("max_steps", max_steps),
+            ("patience", patience),
+            ("iterations", iterations),
+            ("history_size", history_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"PointEstimateWarmStart: {name} must be a positive int, got {value!r}"
+                )
+        if not (isinstance(holdout, (int, float)) and 0.0 <= holdout < 1.0):
+            raise ValueError(f"PointEstimateWarmStart: holdout must be in [0, 1), got {holdout!r}")
+        self.holdout, self.seed = float(holdout), int(seed)
+        self.max_steps, self.patience = max_steps, patience
+        self.iterations, self.history_size = iterations, history_size
+        self.result: PointFit | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Gather the data and fit the means (skipped when the run resumes a checkpoint)."""
+        self.result = None
+        if trainer.global_step > 0:
+            return
+        if not isinstance(pl_module, DVIModule):
+            raise TypeError(
+                "PointEstimateWarmStart needs a DVIRegressor or DVIClassifier, got "
+                f"{type(pl_module).__name__}"
+            )
+        train = _rows(pl_module, _loaders(trainer.train_dataloader))
+        if train is None:
+            raise ValueError("PointEstimateWarmStart: the training dataloader gave no batches")
+        val = _rows(pl_module, _loaders(_validation_loaders(trainer)))
+        if val is None and self.holdout > 0:
+            train, val = _hold_out(train, self.holdout, self.seed)
+        with torch.enable_grad():
+            self.result = fit_point_estimate(
+                pl_module.net,
+                pl_module.likelihood,
+                train[0],
+                train[1],
+                None if val is None else val[0],
+                None if val is None else val[1],
+                max_steps=self.max_steps,
+                patience=self.patience,
+                iterations=self.iterations,
+                history_size=self.history_size,
+            )
+        r = self.result
+        rank_zero_info(
+            f"PointEstimateWarmStart: {r.steps} L-BFGS steps ({r.stopped}), kept step "
+            f"{r.best_step}: train loss {r.train_loss:.4g}"
+            + ("" if r.val_loss is None else f", validation loss {r.val_loss:.4g}")
+        )
