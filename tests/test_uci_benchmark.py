@@ -95,6 +95,8 @@ def test_unknown_method_and_dataset_are_clear_errors(bench, tmp_path, capsys):
         bench.parse_args([*base, "--optimizer", "sgd"])
     with pytest.raises(ValueError, match="--precision must be 32-true or 64-true"):
         bench.parse_args([*base, "--precision", "bf16-mixed"])
+    with pytest.raises(ValueError, match="--warm-start must be point, adam or none"):
+        bench.parse_args([*base, "--warm-start", "map"])
     _, (job, _) = bench.parse_args([*base, "--precision", "64-true", "--adam-steps", "7"])
     assert (job.settings.precision, job.settings.adam_steps) == ("64-true", 7)
     for warm, ramp in (("0.7", "0.4"), ("-0.1", "0.2")):
@@ -225,17 +227,33 @@ def test_early_stopping_restores_the_best_validation_step(tmp_path):
     assert math.isfinite(result["test_ll"]) and result["cpu_seconds"] > 0
 
 
-def test_the_lbfgs_protocol_starts_with_adam_on_small_training_sets_only(tmp_path):
-    """Small data: ``adam_steps`` full-batch Adam steps, then L-BFGS; above ``adam_max_rows``, none."""
+def test_the_adam_warm_start_runs_on_small_training_sets_only(tmp_path):
+    """``warm_start="adam"``: ``adam_steps`` full-batch Adam steps, then L-BFGS; above ``adam_max_rows``, none."""
     _write_dataset(tmp_path, rows=120)
-    small = replace(uci.DEFAULTS, adam_steps=6, patience=2, max_steps=5)
+    small = replace(uci.PRESETS["lbfgs-adam"], adam_steps=6, patience=2, max_steps=5)
     (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], small, 1)
     warmed = uci.run_job(job)
     assert warmed["adam_steps"] == 6 and 1 <= warmed["steps"] <= 5
+    assert warmed["warm_start_steps"] == 0
     (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], replace(small, adam_max_rows=10), 1)
     direct = uci.run_job(job)
     assert direct["adam_steps"] == 0 and direct["test_ll"] != warmed["test_ll"]
     assert all(math.isfinite(r["test_ll"]) for r in (warmed, direct))
+
+
+def test_the_default_protocol_warm_starts_with_a_point_estimate(tmp_path):
+    """``warm_start="point"`` (the default): the means' L-BFGS fit runs inside the Trainer, no Adam."""
+    _write_dataset(tmp_path, rows=120)
+    settings = replace(uci.DEFAULTS, patience=2, max_steps=5)
+    assert settings.warm_start == "point"
+    (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], settings, 1)
+    warmed = uci.run_job(job)
+    assert warmed["adam_steps"] == 0 and warmed["warm_start_steps"] >= 1
+    (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], replace(settings, warm_start="none"), 1)
+    cold = uci.run_job(job)
+    assert cold["warm_start_steps"] == 0 and cold["adam_steps"] == 0
+    # y = x0 - 2 x1 + noise: five ELBO steps from the fitted means beat five from the prior
+    assert warmed["rmse"] < cold["rmse"]
 
 
 def test_float64_training_through_the_runner(tmp_path):
@@ -289,8 +307,9 @@ def test_time_to_quality_curve_and_plot(tmp_path):
     assert ttq.main(argv) == 0
     points = json.loads(out.read_text())
     assert [p["steps_cap"] for p in points["adam8000"]] == [3]
-    assert [p["steps_cap"] for p in points["lbfgs"]] == [1, None]
-    assert points["lbfgs"][0]["steps"] == [1]
+    for preset in ("lbfgs", "lbfgs-adam"):
+        assert [p["steps_cap"] for p in points[preset]] == [1, None]
+        assert points[preset][0]["steps"] == [1]
     assert all(
         p["cpu_seconds"] > 0 and math.isfinite(p["test_ll"]) for v in points.values() for p in v
     )
