@@ -214,6 +214,23 @@ def test_the_callback_does_not_refit_a_resumed_run(tmp_path):
     assert resumed.result is None
 
 
+def test_validation_batches_the_trainer_skips_are_not_read():
+    """``limit_val_batches=0``: the warm start holds out training rows, never the val loader's."""
+    x, y = _data(100)
+    train = DataLoader(TensorDataset(x, y), batch_size=100)
+    absurd = DataLoader(TensorDataset(x[:10], torch.full((10,), 1e3)), batch_size=10)
+    warm = PointEstimateWarmStart()
+    model = DVIRegressor(in_features=2, hidden=[8], num_data=100)
+    _regression_trainer(warm, 1, limit_val_batches=0).fit(model, train, absurd)
+    assert warm.result is not None and warm.result.val_loss is not None
+    assert warm.result.val_loss < 1.0  # standardised units; the absurd targets would be ~1e5
+    # the control: a Trainer that validates hands the warm start its validation batches
+    model = DVIRegressor(in_features=2, hidden=[8], num_data=100)
+    _regression_trainer(warm, 1).fit(model, train, absurd)
+    assert warm.result is not None and warm.result.val_loss is not None
+    assert warm.result.val_loss > 1e3
+
+
 def test_without_a_holdout_the_warm_start_runs_until_the_loss_stops_changing():
     x, y = _data(100)
     loader = DataLoader(TensorDataset(x, y), batch_size=100)
