@@ -152,7 +152,7 @@ def fit_point_estimate(
         ValueError: on bad arguments, only one of ``x_val``/``y_val``, a network without weight
             posteriors, or a layer that does not take weight values.
         TypeError: if ``net`` is not a declared network.
-        FloatingPointError: if the loss at the start is not finite.
+        FloatingPointError: if the training or held-out loss at the start is not finite.
     """
     max_steps, patience = _positive_int("max_steps", max_steps), _positive_int("patience", patience)
     iterations = _positive_int("iterations", iterations)
@@ -190,6 +190,11 @@ def fit_point_estimate(
             "and targets for NaN/Inf or extreme values"
         )
     best_val = evaluate(x_val, y_val)
+    if best_val is not None and not math.isfinite(best_val):
+        raise FloatingPointError(
+            f"fit_point_estimate: the held-out point-fit loss at the start is {best_val}; check "
+            "x_val and y_val for NaN/Inf or extreme values"
+        )
     best = [p.detach().clone() for p in params]
     best_step, previous = 0, start
     stopped: Literal["patience", "converged", "max_steps"] = "max_steps"

@@ -161,6 +161,8 @@ def test_a_non_finite_start_is_an_error_not_a_nan_fit():
     x[3, 1] = float("nan")
     with pytest.raises(FloatingPointError, match="start"):
         fit_point_estimate(mlp(2, [4], 2), HeteroscedasticGaussian(), x, y)
+    with pytest.raises(FloatingPointError, match="held-out"):
+        fit_point_estimate(mlp(2, [4], 2), HeteroscedasticGaussian(), *_data(20), x, y)
     with pytest.raises(ValueError, match="NaN or Inf"):  # the likelihood's own target check
         fit_point_estimate(
             mlp(2, [4], 2), HeteroscedasticGaussian(), *_data(20)[:1], torch.full((20,), math.inf)
