@@ -10,13 +10,13 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_dvi import DVIRegressor
-from lightning_dvi.callbacks import EmpiricalBayes
+from lightning_dvi.callbacks import EmpiricalBayes, PointEstimateWarmStart
 from lightning_dvi.data import ToyHeteroscedasticDataModule
 
 NUM_TRAIN, NUM_VAL, STEPS = 64, 32, 6
 
 
-def _fit(devices: int) -> tuple[DVIRegressor, dict[str, float]]:
+def _fit(devices: int, warm_start: bool = False) -> tuple[DVIRegressor, dict[str, float]]:
     seed_everything(0)
     model = DVIRegressor(in_features=1, hidden=[8], mode="full", eb_mode="buffer", lr=0.02)
     # Per-process batch: the whole training set split over the processes (one step per epoch).
@@ -33,18 +33,25 @@ def _fit(devices: int) -> tuple[DVIRegressor, dict[str, float]]:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[EmpiricalBayes(every_n_steps=2)],
+        callbacks=[
+            EmpiricalBayes(every_n_steps=2),
+            *([PointEstimateWarmStart(max_steps=5, iterations=5)] if warm_start else []),
+        ],
     )
     trainer.fit(model, dm)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     return model, metrics
 
 
-def test_two_process_ddp_matches_one_process(monkeypatch):
+@pytest.mark.parametrize("warm_start", [False, True], ids=["cold", "warm_start"])
+def test_two_process_ddp_matches_one_process(monkeypatch, warm_start):
+    """With the warm start, each process gathers both halves (train and validation) and fits
+    the whole set, as one process does; a fit on its own half would give other means."""
     # Spawned workers read this before importing torch: one thread each on a 2-core machine.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    single_model, single = _fit(devices=1)
-    ddp_model, ddp = _fit(devices=2)  # ddp_spawn copies rank 0's weights and metrics back
+    single_model, single = _fit(devices=1, warm_start=warm_start)
+    # ddp_spawn copies rank 0's weights and metrics back
+    ddp_model, ddp = _fit(devices=2, warm_start=warm_start)
 
     assert set(single) == set(ddp) and "val/nll" in ddp
     for key, value in single.items():

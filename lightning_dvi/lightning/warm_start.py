@@ -11,19 +11,22 @@ convergence over-fits (diabetes, 50 hidden units: 200 steps, 8 CPU s, where earl
 takes a few). A run resumed from a checkpoint (``global_step > 0``) is not warm-started again.
 
 Meant for data that fits in memory in one batch (UCI-size tables); the fit holds all training
-rows at once.
+rows at once. Under data-parallel training each process gathers every process's batches (which
+the distributed sampler makes the same size), so all fit the whole set, and rank 0's means are
+broadcast afterwards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from ..nn import parameter_groups
 from ..warm_start import PointFit, fit_point_estimate
 from ._base import DVIModule
 
@@ -50,7 +53,10 @@ def _rows(module: DVIModule, loaders: list[Iterable[Any]]) -> tuple[Tensor, Tens
             ys.append(module._network_targets(y.to(module.device)))
     if not xs:
         return None
-    return torch.cat(xs), torch.cat(ys)
+    x, y = torch.cat(xs), torch.cat(ys)
+    if module.trainer.world_size > 1:  # every process fits on the whole set, not its shard
+        x, y = (cast(Tensor, module.all_gather(t)).flatten(0, 1) for t in (x, y))
+    return x, y
 
 
 def _validation_loaders(trainer: Trainer) -> Any:
@@ -157,6 +163,12 @@ class PointEstimateWarmStart(Callback):
                 iterations=self.iterations,
                 history_size=self.history_size,
             )
+        if trainer.world_size > 1:  # the processes fitted the same rows; keep them identical
+            means = [g.loc for g in parameter_groups(pl_module.net)]
+            fitted = trainer.strategy.broadcast([m.detach().clone() for m in means], src=0)
+            with torch.no_grad():
+                for mean, value in zip(means, fitted, strict=True):
+                    mean.copy_(value)
         r = self.result
         rank_zero_info(
             f"PointEstimateWarmStart: {r.steps} L-BFGS steps ({r.stopped}), kept step "
