@@ -29,6 +29,7 @@ from torch import Tensor
 from ..nn import parameter_groups
 from ..warm_start import PointFit, fit_point_estimate
 from ._base import DVIModule
+from ._validation import positive_int
 
 __all__ = ["PointEstimateWarmStart"]
 
@@ -123,10 +124,7 @@ class PointEstimateWarmStart(Callback):
             ("iterations", iterations),
             ("history_size", history_size),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"PointEstimateWarmStart: {name} must be a positive int, got {value!r}"
-                )
+            positive_int(f"PointEstimateWarmStart: {name}", value)
         if not (isinstance(holdout, (int, float)) and 0.0 <= holdout < 1.0):
             raise ValueError(f"PointEstimateWarmStart: holdout must be in [0, 1), got {holdout!r}")
         self.holdout, self.seed = float(holdout), int(seed)
