@@ -227,6 +227,6 @@ def fit_point_estimate(
         steps=step,
         best_step=best_step,
         train_loss=cast(float, evaluate(x, y)),
-        val_loss=evaluate(x_val, y_val),
+        val_loss=best_val,  # the kept step's held-out loss, already evaluated
         stopped=stopped,
     )
