@@ -261,6 +261,20 @@ class LBFGS(torch.optim.Optimizer):
             raise ValueError("LBFGS takes real, dense parameters")
         self._numels = [p.numel() for p in self._params]
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`torch.optim.Optimizer.load_state_dict`, keeping the Gram matrix in float64.
+
+        torch casts every floating-point state tensor to its parameter's dtype on loading; the
+        Gram matrix :math:`G` is float64 whatever the parameters' dtype (the recursion's
+        triangular solves run in float64), so a float32 model resumed from a checkpoint would
+        continue from a rounded :math:`G` and drift from the uninterrupted run.
+        """
+        grams = {key: v["G"] for key, v in state_dict["state"].items() if "G" in v}
+        super().load_state_dict(state_dict)
+        for key, gram in grams.items():
+            param = self.param_groups[0]["params"][key]
+            self.state[param]["G"] = gram.to(dtype=torch.float64, device=param.device)
+
     def _flat_grad(self) -> Tensor:
         return torch.cat(
             [

@@ -136,11 +136,14 @@ def test_clearing_the_state_forgets_the_curvature_memory():
     assert optimiser.state[w]["n_iter"] == 2 and optimiser.state[w]["k"] == 1
 
 
-def test_the_state_saves_and_loads_with_weights_only_and_continues_identically():
-    x, y = _problem()
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_state_saves_and_loads_with_weights_only_and_continues_identically(dtype):
+    """In float32 too: torch's loading casts state tensors to the parameters' dtype, and the
+    Gram matrix must come back in float64, unrounded."""
+    x, y = (t.to(dtype) for t in _problem())
 
     def make():
-        w = torch.zeros(12, dtype=torch.float64, requires_grad=True)
+        w = torch.zeros(12, dtype=dtype, requires_grad=True)
         return w, LBFGS([w], max_iter=3, history_size=4)
 
     def closure_for(w, optimiser):
@@ -165,6 +168,8 @@ def test_the_state_saves_and_loads_with_weights_only_and_continues_identically()
     with torch.no_grad():
         w2.copy_(saved["w"])
     optimiser2.load_state_dict(saved["opt"])
+    gram = optimiser2.state[w2]["G"]
+    assert gram.dtype == torch.float64 and torch.equal(gram, saved["opt"]["state"][0]["G"])
     optimiser2.step(closure_for(w2, optimiser2))
     assert torch.equal(w.detach(), w2.detach())
 
