@@ -63,7 +63,8 @@ from .lightning.checkpoint import (
     vet_hyperparameters,
 )
 from .lightning.predictions import PredictionWriter, write_predictions
-from .lightning.progress import progress_callback
+from .lightning.progress import describe_data, progress_callback
+from .lightning.warm_start import WarmStartMode, switch_warm_start
 
 __all__ = ["DVILightningCLI", "cli", "main", "write_predictions_csv"]
 
@@ -88,6 +89,15 @@ class DVILightningCLI(LightningCLI):
             help=(
                 "torch intra-op threads (torch.set_num_threads). Small BNNs run fastest with 1: "
                 "extra threads spin on shared CPUs. DDP on CPU already divides the cores."
+            ),
+        )
+        parser.add_argument(
+            "--warm_start",
+            type=WarmStartMode | None,
+            default=None,
+            help=(
+                "PointEstimateWarmStart's mode for this run: none (off), auto (off when training "
+                "on mini-batches), point (always; added if the config has no warm start)."
             ),
         )
         parser.add_argument(
@@ -140,7 +150,7 @@ class DVILightningCLI(LightningCLI):
         config = self._get(self.config_init, "trainer", default={})
         given = config.get("callbacks")
         callbacks = list(given) if isinstance(given, (list, tuple)) else [given] if given else []
-        added: list[Callback] = []
+        added: list[Callback] = switch_warm_start(callbacks, self._get(self.config, "warm_start"))
         if config.get("enable_checkpointing") is not False and not any(
             isinstance(c, ModelCheckpoint) for c in callbacks
         ):
@@ -323,6 +333,8 @@ class DVILightningCLI(LightningCLI):
             return
         elapsed = time.perf_counter() - getattr(self, "_start", time.perf_counter())
         lines = [f"\nlightning-dvi {self.subcommand} finished in {elapsed:.1f} s"]
+        data = describe_data(self.datamodule)
+        lines += [f"data:        {data}"] if data else []
         metrics = {
             k: float(v)
             for k, v in sorted(trainer.callback_metrics.items())

@@ -35,6 +35,7 @@ containers around them); a layer that does not (``BayesConv2d``) raises its own 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -127,6 +128,7 @@ def fit_point_estimate(
     iterations: int = 20,
     history_size: int = 50,
     tolerance: float = 1e-9,
+    progress: Callable[[int, float, float | None], None] | None = None,
 ) -> PointFit:
     r"""Fit the posterior means as a point estimate, in place (see the module docstring).
 
@@ -144,6 +146,12 @@ def fit_point_estimate(
         history_size: L-BFGS curvature pairs kept.
         tolerance: without held-out rows, stop once a step changes the training loss by less
             than ``tolerance * max(1, |loss|)``.
+        progress: called as ``progress(step, train_loss, val_loss)`` with the losses at the
+            start (``step=0``) and after every step (``val_loss`` ``None`` without held-out
+            rows); with it the training loss is evaluated after every step (one pass without
+            gradients, which changes nothing in the fit). The
+            :class:`~lightning_dvi.callbacks.PointEstimateWarmStart` callback prints these
+            through the run's progress callback.
 
     Returns:
         :class:`PointFit`.
@@ -195,6 +203,8 @@ def fit_point_estimate(
             f"fit_point_estimate: the held-out point-fit loss at the start is {best_val}; check "
             "x_val and y_val for NaN/Inf or extreme values"
         )
+    if progress is not None:
+        progress(0, start, best_val)
     best = [p.detach().clone() for p in params]
     best_step, previous = 0, start
     stopped: Literal["patience", "converged", "max_steps"] = "max_steps"
@@ -202,6 +212,10 @@ def fit_point_estimate(
     for step in range(1, max_steps + 1):
         optimizer.step(closure)
         val = evaluate(x_val, y_val)
+        # the training loss: needed without held-out rows, and for the progress lines
+        train = evaluate(x, y) if progress is not None or val is None else None
+        if progress is not None:
+            progress(step, cast(float, train), val)
         if val is not None and best_val is not None:
             if val < best_val:
                 best_val, best_step = val, step
@@ -210,7 +224,7 @@ def fit_point_estimate(
                 stopped = "patience"
                 break
             continue
-        current = cast(float, evaluate(x, y))
+        current = cast(float, train)
         if not math.isfinite(current):  # keep the last finite step's means
             break
         best_step, best = step, [p.detach().clone() for p in params]
