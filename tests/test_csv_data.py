@@ -196,6 +196,58 @@ def test_predict_path_without_target(tmp_path):
     )
 
 
+def _labelled(path, labels):
+    rows = [f"{i % 7}.5,{label}" for i, label in enumerate(labels)]
+    path.write_text("a,y\n" + "\n".join(rows) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("split", ["val_path", "test_path", "predict_path"])
+def test_a_label_only_in_another_file_than_the_training_file_is_named_with_its_file(
+    tmp_path, split
+):
+    """Issue 44, item 4: the classes are the training file's labels; a label seen only in a
+    validation, test or predict file was a class no training row reaches (an untrained
+    ``prob_bird``). Now it is an error naming every such label, its first line and its file."""
+    train = _labelled(tmp_path / "train.csv", ["cat", "dog"] * 4)
+    other = _labelled(tmp_path / "other.csv", ["cat", "bird", "dog", "fish", "bird"])
+    with pytest.raises(ValueError) as info:
+        CSVDataModule(train, target="y", task="classification", **{split: other}).setup()
+    message = str(info.value)
+    assert message.startswith(
+        f"{tmp_path / 'other.csv'}, line 3, column 'y': class labels 'bird' (line 3), 'fish' "
+        f"(line 5) are not in the training file {tmp_path / 'train.csv'} (its labels: ['cat', "
+        "'dog'])"
+    ), message
+    assert '--data.labels \'["cat", "dog", "bird", "fish"]\'' in message
+    # Declared classes fix the set and the order; a declared class may lack training rows.
+    dm = CSVDataModule(train, target="y", task="classification",
+                       labels=["fish", "dog", "cat", "bird"], **{split: other})  # fmt: skip
+    assert dm.labels == ["fish", "dog", "cat", "bird"] and dm.num_classes == 4
+    assert sorted(set(dm.train_dataset.tensors[1].tolist())) == [1, 2]
+    # An undeclared label is still an error naming it and its file, wherever it is.
+    with pytest.raises(ValueError, match=r"other\.csv, line 5, column 'y': class label 'fish' is "
+                       r"not one of labels=\['bird', 'cat', 'dog'\]$"):  # fmt: skip
+        CSVDataModule(train, target="y", task="classification", labels=["bird", "cat", "dog"],
+                      **{split: other}).setup()  # fmt: skip
+
+
+def test_labels_missing_from_several_files_are_all_named_and_num_classes_declares_them(tmp_path):
+    train = _labelled(tmp_path / "train.csv", ["0", "1", "0", "1", "0"])
+    test = _labelled(tmp_path / "test.csv", ["1", "2", "0"])
+    new = _labelled(tmp_path / "new.csv", ["3", "0"])
+    with pytest.raises(ValueError) as info:
+        CSVDataModule(train, target="y", task="classification", test_path=test,
+                      predict_path=new).setup()  # fmt: skip
+    message = str(info.value)
+    assert "test.csv, line 3, column 'y': class label 2 is not in the training file" in message
+    assert f"; so is 3 (line 2) in {tmp_path / 'new.csv'}:" in message
+    assert "labels=[0, 1, 2, 3] (--data.labels '[0, 1, 2, 3]'" in message
+    dm = CSVDataModule(train, target="y", task="classification", test_path=test,
+                       predict_path=new, num_classes=4)  # fmt: skip
+    assert dm.labels == [0, 1, 2, 3] and dm.test_dataset.tensors[1].tolist() == [1, 2, 0]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -1,5 +1,9 @@
 """Class labels as written, mapped to classes ``0..K-1`` by sorted value.
 
+The classes are the training file's labels unless the user declares them (``labels``, or
+``num_classes`` for ``0..K-1``): a label found only in a validation, test or predict file is
+an error naming it and the file, never a class whose output no training row reaches.
+
 Labels are integers (any values: ``1, 2, 3``, ``-1, 1``, ``0, 3000000000``) or text
 (``"cat", "dog"``). Labels that are all integers written the plain way (``7``, ``-12``: no
 spaces, ``+``, decimals or leading zeros), or stored as integral numbers (a Parquet or NumPy
@@ -12,8 +16,10 @@ Numbers that are not all integers (``0.5``) are refused: that is a regression ta
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +146,54 @@ def _given(labels: Sequence[object], integer: bool) -> list[Label]:
     return out
 
 
+def _shell_list(labels: Sequence[Label]) -> str:
+    """``labels`` as a command-line value: a JSON list (valid YAML), quoted for the shell."""
+    return shlex.quote(json.dumps(list(labels)))
+
+
+def _unknown(
+    columns: Sequence[LabelColumn], canonical: Sequence[Sequence[Label]], known: Sequence[Label]
+) -> list[tuple[LabelColumn, list[tuple[int, Label]]]]:
+    """Per column, its distinct labels outside ``known`` as ``(first row, label)``, by row."""
+    allowed = set(known)
+    found = []
+    for column, per in zip(columns, canonical, strict=True):
+        missing = [j for j, label in enumerate(per) if label not in allowed]
+        if missing:
+            first = {j: int(np.flatnonzero(column.codes == j)[0]) for j in missing}
+            found.append((column, sorted((first[j], per[j]) for j in missing)))
+    return found
+
+
+def _unknown_error(
+    unknown: Sequence[tuple[LabelColumn, Sequence[tuple[int, Label]]]], problem: str, advice: str
+) -> ValueError:
+    """One error naming every label outside the classes, with its file and first row.
+
+    The message is ``FILE, line N, column C: class label(s) ... PROBLEM``, then the labels of
+    further files, then ``advice``; ``problem`` reads after ``is``/``are``
+    (``"not one of labels=[...]"``).
+    """
+
+    def named(column: LabelColumn, rows: Sequence[tuple[int, Label]], lines: bool) -> str:
+        return ", ".join(
+            (f"{label!r}" if isinstance(label, str) else f"{label}")
+            + (f" ({column.row_name(row)})" if lines else "")
+            for row, label in rows
+        )
+
+    column, rows = unknown[0]
+    first = rows[0][0]
+    if len(rows) == 1:
+        text = f"class label {named(column, rows, False)} is {problem}"
+    else:
+        text = f"class labels {named(column, rows, True)} are {problem}"
+    for other, other_rows in unknown[1:]:
+        text += f"; so {'is' if len(other_rows) == 1 else 'are'} {named(other, other_rows, True)}"
+        text += f" in {other.path}"
+    return fail(column.path, column.row_name(first), column.column, text + advice)
+
+
 def resolve_labels(
     columns: Sequence[LabelColumn],
     labels: Sequence[object] | None = None,
@@ -147,8 +201,14 @@ def resolve_labels(
 ) -> tuple[list[Label], list[np.ndarray]]:
     """The class labels (class ``k`` is ``labels[k]``) and each column's class per row.
 
+    Without ``labels`` or ``num_classes`` the classes are the labels of the training file,
+    ``columns[0]``, sorted: a label only in another file (validation, test or predict) is an
+    error, since its class would have no training rows and its output would never be trained.
+    Declaring the classes (``labels``, or ``num_classes`` for ``0..K-1``) allows a declared
+    class without training rows.
+
     Args:
-        columns: the label columns of every labelled file.
+        columns: the label columns of every labelled file, the training file's first.
         labels: the classes in order, if the user gave them; every file label must be one.
         num_classes: integer labels ``0..num_classes-1`` (the former convention), if given.
 
@@ -157,8 +217,9 @@ def resolve_labels(
 
     Raises:
         ValueError: naming file, row and column for a label outside ``labels`` or
-            ``0..num_classes-1``, a fractional numeric label, an empty label; and for fewer
-            than two classes.
+            ``0..num_classes-1``, or (classes not declared) outside the training file's labels,
+            every such label of every file; a fractional numeric label; an empty label; and
+            fewer than two classes.
     """
     canonical = _canonical(columns, numeric_text=num_classes is not None and labels is None)
     integer = all(isinstance(v, int) for per in canonical for v in per)
@@ -168,6 +229,7 @@ def resolve_labels(
             raise ValueError(
                 f"num_classes={num_classes} but labels lists {len(classes)} classes: {classes}"
             )
+        problem = f"not one of labels={classes}"
     elif num_classes is not None:
         if not integer:
             raise ValueError(
@@ -175,22 +237,26 @@ def resolve_labels(
                 "files' class labels are text; leave num_classes unset (or give labels=[...])"
             )
         classes = list(range(num_classes))
+        problem = f"out of range for num_classes={num_classes}"
     else:
-        classes = sorted({v for per in canonical for v in per})  # one kind: all int or all str
+        classes = sorted(set(canonical[0]))  # one kind: all int or all str
+        problem = f"not in the training file {columns[0].path} (its labels: {classes})"
+    unknown = _unknown(columns, canonical, classes)
+    if unknown:
+        advice = ""
+        if labels is None and num_classes is None:
+            declared = classes + sorted({label for _, rows in unknown for _, label in rows})
+            advice = (
+                ": a class without training rows would get a model output that is never "
+                "trained. Correct or drop those rows, or, to keep such a class, declare the "
+                f"classes: labels={declared} (--data.labels {_shell_list(declared)} on the "
+                "command line)"
+            )
+        raise _unknown_error(unknown, problem, advice)
     position = {label: k for k, label in enumerate(classes)}
     encoded = []
     for column, per in zip(columns, canonical, strict=True):
-        lookup = np.empty(len(per), dtype=np.int64)
-        for j, label in enumerate(per):
-            if label not in position:
-                shown = f"{label!r}" if isinstance(label, str) else f"{label}"
-                problem = (
-                    f"class label {shown} is out of range for num_classes={num_classes}"
-                    if labels is None
-                    else f"class label {shown} is not one of labels={classes}"
-                )
-                raise column.error(j, problem)
-            lookup[j] = position[label]
+        lookup = np.array([position[label] for label in per], dtype=np.int64)
         encoded.append(lookup[column.codes])
     if len(classes) < 2:
         raise ValueError(

@@ -121,7 +121,10 @@ class CSVDataModule(InMemoryDataModule):
     the original units, against the file's values. Constant training columns get scale 1.
 
     Class labels are integers (any, e.g. ``1, 2, 3`` or ``0, 3000000000``) or text; they map to
-    classes ``0..K-1`` by sorted value (``labels`` fixes the order instead). The mapping,
+    classes ``0..K-1`` by sorted value (``labels`` fixes the order instead). The classes are
+    the labels of ``path``: a label found only in ``val_path``, ``test_path`` or
+    ``predict_path`` is an error naming it and the file, unless ``labels`` (or ``num_classes``)
+    declares it, which also allows a declared class with no training rows. The mapping,
     :attr:`labels`, is a hyper-parameter of the data module, so checkpoints carry it, and
     ``lightning-dvi predict`` writes predictions with the original labels.
 
@@ -148,7 +151,7 @@ class CSVDataModule(InMemoryDataModule):
         test_fraction: fraction of the rows of ``path`` held out for testing when there is no
             ``test_path``; 0 disables testing.
         num_classes: classification with integer labels ``0..num_classes-1`` (a class may be
-            absent from the files); default: the labels found in the files.
+            absent from the files); default: the labels found in ``path``.
         standardize: standardise inputs (and regression targets) with training statistics;
             ``False`` leaves them as they are (loc 0, scale 1).
         delimiter: the separator of text files (default ``,``; a tab for ``.tsv``).
@@ -158,8 +161,9 @@ class CSVDataModule(InMemoryDataModule):
             written, required in every file, and written next to each prediction.
         drop_columns: columns to leave out of the default ``features``.
         labels: classification: the class labels in class order (class ``k`` is
-            ``labels[k]``); every label in the files must be one of them. Default: the sorted
-            distinct labels of the files.
+            ``labels[k]``); every label in the files must be one of them, and a listed label
+            may be absent from the training rows. Default: the sorted distinct labels of
+            ``path``, and a label only in another file is an error.
         encoding: the text encoding of text files (default UTF-8, with or without BOM), e.g.
             ``"latin-1"``.
 
@@ -168,7 +172,8 @@ class CSVDataModule(InMemoryDataModule):
         ValueError: for bad arguments, and for bad files naming the file, row and column: a
             missing column, an empty, non-numeric or non-finite cell, a value that does not fit
             in float32, a ragged row, text not in ``encoding``, an empty file, a class label
-            outside ``labels``/``num_classes`` or a fractional one.
+            outside ``labels``/``num_classes`` (without them: outside the labels of ``path``)
+            or a fractional one.
 
     Examples:
         >>> import tempfile, pathlib
@@ -483,6 +488,7 @@ class CSVDataModule(InMemoryDataModule):
                 y_loc, y_scale = fit_standardizer(main.y[train_rows, None])
             self._stats.update({"target_loc": float(y_loc[0]), "target_scale": float(y_scale[0])})
         else:
+            # the training file first: unless declared, its labels are the classes
             labelled = [part for part in files if part.labels is not None]
             labels, classes = resolve_labels(
                 [part.labels for part in labelled if part.labels is not None],
