@@ -13,7 +13,9 @@ pytest collects the shared checks for it:
 * conversion from the torch twin (:func:`~lightning_dvi.nn.from_torch` at zero posterior
   scale is the torch network);
 * the Pyro pass (:class:`~lightning_dvi.pyro.PyroBayesNet` equals the network holding the
-  guide's posterior);
+  guide's posterior), and the torch twin written as a Pyro model (``PyroModule`` layers with
+  ``PyroSample`` priors, as Pyro's tutorials write it) gives, through the moment pass, the
+  moments of the network ``from_torch`` converts it to;
 * every weight layer (:class:`~lightning_dvi.nn.HasPosterior`) has a KL term with gradient;
 * no subnormal floats in the output moments, for inputs far in the tails.
 
@@ -24,14 +26,18 @@ through the same base.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
+from pyro.nn import PyroSample
+from pyro.nn.module import to_pyro_module_
 from torch import nn
 
 from lightning_dvi import Gaussian
@@ -41,9 +47,11 @@ from lightning_dvi.nn import (
     bayes_layers,
     export_predictive,
     from_torch,
+    given_weights,
     has_posterior,
     parameter_groups,
 )
+from lightning_dvi.nn.registry import spec_for_module
 from lightning_dvi.priors import GaussianPrior
 
 
@@ -57,7 +65,10 @@ class LayerCase:
         torch_twin: builds the torch network the kind stands for (``None``: no twin).
         exact_diag: whether ``diag`` mode is exact for :attr:`net` (no dropped covariance).
         tol: Monte Carlo tolerance, in MC standard deviations (means) and relative (stds).
-        pyro: whether :class:`~lightning_dvi.pyro.PyroBayesNet` supports the network.
+        pyro: whether :class:`~lightning_dvi.pyro.PyroBayesNet` supports the network (every
+            registered kind does; a user's layer may not).
+        pyro_twin_refused: per mode, for a torch twin the moment pass refuses by design, a
+            regex of the refusal (the test checks that it is raised and says what to use).
         smooth: whether the moments are differentiable everywhere (gradients are checked).
         sample_mode: the Monte Carlo oracle's draws: ``"sample"`` (whole weights, shared by
             the batch) or ``"local"`` (independent per example: the semantics of per-example
@@ -75,11 +86,33 @@ class LayerCase:
     smooth: bool = True
     sample_mode: Literal["sample", "local"] = "sample"
     export: bool = True
+    pyro_twin_refused: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _seeded(build, seed=0):
     torch.manual_seed(seed)
     return build()
+
+
+def _pyro_model(twin: nn.Module) -> tuple[nn.Module, list[str]]:
+    """The torch network as a Pyro user writes it: every weight layer's parameters get Normal
+    priors (``PyroSample``); other parameters (normalization gains) stay ``pyro.param``s.
+
+    Returns the model and the site-name prefix of each weight layer, in module order.
+    """
+    weight_layers = [
+        path
+        for path, m in twin.named_modules()
+        if (spec := spec_for_module(m)) is not None and spec.kind == "weight"
+    ]
+    model = copy.deepcopy(twin)
+    to_pyro_module_(model)
+    for path in weight_layers:
+        m = model.get_submodule(path)
+        for name, p in list(m.named_parameters(recurse=False)):
+            prior = dist.Normal(torch.zeros((), dtype=p.dtype), 1.0)
+            setattr(m, name, PyroSample(prior.expand(list(p.shape)).to_event(p.dim())))
+    return model, [f"{path}." if path else "" for path in weight_layers]
 
 
 class LayerConformance:
@@ -190,12 +223,46 @@ class LayerConformance:
             for g in layer.parameter_groups():
                 loc, scale = guide._get_loc_and_scale(f"net.{path}.{g.name}")
                 given[layer][g.name] = (loc.detach(), scale.detach() ** 2)
-        from lightning_dvi.nn import given_weights
 
         with torch.no_grad(), given_weights(given):
             ref = net(x, mode=mode)
         torch.testing.assert_close(out.dvi_mean, ref.mean)
         torch.testing.assert_close(out.dvi_var, ref.var)
+
+    @pytest.mark.usefixtures("pyro_state")
+    @pytest.mark.parametrize("mode", ["full", "diag"])
+    def test_pyro_model_of_the_torch_twin_equals_the_converted_network(self, mode):
+        if self.case.torch_twin is None:
+            pytest.skip("the kind stands for no torch module")
+        from lightning_dvi.pyro import DeterministicGuide
+        from lightning_dvi.pyro.messenger import MomentPassMessenger
+
+        twin = _seeded(self.case.torch_twin).double().eval()
+        x = _seeded(self.case.x, seed=1)
+        net = from_torch(twin, scale_fraction=0.0)
+        model, sites = _pyro_model(twin)
+        guide = DeterministicGuide(model, mode=mode, init_scale=0.2)
+        weights = poutine.trace(guide.moment_posteriors).get_trace(x).nodes["_RETURN"]["value"]
+        if mode in self.case.pyro_twin_refused:
+            refused = pytest.raises(NotImplementedError, match=self.case.pyro_twin_refused[mode])
+            with refused as err, pyro.validation_enabled(False):
+                MomentPassMessenger(weights)(model)(x)
+            assert "PyroBayesNet" in str(err.value)  # says what works instead
+            return
+        with pyro.validation_enabled(False):
+            out = MomentPassMessenger(weights)(model)(x)
+        layers = list(bayes_layers(net))  # conversion keeps the twin's order of weight layers
+        assert len(layers) == len(sites)
+        given = {}
+        for layer, prefix in zip(layers, sites, strict=True):
+            given[layer] = {}
+            for g in layer.parameter_groups():
+                loc, scale = guide._get_loc_and_scale(f"{prefix}{g.name}")
+                given[layer][g.name] = (loc.detach(), scale.detach() ** 2)
+        with torch.no_grad(), given_weights(given):
+            ref = net(x, mode=mode)
+        torch.testing.assert_close(out.dvi_mean, ref.mean.reshape(out.shape))
+        torch.testing.assert_close(out.dvi_var, ref.var.reshape(out.shape))
 
     def test_every_weight_layer_has_a_kl_term(self):
         net, _ = self._net_and_x()

@@ -219,7 +219,11 @@ def test_categorical_site_calls_the_classifier_objective(pyro_state) -> None:
 @pytest.mark.parametrize(
     ("site", "match"),
     [
-        (lambda f: dist.Bernoulli(probs=torch.sigmoid(f)), "logits"),
+        # probs=sigmoid(f) is the logits form (test_pyro_links.py); other probs are refused
+        (
+            lambda f: dist.Bernoulli(probs=(torch.tanh(f) + 1.0) / 2.0),
+            r"not torch.sigmoid of the network output.*probs=torch.sigmoid\(f\).*logits=f",
+        ),
         # softplus is a registered activation (issue 28): its output is Gaussian, not a log-rate
         (lambda f: dist.Poisson(rate=F.softplus(f)), r"rate other than exp\(network output\)"),
         (lambda f: dist.Poisson(rate=f.exp() + 1.0), "exp"),

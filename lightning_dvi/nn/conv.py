@@ -112,6 +112,24 @@ def _flat_samples(x: Tensor) -> tuple[Tensor, tuple[int, int]]:
     return x.reshape(s * b, *x.shape[2:]), (s, b)
 
 
+def _conv_values(
+    x: Moments, mode: Mode, weight: Tensor, bias: Tensor | None, conv: dict[str, Any]
+) -> Tensor:
+    """The convolution with given weight *values*, as a front-end hands them over.
+
+    ``weight`` is ``[C_out, C_in, kH, kW]`` (or one per sample, ``[S, C_out, ...]``, in the
+    Monte Carlo modes), e.g. a Pyro sample through :func:`~lightning_dvi.nn.given_weights`.
+    """
+    if isinstance(x, Gaussian):
+        raise ValueError("weight values (not moments) need a tensor input, got a Gaussian")
+    if mode not in _MC_MODES:
+        return F.conv2d(x, weight, bias, **conv)
+    s = max(x.shape[0], weight.shape[0] if weight.dim() == 5 else 1)
+    weight = weight.expand(s, *weight.shape[-4:])
+    bias = None if bias is None else bias.expand(s, bias.shape[-1])
+    return M.conv2d_sample(x.expand(s, *x.shape[1:]), weight, bias, **conv)
+
+
 def _from_torch_conv2d(module: nn.Module, options: ConversionOptions) -> BayesModule:
     assert isinstance(module, nn.Conv2d)  # the registry converts only its torch_modules
     required = unsupported_conv2d_options(
@@ -240,12 +258,9 @@ class BayesConv2d(FactorisedLayer):
         """Diag moments (``full``/``diag``) or samples (``sample``/``local``) of the output."""
         self._check_input(x, mode)
         w_loc, w_var, b_loc, b_var = self._moments()
-        if w_var is None:
-            raise ValueError(
-                "BayesConv2d propagates weight moments; weight values given by a front-end "
-                "(lightning_dvi.nn.linear.given_weights with w_var=None) are not supported"
-            )
         conv = {"stride": self.stride, "padding": self.padding}
+        if w_var is None:  # weight values given by a front-end (a Pyro sample): a plain conv
+            return _conv_values(x, mode, w_loc, b_loc, conv)
         if mode in _MC_MODES:  # BayesModule.forward hands the Monte Carlo modes a tensor
             x = cast(Tensor, x)
             if mode == "sample":

@@ -56,13 +56,18 @@ def likelihood_term(likelihood: likelihoods.Likelihood, g: Gaussian) -> Callable
     return lambda y: likelihood.expected_log_prob(g, y.expand(batch))
 
 
-def categorical_expected_log_prob(what: str, logits: MomentTensor) -> Callable[[Tensor], Tensor]:
+def categorical_expected_log_prob(
+    what: str, logits: MomentTensor, link: str = "log_softmax"
+) -> Callable[[Tensor], Tensor]:
     """``y ->`` :class:`lightning_dvi.likelihoods.Categorical`'s expected log-likelihood.
 
     With the class's default method (``"bound"``, as :class:`~lightning_dvi.DVIClassifier`):
-    never above the true expected log-likelihood.
+    never above the true expected log-likelihood. ``link``: what ``logits`` stands for
+    (``"log_softmax"`` of the logits, as ``Categorical(logits=f)`` normalises them, or
+    ``"softmax"``, the ``probs`` of ``Categorical(probs=softmax(f))``); either way the
+    Gaussian of the logits is integrated.
     """
-    g = logits.gaussian(what, link="log_softmax")
+    g = logits.gaussian(what, link=link)
     return likelihood_term(likelihoods.Categorical(g.mean.shape[-1]), g)
 
 
@@ -194,7 +199,8 @@ class Categorical(dist.Categorical):
     :class:`~lightning_dvi.DVIClassifier` trains with.
 
     Args:
-        probs: as for ``pyro.distributions.Categorical`` (not in a moment pass).
+        probs: as for ``pyro.distributions.Categorical``; in a moment pass only
+            ``torch.softmax(f, -1)`` of the network output (the logits form is used).
         logits: ``[..., K]``, a tensor or a moment tensor.
         validate_args: as for torch distributions.
     """
@@ -205,9 +211,12 @@ class Categorical(dist.Categorical):
         logits: Tensor | None = None,
         validate_args: bool | None = None,
     ) -> None:
-        if isinstance(probs, MomentTensor):
-            raise unsupported("Categorical(probs=...) on moments", "pass logits=network output")
-        if isinstance(logits, MomentTensor):
+        if isinstance(probs, MomentTensor) and probs.dvi_link != "softmax":
+            raise unsupported(
+                "Categorical(probs=p) on moments, p not the softmax of the network output",
+                "pass probs=torch.softmax(f, -1) or logits=f",
+            )
+        if isinstance(logits, MomentTensor) or isinstance(probs, MomentTensor):
             validate_args = False  # support checks are comparisons, which moments refuse
         super().__init__(probs=probs, logits=logits, validate_args=validate_args)
 
@@ -220,7 +229,9 @@ class Categorical(dist.Categorical):
 
     def expected_log_prob(self, value: Tensor) -> Tensor:
         r"""Lower bound on :math:`\mathbb E_q\log p(y\mid a)` (``log_prob`` for plain logits)."""
-        logits = self.__dict__.get("logits")
-        if not isinstance(logits, MomentTensor):
-            return cast(Tensor, self.log_prob(value))
-        return categorical_expected_log_prob("Categorical", logits)(value)
+        logits, probs = self.__dict__.get("logits"), self.__dict__.get("probs")
+        if isinstance(logits, MomentTensor):
+            return categorical_expected_log_prob("Categorical", logits)(value)
+        if isinstance(probs, MomentTensor):
+            return categorical_expected_log_prob("Categorical", probs, link="softmax")(value)
+        return cast(Tensor, self.log_prob(value))

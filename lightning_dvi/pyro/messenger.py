@@ -193,17 +193,10 @@ def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
     expected = getattr(fn, "expected_log_prob", None)
     if expected is not None:  # the library's moment-aware likelihoods
         return cast(Callable[[Tensor], Tensor], expected)
-    if isinstance(fn, torch.distributions.Categorical) and isinstance(fn.logits, MomentTensor):
-        return categorical_expected_log_prob(f"observed site {name!r}: Categorical", fn.logits)
+    if isinstance(fn, torch.distributions.Categorical):
+        return _categorical(name, fn)
     if isinstance(fn, torch.distributions.Bernoulli):
-        logits = fn.__dict__.get("logits")  # probs/logits are lazy: read what was given
-        if not isinstance(logits, MomentTensor):
-            raise unsupported(
-                f"observed site {name!r}: Bernoulli(probs=...) depending on the network",
-                "pass the network output as logits: dist.Bernoulli(logits=f)",
-            )
-        what = f"observed site {name!r}: Bernoulli"
-        return elementwise_expected_log_prob(what, logits, likelihoods.Bernoulli())
+        return _bernoulli(name, fn)
     if isinstance(fn, torch.distributions.Poisson) and isinstance(fn.rate, MomentTensor):
         if fn.rate.dvi_link != "exp":
             raise unsupported(
@@ -217,8 +210,49 @@ def _expected_log_prob(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
     raise unsupported(
         f"observed site {name!r} with a {type(fn).__name__} likelihood depending on the network",
         "supported: Normal (fixed or latent scale), Categorical(logits=f), "
-        "Bernoulli(logits=f), Poisson(rate=f.exp()), lightning_dvi.pyro.HeteroscedasticGaussian",
+        "Categorical(probs=softmax(f)), Bernoulli(logits=f), Bernoulli(probs=sigmoid(f)), "
+        "Poisson(rate=f.exp()), lightning_dvi.pyro.HeteroscedasticGaussian",
     )
+
+
+def _categorical(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
+    """``Categorical(logits=f)`` or ``Categorical(probs=softmax(f))``: the same logits form."""
+    given = fn.__dict__  # probs/logits are lazy: read what was given
+    what = f"observed site {name!r}: Categorical"
+    logits, probs = given.get("logits"), given.get("probs")
+    if isinstance(logits, MomentTensor):
+        return categorical_expected_log_prob(what, logits)
+    if isinstance(probs, MomentTensor) and probs.dvi_link == "softmax":
+        return categorical_expected_log_prob(what, probs, link="softmax")
+    raise unsupported(
+        f"{what}(probs=p) whose p is not the softmax of the network output",
+        "write probs=torch.softmax(f, -1) (or nn.Softmax(-1) as the last layer) or logits=f: "
+        "both observe with the expected log-likelihood of the logits f",
+    )
+
+
+def _bernoulli(name: str, fn: Any) -> Callable[[Tensor], Tensor]:
+    r"""``Bernoulli(logits=f)`` or ``Bernoulli(probs=sigmoid(f))``: the same logits form.
+
+    ``probs = torch.sigmoid(f)`` (``nn.Sigmoid``, TyXe's ``logit_predictions=False``) is the
+    same model as ``logits = f``; the sigmoid's output remembers ``f`` (``dvi_logits``), and
+    the site integrates :math:`\log p(y\mid f)` over the Gaussian of ``f`` exactly as the
+    logits form does (the moments of the sigmoid itself are not what the likelihood needs).
+    """
+    given = fn.__dict__  # probs/logits are lazy: read what was given
+    what = f"observed site {name!r}: Bernoulli"
+    logits, probs = given.get("logits"), given.get("probs")
+    if isinstance(probs, MomentTensor):
+        logits = probs.dvi_logits
+        if logits is None:
+            raise unsupported(
+                f"{what}(probs=p) whose p is not torch.sigmoid of the network output",
+                "write probs=torch.sigmoid(f) (or nn.Sigmoid as the last layer) or logits=f: "
+                "both observe with the expected log-likelihood of the logits f",
+            )
+    if not isinstance(logits, MomentTensor):  # pragma: no cover - carries_moments said so
+        raise unsupported(f"{what} with parameters that are not the network output")
+    return elementwise_expected_log_prob(what, logits, likelihoods.Bernoulli())
 
 
 def _normal(name: str, loc: Any, scale: Any) -> Callable[[Tensor], Tensor]:

@@ -4,8 +4,16 @@ Each rule maps the moments of its inputs to the moments of its output with the c
 :mod:`lightning_dvi.moments` (one implementation of each formula serves every front-end):
 shape ops and broadcasting, addition of independent terms, scaling by constants, ``F.linear`` /
 ``matmul`` (a linear layer with factorised Gaussian weights, through
-:func:`lightning_dvi.moments.linear_moments`) and every activation of the registry
-(:mod:`lightning_dvi.nn.registry`), through its declared module's own ``propagate``.
+:func:`lightning_dvi.moments.linear_moments`), ``conv2d``, pooling, normalization, ``torch.cat``
+and every activation of the registry (:mod:`lightning_dvi.nn.registry`). Whatever a declared
+module does is done by that module: ``F.max_pool2d``, ``F.group_norm`` and every registered
+torch function (activations, ``F.batch_norm``, ``F.layer_norm``, ``F.adaptive_avg_pool2d``)
+build the declared module and call its own ``propagate``, so no formula has a Pyro-side copy.
+
+Likelihood links: ``log_softmax``/``softmax`` of logits and ``exp`` of a log-rate stand for the
+link of the Gaussian (``dvi_link``) and reach the likelihood site, which integrates it. The
+output of ``torch.sigmoid`` remembers its argument (``dvi_logits``), so that
+``dist.Bernoulli(probs=torch.sigmoid(f))`` observes with the logits form.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from torch import Tensor
 
 from .. import moments as M
 from ..gaussian import Gaussian, Mode
-from ..nn.conv import unsupported_conv2d_options, unsupported_pool2d_options
+from ..nn.activations import Sigmoid
+from ..nn.conv import MaxPool2d, unsupported_conv2d_options, unsupported_pool2d_options
+from ..nn.layer_norm import GroupNorm
 from ..nn.registry import spec_for_function
 from .dispatch import Handler, op_name, register, register_resolver, unsupported
 from .moment_tensor import (
@@ -53,7 +63,7 @@ _SHAPE_OPS = (
 )
 
 
-@register(*_SHAPE_OPS)
+@register(*_SHAPE_OPS, kind="shape ops")
 def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
     """Gather the moments (:func:`lightning_dvi.moments.reindex_gaussian`).
 
@@ -64,10 +74,13 @@ def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Mo
     full = x.dvi_mode == "full"
     joint = (full or x.dvi_cov is not None) and not x.dvi_marginal  # diag mode: a head's cov
     g, exact = M.reindex_gaussian(x.moments(), func, *args, joint=joint, **kwargs)
-    return new_like(x, g, marginal=full and not exact)
+    out = new_like(x, g, marginal=full and not exact)
+    if x.dvi_logits is not None:  # sigmoid(f) reshaped: its logits are reshaped alike
+        out.dvi_logits = _shape_op(func, x.dvi_logits, *args, **kwargs)
+    return out
 
 
-@register(_T.expand_as, _T.reshape_as, _T.view_as)
+@register(_T.expand_as, _T.reshape_as, _T.view_as, kind="shape ops")
 def _shape_as(func: Callable[..., Any], x: Any, other: Any) -> MomentTensor:
     to: dict[Any, Handler] = {
         _T.expand_as: _T.expand,
@@ -82,18 +95,21 @@ def expand_to(x: Tensor, shape: torch.Size) -> Tensor:
     return x if tuple(x.shape) == tuple(shape) else x.expand(shape)
 
 
-@register(torch.broadcast_tensors)
+@register(torch.broadcast_tensors, kind="shape ops")
 def _broadcast_tensors(func: Callable[..., Any], *tensors: Tensor) -> tuple[Tensor, ...]:
     shape = torch.broadcast_shapes(*(t.shape for t in tensors))
     return tuple(expand_to(t, shape) for t in tensors)
 
 
-@register(_T.to, _T.float, _T.double, _T.type_as)
+@register(_T.to, _T.float, _T.double, _T.type_as, kind="shape ops")
 def _cast(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
     _only_moment_operand(func, x, *args, *kwargs.values())
     cov = None if x.dvi_cov is None else func(x.dvi_cov, *args, **kwargs)
     var = None if cov is not None else func(x.dvi_var, *args, **kwargs)
-    return new_like(x, Gaussian(func(x.dvi_mean, *args, **kwargs), cov, var, validate=False))
+    out = new_like(x, Gaussian(func(x.dvi_mean, *args, **kwargs), cov, var, validate=False))
+    if x.dvi_logits is not None:
+        out.dvi_logits = _cast(func, x.dvi_logits, *args, **kwargs)
+    return out
 
 
 # ------------------------------------------------------------------------------ arithmetic
@@ -127,14 +143,14 @@ def _scale_moments(x: MomentTensor, c: Tensor | float, op: str) -> MomentTensor:
     return new_like(x, M.scale_gaussian(x.moments(), c))
 
 
-@register(_T.__add__, _T.__radd__, _T.add, torch.add)
+@register(_T.__add__, _T.__radd__, _T.add, torch.add, kind="arithmetic")
 def _add(func: Callable[..., Any], a: Any, b: Any, *, alpha: float = 1) -> MomentTensor:
     if alpha != 1:
         b = _scale_moments(b, alpha, "scaling") if is_moment(b) else b * alpha
     return _add_moments(op_name(func), a, b)
 
 
-@register(_T.__sub__, _T.sub, torch.sub)
+@register(_T.__sub__, _T.sub, torch.sub, kind="arithmetic")
 def _sub(func: Callable[..., Any], a: Any, b: Any, *, alpha: float = 1) -> MomentTensor:
     if isinstance(b, _LogSumExp):  # logits - logits.logsumexp(-1, keepdim=True): Categorical
         return b.normalise(a, alpha)
@@ -142,25 +158,27 @@ def _sub(func: Callable[..., Any], a: Any, b: Any, *, alpha: float = 1) -> Momen
     return _add(func, a, b, alpha=alpha)
 
 
-@register(_T.__rsub__)
+@register(_T.__rsub__, kind="arithmetic")
 def _rsub(func: Callable[..., Any], a: Any, b: Any) -> MomentTensor:
     return _add_moments(op_name(func), _scale_moments(a, -1.0, "negation"), b)  # b - a
 
 
-@register(_T.__neg__, _T.neg, torch.neg)
+@register(_T.__neg__, _T.neg, torch.neg, kind="arithmetic")
 def _neg_op(func: Callable[..., Any], x: MomentTensor) -> MomentTensor:
     return _scale_moments(x, -1.0, "negation")
 
 
-@register(_T.__mul__, _T.__rmul__, _T.mul, torch.mul)
+@register(_T.__mul__, _T.__rmul__, _T.mul, torch.mul, kind="arithmetic")
 def _mul(func: Callable[..., Any], a: Any, b: Any) -> MomentTensor:
     if is_moment(a) and is_moment(b):
         raise unsupported(f"`{op_name(func)}` of two moment-carrying tensors", "not Gaussian")
     return _scale_moments(a, b, "scaling") if is_moment(a) else _scale_moments(b, a, "scaling")
 
 
-@register(_T.__truediv__, _T.div, torch.div)
+@register(_T.__truediv__, _T.div, torch.div, kind="arithmetic")
 def _div(func: Callable[..., Any], a: Any, b: Any, **kwargs: Any) -> MomentTensor:
+    if isinstance(b, _SoftmaxSum) and not kwargs:  # probs / probs.sum(-1, keepdim=True)
+        return b.normalise(a)
     if is_moment(b) or kwargs:
         raise unsupported(f"`{op_name(func)}` by a moment-carrying tensor or with rounding")
     return _scale_moments(a, 1.0 / torch.as_tensor(b), "scaling")
@@ -206,12 +224,12 @@ def _layer(
     return MomentTensor.of(moments(h, w_mean, w_var, b_mean, b_var, mode=mode), mode, sources)
 
 
-@register(F.linear)
+@register(F.linear, kind="layers")
 def _linear(func: Callable[..., Any], x: Any, weight: Any, bias: Any = None) -> MomentTensor:
     return _layer(func, x, weight, bias, M.linear_moments)
 
 
-@register(torch.matmul, _T.matmul, _T.__matmul__)
+@register(torch.matmul, _T.matmul, _T.__matmul__, kind="layers")
 def _matmul(func: Callable[..., Any], x: Any, weight: Any) -> MomentTensor:
     """``x @ w`` with an ``[in, out]`` matrix ``w``: the linear layer of ``w.mT``."""
     if weight.dim() != 2 or (is_moment(weight) and weight.dvi_cov is not None):
@@ -223,12 +241,17 @@ def _matmul(func: Callable[..., Any], x: Any, weight: Any) -> MomentTensor:
     return _layer(func, x, weight, None, moments)
 
 
-@register(F.conv2d)
+@register(F.conv2d, kind="layers")
 def _conv2d(
     func: Callable[..., Any], x: Any, weight: Any, bias: Any = None, stride: Any = 1,
     padding: Any = 0, dilation: Any = 1, groups: int = 1,
 ) -> MomentTensor:  # fmt: skip
-    """``PyroModule[nn.Conv2d]``: diag moments (:func:`lightning_dvi.moments.conv2d_moments`)."""
+    """``PyroModule[nn.Conv2d]``: diag moments (:func:`lightning_dvi.moments.conv2d_moments`).
+
+    ``mode="diag"`` only: per-pixel moments are what image stages keep, and which pixels of a
+    flattened image a dense layer may treat as independent (the declared networks' full-mode
+    rule, :mod:`lightning_dvi.nn.conv`) is known only to a declared network.
+    """
     required = unsupported_conv2d_options(groups, dilation, padding)
     if required is not None:
         raise unsupported(f"`{op_name(func)}`", f"only {required}")
@@ -236,14 +259,17 @@ def _conv2d(
     def moments(h: Any, *weights: Any, mode: Mode) -> Gaussian:
         if mode != "diag":
             raise unsupported(
-                f"`{op_name(func)}` in mode='full'", "convolutions propagate diag moments"
+                f"`{op_name(func)}` in mode='full'",
+                "convolutions propagate per-pixel (diag) moments: use "
+                "DeterministicGuide(model, mode='diag'), or PyroBayesNet(from_torch(net)) for "
+                "full covariance in the dense layers after the convolutions",
             )
         return M.conv2d_moments(h, *weights, stride=stride, padding=padding)
 
     return _layer(func, x, weight, bias, moments)
 
 
-@register(F.avg_pool2d)
+@register(F.avg_pool2d, kind="pooling")
 def _avg_pool2d(
     func: Callable[..., Any], x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0,
     ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: Any = None,
@@ -257,6 +283,101 @@ def _avg_pool2d(
     stride = kernel_size if stride in (None, []) else stride
     mean, var = M.avg_pool2d_diag(h.mean, h.var, kernel_size, stride)
     return MomentTensor(mean, var=var, mode=x.dvi_mode, sources=x.dvi_sources)
+
+
+def _declared(module: Any, x: Any, op: str) -> MomentTensor:
+    """The moments of the declared ``module`` (its own ``propagate``) on the moments of ``x``."""
+    out = module.propagate(x.gaussian(op), x.dvi_mode)
+    return MomentTensor.of(cast(Gaussian, out), x.dvi_mode, x.dvi_sources)
+
+
+@register(F.max_pool2d, kind="pooling")
+def _max_pool2d(
+    func: Callable[..., Any], x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0,
+    dilation: Any = 1, ceil_mode: bool = False, return_indices: bool = False,
+) -> MomentTensor:  # fmt: skip
+    """``nn.MaxPool2d``: :class:`lightning_dvi.nn.MaxPool2d` (moment-matched maximum)."""
+    op = op_name(func)
+    _only_moment_operand(func, x)
+    required = unsupported_pool2d_options(
+        padding, ceil_mode, dilation, return_indices=return_indices, allow_padding=True
+    )
+    if required is not None:
+        raise unsupported(f"`{op}`", f"only {required}")
+    stride = None if stride in (None, [], ()) else stride
+    return _declared(MaxPool2d(kernel_size, stride, padding=padding), x, op)
+
+
+@register(F.group_norm, kind="normalization")
+def _group_norm(
+    func: Callable[..., Any], x: Any, num_groups: int, weight: Any = None, bias: Any = None,
+    eps: float = 1e-5,
+) -> MomentTensor:  # fmt: skip
+    """``nn.GroupNorm``: :class:`lightning_dvi.nn.GroupNorm` holding the caller's own tensors."""
+    op = op_name(func)
+    _only_moment_operand(func, x, weight, bias)
+    if x.dim() < 2:
+        raise unsupported(f"`{op}` of a {x.dim()}-D tensor", "the input is [B, C, *]")
+    layer = GroupNorm(num_groups, x.shape[1], eps, affine=False)
+    if weight is not None or bias is not None:  # the affine map needs both: fill the other
+        like = weight if weight is not None else bias
+        layer.weight = torch.ones_like(like) if weight is None else weight
+        layer.bias = torch.zeros_like(like) if bias is None else bias
+    return _declared(layer, x, op)
+
+
+@register(torch.cat, torch.concat, torch.concatenate, kind="shape ops")
+def _cat(func: Callable[..., Any], tensors: Any, dim: int = 0, **kwargs: Any) -> MomentTensor:
+    r"""Concatenate moment tensors (and constants, of zero variance).
+
+    Means and variances concatenate. In ``full`` mode the covariance over the last dimension
+    is exact when the operands are independent (disjoint weight sites: the block-diagonal
+    :math:`\operatorname{diag}(\Sigma_1, \Sigma_2, \dots)` along the last dimension; the
+    per-row covariances along a batch dimension); two operands that depend on the same
+    weights along the last dimension need their cross-covariance, which is not tracked, and
+    are refused. ``diag`` mode keeps marginals only, as everywhere.
+    """
+    op = op_name(func)
+    dim = kwargs.pop("axis", dim)
+    if kwargs:
+        raise unsupported(f"`{op}` with {sorted(kwargs)}")
+    moments = [t for t in tensors if is_moment(t)]
+    like = moments[0]
+    for t in moments:
+        t.check_unlinked(op)
+    d = dim % like.dim()
+    last = d == like.dim() - 1
+    full = like.dvi_mode == "full"
+    sources = frozenset().union(*(t.dvi_sources for t in moments))
+    if full and last and len(moments) > 1:
+        union_sources(op, *moments)  # refuses operands that depend on the same weights
+    marginal = full and any(t.dvi_marginal for t in moments)
+    gs = [
+        t.moments() if is_moment(t) else Gaussian(t, var=torch.zeros_like(t), validate=False)
+        for t in tensors
+    ]
+    mean = torch.cat([g.mean for g in gs], d)
+    joint = full and not marginal and any(g.cov is not None for g in gs)
+    if not joint:  # independent units (exact), or marginals
+        var = torch.cat([g.var for g in gs], d)
+        out = MomentTensor(mean, var, mode=like.dvi_mode, sources=sources, marginal=marginal)
+        return out
+    covs = [g.to_full().cov for g in gs]
+    if last:  # block-diagonal: independent operands
+        batch = mean.shape[:-1]
+        rows = []
+        for i, c in enumerate(covs):
+            row = [
+                c.expand(*batch, *c.shape[-2:])
+                if i == j
+                else c.new_zeros(*batch, c.shape[-1], o.shape[-1])
+                for j, o in enumerate(covs)
+            ]
+            rows.append(torch.cat(row, -1))
+        cov = torch.cat(rows, -2)
+    else:
+        cov = torch.cat(covs, d)
+    return MomentTensor(mean, cov=cov, mode=like.dvi_mode, sources=sources)
 
 
 def _out_of_place(func: Callable[..., Any]) -> Callable[..., Any] | None:
@@ -295,10 +416,12 @@ def _registered_activation(func: Callable[..., Any]) -> Handler | None:
         module = found.build_from_call(*args, **kwargs)
         out = module.propagate(x.gaussian(op), x.dvi_mode)
         result = MomentTensor.of(cast(Gaussian, out), x.dvi_mode, x.dvi_sources)  # Gaussian in
+        if isinstance(module, Sigmoid):  # what dist.Bernoulli(probs=...) observes through
+            result.dvi_logits = new_like(x, x.moments())
         if not inplace:
             return result
         x.dvi_mean, x.dvi_var, x.dvi_cov = result.dvi_mean, result.dvi_var, result.dvi_cov
-        x.dvi_marginal = False
+        x.dvi_marginal, x.dvi_logits = False, result.dvi_logits
         return cast(MomentTensor, x)
 
     return activation
@@ -319,7 +442,7 @@ def _link(func: Callable[..., Any], x: Any, link: str) -> MomentTensor:
     return out
 
 
-@register(torch.exp, _T.exp)
+@register(torch.exp, _T.exp, kind="likelihood links")
 def _exp_link(func: Callable[..., Any], x: Any) -> MomentTensor:
     """``exp(f)``: stands for the log-normal rate of ``dist.Poisson(rate=f.exp())``."""
     return _link(func, x, "exp")
@@ -327,7 +450,7 @@ def _exp_link(func: Callable[..., Any], x: Any) -> MomentTensor:
 
 # F.softplus is a registered activation (lightning_dvi.nn.Softplus); a network-dependent Normal
 # scale built from it is refused at the observed site instead (messenger._normal).
-@register(torch.sqrt, _T.sqrt)
+@register(torch.sqrt, _T.sqrt, kind="")
 def _positive_link(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> MomentTensor:
     raise unsupported(
         f"`{op_name(func)}` on a moment-carrying tensor",
@@ -343,7 +466,7 @@ def _last_dim(func: Callable[..., Any], x: Any, dim: Any) -> None:
         raise unsupported(f"`{op_name(func)}` over dim={dim!r}", "only the last (class) dimension")
 
 
-@register(F.log_softmax, _T.log_softmax, torch.log_softmax)
+@register(F.log_softmax, _T.log_softmax, torch.log_softmax, kind="likelihood links")
 def _log_softmax(
     func: Callable[..., Any], x: Any, dim: Any = None, *args: Any, **kw: Any
 ) -> MomentTensor:
@@ -351,6 +474,47 @@ def _log_softmax(
     if x.dvi_link == "log_softmax":
         return cast(MomentTensor, x)
     return _link(func, x, "log_softmax")
+
+
+@register(F.softmax, _T.softmax, torch.softmax, kind="likelihood links")
+def _softmax(
+    func: Callable[..., Any], x: Any, dim: Any = None, *args: Any, **kw: Any
+) -> MomentTensor:
+    """``softmax(f)``: stands for the class probabilities of ``dist.Categorical(probs=...)``."""
+    _last_dim(func, x, kw.pop("dim", dim))
+    if x.dvi_link == "softmax":
+        return cast(MomentTensor, x)
+    return _link(func, x, "softmax")
+
+
+class _SoftmaxSum(MomentTensor):
+    """``p.sum(-1, keepdim=True)`` of ``p = softmax(f)`` (ones), only ever dividing ``p``.
+
+    ``dist.Categorical(probs=p)`` normalises ``p / p.sum(-1, keepdim=True)``.
+    """
+
+    dvi_of: MomentTensor
+
+    def normalise(self, a: Any) -> MomentTensor:
+        if a is not self.dvi_of:
+            raise unsupported("`sum` of moments other than in probs / probs.sum(-1)")
+        return cast(MomentTensor, a)
+
+
+@register(torch.sum, _T.sum, kind="")
+def _sum(func: Callable[..., Any], x: Any, dim: Any = None, keepdim: bool = False,
+         **kwargs: Any) -> _SoftmaxSum:  # fmt: skip
+    if x.dvi_link != "softmax" or kwargs or not keepdim or dim not in (-1, x.dim() - 1, [-1]):
+        raise unsupported(
+            f"`{op_name(func)}` on a moment-carrying tensor",
+            "a sum of correlated units is not tracked (only a Categorical's own normalisation "
+            "of probs=softmax(f) is answered)",
+        )
+    with torch.no_grad():
+        ones = torch.ones_like(x.dvi_mean[..., :1])
+    total = _SoftmaxSum(ones, torch.zeros_like(ones), mode=x.dvi_mode, link="sum")
+    total.dvi_of = x
+    return total
 
 
 class _LogSumExp(MomentTensor):
@@ -364,7 +528,7 @@ class _LogSumExp(MomentTensor):
         return a if a.dvi_link == "log_softmax" else _link(_T.logsumexp, a, "log_softmax")
 
 
-@register(torch.logsumexp, _T.logsumexp)
+@register(torch.logsumexp, _T.logsumexp, kind="")
 def _logsumexp(func: Callable[..., Any], x: Any, dim: Any, keepdim: bool = False) -> _LogSumExp:
     _last_dim(func, x, dim)
     if not keepdim:

@@ -39,7 +39,11 @@ from .dispatch import LAYER_OPS, handler_for, op_name, unsupported
 __all__ = ["MomentTensor", "SampledTensor", "unsupported"]
 
 # The likelihood that integrates each link (for error messages).
-_LINK_SITES = {"log_softmax": "dist.Categorical(logits=...)", "exp": "dist.Poisson(rate=...)"}
+_LINK_SITES = {
+    "log_softmax": "dist.Categorical(logits=...)",
+    "softmax": "dist.Categorical(probs=...)",
+    "exp": "dist.Poisson(rate=...)",
+}
 
 _Op = Callable[..., Any]
 _Kw = dict[str, Any] | None
@@ -55,10 +59,16 @@ class MomentTensor(Tensor):
         dvi_mode: ``"diag"`` or ``"full"``, the guide's mode.
         dvi_sources: names of the weight sites this tensor depends on.
         dvi_marginal: in full mode, whether only marginals are known (covariance dropped).
-        dvi_link: ``None``, ``"log_softmax"`` or ``"exp"``: the tensor stands for that
-            function of the carried Gaussian (``dist.Categorical`` normalises its logits so;
+        dvi_link: ``None``, ``"log_softmax"``, ``"softmax"`` or ``"exp"``: the tensor stands
+            for that function of the carried Gaussian (``dist.Categorical`` normalises its
+            logits so; ``dist.Categorical(probs=softmax(f))`` takes its probabilities;
             ``dist.Poisson(rate=f.exp())`` takes a log-normal rate). A linked tensor only goes
             through shape ops, into the likelihood that integrates the link.
+        dvi_logits: for the output of ``torch.sigmoid`` (and the shape ops after it), the
+            moment tensor it is the sigmoid of, else ``None``. The tensor itself carries the
+            moments of the sigmoid (it may feed further layers); a
+            ``dist.Bernoulli(probs=...)`` site observes through these logits instead, exactly
+            as ``dist.Bernoulli(logits=f)`` does.
     """
 
     dvi_mean: Tensor
@@ -68,6 +78,7 @@ class MomentTensor(Tensor):
     dvi_sources: frozenset[str]
     dvi_marginal: bool
     dvi_link: str | None
+    dvi_logits: MomentTensor | None
 
     @staticmethod
     def __new__(
@@ -97,6 +108,7 @@ class MomentTensor(Tensor):
         obj.dvi_mean, obj.dvi_var, obj.dvi_cov = mean, var, cov
         obj.dvi_mode, obj.dvi_sources, obj.dvi_marginal = mode, frozenset(sources), marginal
         obj.dvi_link = link
+        obj.dvi_logits = None
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
