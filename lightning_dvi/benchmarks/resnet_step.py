@@ -35,13 +35,16 @@ from torch import nn
 from .resnet_digits import machine
 from .torch_resnet import resnet18
 
-__all__ = ["main", "step_seconds"]
+__all__ = ["ddvi_step", "deterministic_step", "main", "resnet_pair", "step_seconds"]
+
+Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
-def _deterministic_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def deterministic_step(net: nn.Module) -> Step:
+    """``step(x, y)``: cross-entropy of the torch network, backward, Adam step (lr 1e-3)."""
     optimiser = torch.optim.Adam(net.parameters(), lr=1e-3)
 
-    def step() -> None:
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
         optimiser.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
         optimiser.step()
@@ -49,7 +52,15 @@ def _deterministic_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Cal
     return step
 
 
-def _ddvi_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def ddvi_step(
+    net: nn.Module, num_data: int = 50_000, device: torch.device | str | None = None
+) -> Step:
+    """``step(x, y)``: the per-datum dDVI ELBO of ``from_torch(net)``, backward, Adam step.
+
+    Every weight layer Bayesian, BatchNorm on its running statistics (``freeze_statistics``),
+    the categorical bound over 10 classes, a Gaussian prior, :math:`N` = ``num_data``; the
+    converted network is moved to ``device`` before its optimiser is built.
+    """
     from ..likelihoods import Categorical
     from ..nn import BatchNorm1d, BatchNorm2d, from_torch
     from ..objective import elbo
@@ -61,14 +72,35 @@ def _ddvi_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[],
             module.freeze_statistics = True
     converted.train()
     likelihood, prior = Categorical(10), GaussianPrior()
+    if device is not None:
+        converted.to(device)
+        likelihood.to(device)
+        prior.to(device)
     optimiser = torch.optim.Adam([p for p in converted.parameters() if p.requires_grad], lr=1e-3)
 
-    def step() -> None:
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
         optimiser.zero_grad()
-        elbo(converted, likelihood, prior, x, y, num_data=50_000, mode="diag").loss.backward()
+        elbo(converted, likelihood, prior, x, y, num_data=num_data, mode="diag").loss.backward()
         optimiser.step()
 
     return step
+
+
+def resnet_pair(x: torch.Tensor, width: int = 64, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """Two identical CIFAR-stem ResNet-18s for 3-channel ``x``: ``(plain, bayes)``.
+
+    ``plain`` is in training mode, its BatchNorm running statistics set by one pass over ``x``
+    (non-trivial statistics for the converted network); ``bayes`` holds the same weights and
+    statistics, in evaluation mode, for :func:`ddvi_step`.
+    """
+    torch.manual_seed(seed)
+    plain = resnet18(num_classes=10, in_channels=3, small_input=True, width=width)
+    plain.to(x.device).train()
+    with torch.no_grad():
+        plain(x)
+    bayes = resnet18(num_classes=10, in_channels=3, small_input=True, width=width)
+    bayes.load_state_dict(plain.state_dict())
+    return plain, bayes.to(x.device).eval()
 
 
 def step_seconds(
@@ -84,24 +116,15 @@ def step_seconds(
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, 3, size, size, generator=gen)
     y = torch.arange(batch) % 10
-    torch.manual_seed(seed)
-    plain = resnet18(num_classes=10, in_channels=3, small_input=True, width=width)
-    plain.train()
-    with torch.no_grad():  # non-trivial running statistics for the converted BatchNorm
-        plain(x)
-    bayes = resnet18(num_classes=10, in_channels=3, small_input=True, width=width)
-    bayes.load_state_dict(plain.state_dict())
-    runs = {
-        "deterministic": _deterministic_step(plain, x, y),
-        "ddvi": _ddvi_step(bayes.eval(), x, y),
-    }
+    plain, bayes = resnet_pair(x, width, seed)
+    runs = {"deterministic": deterministic_step(plain), "ddvi": ddvi_step(bayes)}
     for step in runs.values():  # warm-up: allocations, first-call dispatch
-        step()
+        step(x, y)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(steps):
         for name, step in runs.items():
             start = time.process_time()
-            step()
+            step(x, y)
             times[name].append(time.process_time() - start)
     return times
 

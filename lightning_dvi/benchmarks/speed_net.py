@@ -43,6 +43,7 @@ __all__ = [
     "bench_lightning",
     "bench_net",
     "bench_pyro_guide",
+    "net_cell",
     "net_step",
     "report_net",
 ]
@@ -272,6 +273,54 @@ def net_step(
     return step
 
 
+def net_cell(
+    method: str,
+    d: int,
+    batch: int,
+    repeats: int,
+    compile_opts: dict[str, Any] | None = None,
+    count: bool = False,
+) -> dict[str, Any]:
+    """One cell of :func:`bench_net`: ``method`` at width ``d``, eager or compiled.
+
+    The first call (compilation, lazy initialisation) is timed on its own; then the peak memory
+    of one step, the op counts (``count``: :func:`count_dispatch` eager, the profiled CUDA
+    kernels compiled on a GPU) and the median time over ``repeats`` samples (``max(2,
+    repeats // 5)`` when the first call took over a second).
+
+    Returns:
+        ``{label: ms, label + " peak MiB": MiB, label + " first s": s}``, plus ``label + "
+        compile s"`` (compiled) and ``label + " ops"`` (``count``), where ``label`` is
+        ``method`` with `` compiled`` appended for a compiled cell.
+
+    Raises:
+        Exception: whatever the step raises (out of memory, no compiler, ...).
+    """
+    label = method + ("" if compile_opts is None else " compiled")
+    cell: dict[str, Any] = {}
+    if S.DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+    if compile_opts is not None:
+        # A fresh compilation per cell: Dynamo would otherwise recompile the previous width's
+        # graph with dynamic shapes, and fall back to eager past its recompilation limit.
+        torch._dynamo.reset()
+    step = net_step(method, d, batch, compile_opts)
+    start = time.perf_counter()
+    step()  # first call: compilation, lazy initialisation
+    first = time.perf_counter() - start
+    cell[label + " first s"] = first
+    if compile_opts is not None:
+        cell[label + " compile s"] = first
+    cell[label + " peak MiB"] = peak_memory_mib(step)
+    if count and compile_opts is None:
+        cell[label + " ops"] = count_dispatch(step)
+    elif count and S.DEVICE.type == "cuda":
+        cell[label + " ops"] = {"cuda kernels": count_cuda_kernels(step)}
+    reps = repeats if first < 1.0 else max(2, repeats // 5)
+    cell[label] = 1e3 * time_call(step, reps, warmup=1)
+    return cell
+
+
 def bench_net(
     widths: Sequence[int],
     repeats: int,
@@ -286,7 +335,7 @@ def bench_net(
     A method whose first call at some width takes longer than ``max_cell_s`` is skipped at the
     larger widths ("skipped"); a failing cell (e.g. out of memory) records the error's name.
     ``count``: also :func:`count_dispatch` per eager cell (``"<label> ops"``, a dict), and the
-    profiled CUDA kernels per compiled cell on a GPU.
+    profiled CUDA kernels per compiled cell on a GPU. Each cell is :func:`net_cell`.
     """
     rows: list[dict[str, Any]] = []
     slow: set[str] = set()
@@ -302,28 +351,13 @@ def bench_net(
                     row[label] = "skipped"
                     continue
                 try:
-                    if S.DEVICE.type == "cuda":
-                        torch.cuda.empty_cache()
-                    step = net_step(name, d, batch, opts)
-                    start = time.perf_counter()
-                    step()  # first call: compilation, lazy initialisation
-                    first = time.perf_counter() - start
-                    if opts is not None:
-                        row[label + " compile s"] = first
-                    row[label + " peak MiB"] = peak_memory_mib(step)
-                    if count and opts is None:
-                        row[label + " ops"] = count_dispatch(step)
-                    elif count and S.DEVICE.type == "cuda":
-                        row[label + " ops"] = {"cuda kernels": count_cuda_kernels(step)}
-                    reps = repeats if first < 1.0 else max(2, repeats // 5)
-                    row[label] = 1e3 * time_call(step, reps, warmup=1)
-                    if first > max_cell_s:
+                    cell = net_cell(name, d, batch, repeats, opts, count)
+                    row.update(cell)
+                    if cell[label + " first s"] > max_cell_s:
                         slow.add(label)
                 except Exception as err:  # out of memory, no compiler, ...
                     row[label] = f"failed: {type(err).__name__}"
                     slow.add(label)
-                finally:
-                    step = None  # type: ignore[assignment]  # drop the network before the next cell
         rows.append(row)
     return rows
 

@@ -291,8 +291,11 @@ def _quiet() -> None:
         warnings.filterwarnings("ignore", message)
 
 
-def run_job(job: Job) -> dict[str, Any]:
+def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, Any]:
     """Train one split and score it.
+
+    ``accelerator`` is the Trainer's: ``"gpu"`` trains on one CUDA device (the GPU suite,
+    :mod:`lightning_dvi.benchmarks.gpu_suite`); scoring runs on the CPU either way.
 
     Returns:
         ``{"split", "test_ll", "rmse", "seconds", "cpu_seconds", "steps", "adam_steps",
@@ -360,7 +363,7 @@ def run_job(job: Job) -> dict[str, Any]:
 
     def trainer(max_steps: int, callbacks: list[Any], validate: bool, clip: float) -> Any:
         return lightning.Trainer(
-            accelerator="cpu",
+            accelerator=accelerator,
             devices=1,
             max_steps=max_steps,
             max_epochs=-1,
