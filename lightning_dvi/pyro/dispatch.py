@@ -136,8 +136,14 @@ def supported_ops_text() -> str:
 def op_name(func: Callable[..., Any]) -> str:
     """A readable name of a torch op for error messages."""
     try:
-        return resolve_name(func) or repr(func)
+        name = resolve_name(func)
     except Exception:  # pragma: no cover - resolve_name is best effort
+        name = None
+    if name:
+        return name
+    try:  # a function torch does not know (a user's, in the layer registry)
+        return f"{func.__module__}.{func.__qualname__}"
+    except AttributeError:
         return repr(func)
 
 

@@ -391,12 +391,19 @@ def _out_of_place(func: Callable[..., Any]) -> Callable[..., Any] | None:
     return None
 
 
+def marginals_only(x: Any) -> bool:
+    """Whether ``x`` is a full-mode moment tensor whose covariance a shape op dropped."""
+    return bool(x.dvi_mode == "full" and x.dvi_marginal)
+
+
 def _registered_activation(func: Callable[..., Any]) -> Handler | None:
     """The rule for a torch function that a declared activation stands for (else ``None``).
 
     In-place forms (``nn.ReLU(inplace=True)``, ``F.relu(x, inplace=True)``, ``x.relu_()``,
     TyXe's and torchvision's idiom) have the moments of the out-of-place op and update the
-    moment tensor they were given, as the in-place op updates its input.
+    moment tensor they were given, as the in-place op updates its input. An elementwise
+    activation of a full-mode tensor that holds marginals only (after a shape op that mixed
+    rows into units) maps the marginals, and its output holds marginals only.
     """
     spec = spec_for_function(func)
     variant = spec is None
@@ -414,14 +421,20 @@ def _registered_activation(func: Callable[..., Any]) -> Handler | None:
         inplace = bool(kwargs.pop("inplace", False)) or variant
         _only_moment_operand(func, x, *args, *kwargs.values())
         module = found.build_from_call(*args, **kwargs)
-        out = module.propagate(x.gaussian(op), x.dvi_mode)
-        result = MomentTensor.of(cast(Gaussian, out), x.dvi_mode, x.dvi_sources)  # Gaussian in
+        if marginals_only(x) and found.kind == "activation":
+            # elementwise: marginals in, marginals out (e.g. sigmoid(f.squeeze(-1)) in full mode)
+            out = module.propagate(x.moments().to_diag(), "diag")
+            result = MomentTensor(out.mean, out.var, mode="full", sources=x.dvi_sources,
+                                  marginal=True)  # fmt: skip
+        else:
+            out = module.propagate(x.gaussian(op), x.dvi_mode)
+            result = MomentTensor.of(cast(Gaussian, out), x.dvi_mode, x.dvi_sources)
         if isinstance(module, Sigmoid):  # what dist.Bernoulli(probs=...) observes through
             result.dvi_logits = new_like(x, x.moments())
         if not inplace:
             return result
         x.dvi_mean, x.dvi_var, x.dvi_cov = result.dvi_mean, result.dvi_var, result.dvi_cov
-        x.dvi_marginal, x.dvi_logits = False, result.dvi_logits
+        x.dvi_marginal, x.dvi_logits = result.dvi_marginal, result.dvi_logits
         return cast(MomentTensor, x)
 
     return activation
