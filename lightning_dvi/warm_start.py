@@ -28,8 +28,9 @@ Lightning front end is the :class:`~lightning_dvi.callbacks.PointEstimateWarmSta
 
 Networks: any network whose weight layers accept weight *values* through
 :func:`~lightning_dvi.nn.given_weights` (:class:`~lightning_dvi.nn.BayesLinear`,
-:class:`~lightning_dvi.nn.BayesLinearFullCov`, with the activations, residual blocks and
-containers around them); a layer that does not (``BayesConv2d``) raises its own ``ValueError``.
+:class:`~lightning_dvi.nn.BayesLinearFullCov`, :class:`~lightning_dvi.nn.BayesConv2d`, with the
+activations, residual blocks and containers around them); a layer that does not raises its own
+``ValueError``.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def point_forward(net: nn.Module, x: Tensor) -> Tensor:
 
     Raises:
         TypeError: if ``net`` is not a declared network (a :class:`~lightning_dvi.nn.BayesModule`).
-        ValueError: from a layer that does not take weight values (``BayesConv2d``).
+        ValueError: from a layer that does not take weight values.
     """
     weights: dict[nn.Module, GroupMoments] = {
         cast(nn.Module, layer): {g.name: (g.loc, None) for g in layer.parameter_groups()}

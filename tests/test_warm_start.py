@@ -90,10 +90,13 @@ def test_point_forward_through_a_full_covariance_layer_and_a_residual_block():
     torch.testing.assert_close(point_forward(net, x), expected)
 
 
-def test_point_forward_refuses_a_layer_without_weight_values():
-    net = Sequential(BayesConv2d(1, 2, 3))
-    with pytest.raises(ValueError, match="weight values"):
-        point_forward(net, torch.randn(2, 1, 5, 5))
+def test_point_forward_through_a_convolution_is_the_plain_conv_at_the_means():
+    """``BayesConv2d`` takes weight values since issue 44's item 6 (it used to refuse them)."""
+    torch.manual_seed(0)
+    conv = BayesConv2d(1, 2, 3, stride=2, padding=1)
+    x = torch.randn(2, 1, 5, 5)
+    expected = F.conv2d(x, conv.weight_loc, conv.bias_loc, stride=2, padding=1)
+    torch.testing.assert_close(point_forward(Sequential(conv), x), expected)
 
 
 def test_the_fit_moves_only_the_means_and_lowers_the_loss():

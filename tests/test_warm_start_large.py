@@ -97,7 +97,7 @@ def test_the_warm_start_writes_progress_lines_through_the_progress_log():
     assert [line.split()[3] for line in steps] == ["0/4", "1/4", "2/4", "3/4", "4/4"]
     for line in steps:
         assert " loss " in line and " held-out loss " in line and line.endswith(" s")
-    assert warm_lines[-1].startswith("warm start: done, 4 L-BFGS steps (max_steps)")
+    assert warm_lines[-1].startswith("warm start: done, 4 L-BFGS steps on 200 training rows (max_steps)")
     assert "peak memory" in warm_lines[-1]
     # all of it before training's own first line
     assert lines.index(warm_lines[-1]) < lines.index(

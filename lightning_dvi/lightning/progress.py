@@ -239,7 +239,8 @@ class DVIProgressBar(TQDMProgressBar):
 class ProgressLog(ProgressBar):
     """Training progress as plain lines on standard error, every ``every_n_seconds``.
 
-    One line when training starts, one per interval and one when it ends::
+    One line when training starts, one per interval and one when it ends (with the process's
+    peak memory, :func:`describe_peak_memory`)::
 
         fit: epoch 37/300  step 370/3000 (12%)  train/loss -0.412  val/nll -0.731  4.1 s, ~30 s left
 

@@ -252,7 +252,8 @@ class PointEstimateWarmStart(Callback):
                     mean.copy_(value)
         r = self.result
         summary = (
-            f"{r.steps} L-BFGS steps ({r.stopped}), kept step {r.best_step}: train loss "
+            f"{r.steps} L-BFGS steps on {rows} training rows ({r.stopped}), kept step "
+            f"{r.best_step}: train loss "
             f"{r.train_loss:.4g}"
             + ("" if r.val_loss is None else f", validation loss {r.val_loss:.4g}")
         )
