@@ -54,7 +54,7 @@ from lightning.pytorch.loggers import CSVLogger
 # Imported so their classes are known to jsonargparse by short name (``--data DigitsDataModule``).
 from . import data as _data  # noqa: F401
 from .callbacks import CalibrationPlot, EmpiricalBayes, PredictiveBandPlot, ReliabilityDiagram  # noqa: F401
-from .lightning import DVIClassifier, DVIRegressor  # noqa: F401
+from .lightning import DVIClassifier, DVIRegressor
 from .lightning._base import DVIModule
 from .lightning.checkpoint import (
     RunCheckpoint,
@@ -239,6 +239,8 @@ class DVILightningCLI(LightningCLI):
             own_net.get("class_path") if isinstance(own_net, dict) else None,
         )
         self._resumed = (path, checkpoint.get("epoch"), checkpoint.get("global_step"))
+        if self.subcommand == "fit":
+            self._require_training_left(path, checkpoint)
         if self.trainer.is_global_zero:
             verb = "resuming" if self.subcommand == "fit" else "loading"
             print(
@@ -249,6 +251,45 @@ class DVILightningCLI(LightningCLI):
         method = getattr(self.trainer, str(self.subcommand))
         if "weights_only" in inspect.signature(method).parameters:  # Lightning >= 2.5
             kwargs["weights_only"] = True
+
+    def _require_training_left(self, path: str, checkpoint: Mapping[str, Any]) -> None:
+        """Refuse to resume ``fit`` from a checkpoint that has reached the run's limits; exit 1.
+
+        ``--trainer.max_epochs`` counts every epoch of the run, the checkpoint's included: with
+        ``E`` epochs trained (the checkpoint's ``epoch`` is ``E - 1``, counted from 0), a
+        ``max_epochs <= E`` leaves nothing to train: Lightning would stop at once, or raise a
+        ``MisconfigurationException`` traceback when the checkpoint's epoch exceeds
+        ``max_epochs``. Likewise ``--trainer.max_steps`` against the checkpoint's global step.
+        ``E`` is the fit loop's count of processed epochs, the count Lightning stops on.
+        """
+        fit_loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+        progress = (fit_loop.get("epoch_progress") or {}).get("current") or {}
+        trained, step = progress.get("processed"), checkpoint.get("global_step")
+        max_epochs, max_steps = self.trainer.max_epochs, self.trainer.max_steps
+        if (
+            isinstance(trained, int)
+            and max_epochs is not None
+            and max_epochs != -1
+            and trained >= max_epochs
+        ):
+            limit = f"--trainer.max_epochs {max_epochs}"
+            done = f"{trained} epochs (its epoch {checkpoint.get('epoch')}, counted from 0)"
+            how = (
+                f"--trainer.max_epochs {trained + max_epochs} trains {max_epochs} more epochs "
+                f"(max_epochs counts every epoch of the run, the checkpoint's {trained} included)"
+            )
+        elif isinstance(step, int) and max_steps != -1 and step >= max_steps:
+            limit = f"--trainer.max_steps {max_steps}"
+            done = f"{step} optimisation steps (global step {step})"
+            how = f"--trainer.max_steps {step + max_steps} trains {max_steps} more steps"
+        else:
+            return
+        raise SystemExit(
+            f"lightning-dvi fit: {limit}, but the checkpoint {path} has already trained {done}, "
+            f"so there is nothing left to train. To train on, raise the limit: {how}. To "
+            "evaluate the checkpoint, run `lightning-dvi test` or `predict` with this "
+            "--ckpt_path; to train a new model, leave out --ckpt_path"
+        )
 
     def _require_batches(self, stage: str, counts: list[int | float] | int) -> None:
         total = sum(counts) if isinstance(counts, list) else counts
@@ -301,9 +342,10 @@ class DVILightningCLI(LightningCLI):
         # Every process reads log_dir (a collective under DDP); rank 0 wrote the files, or a
         # spawned process did (ddp_spawn), which leaves this process's writer empty.
         log_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
-        written = writer.paths.get("pt", log_dir / "predictions.pt")
-        if written.is_file():
-            self._predictions_path = written
+        written = [
+            writer.paths.get(kind, log_dir / f"predictions.{kind}") for kind in writer.formats
+        ]
+        self._predictions_paths = [path for path in written if path.is_file()]
 
     # ------------------------------------------------------------------ after subcommands
     def after_fit(self) -> None:
@@ -341,7 +383,7 @@ class DVILightningCLI(LightningCLI):
             if k.startswith(("val/", "test/")) and v.numel() == 1
         }
         if metrics:
-            lines.append("metrics (regression: original units of y):")
+            lines.append(self._metrics_heading())
             lines += [f"  {k:<28s} {v:.4f}" for k, v in metrics.items()]
         lines += self._references(metrics)
         for logger in trainer.loggers:
@@ -350,9 +392,8 @@ class DVILightningCLI(LightningCLI):
         if log_dir is not None:
             for png in sorted(log_dir.glob("*.png")):
                 lines.append(f"plot:        {png}")
-        if getattr(self, "_predictions_path", None) is not None:
-            lines.append(f"predictions: {self._predictions_path}")
-            lines.append(f"predictions: {self._predictions_path.with_suffix('.csv')}")
+        for path in getattr(self, "_predictions_paths", []):  # every file predict wrote
+            lines.append(f"predictions: {path}")
         resumed = getattr(self, "_resumed", None)
         if resumed is not None and self.subcommand == "fit":
             lines.append(f"resumed:     {resumed[0]} (epoch {resumed[1]}, step {resumed[2]})")
@@ -361,6 +402,18 @@ class DVILightningCLI(LightningCLI):
             if isinstance(callback, ModelCheckpoint) and callback.last_model_path:
                 lines.append(f"checkpoint:  {callback.last_model_path}")
         print("\n".join(lines), flush=True)
+
+    def _metrics_heading(self) -> str:
+        """The summary's metrics heading: what the task's numbers are measured in."""
+        model = getattr(self, "model", None)
+        if isinstance(model, DVIRegressor):
+            return "metrics (regression: original units of y):"
+        if isinstance(model, DVIClassifier):
+            return (
+                f"metrics (classification, {model.num_classes} classes: nll in nats per "
+                "example, acc and ece as fractions):"
+            )
+        return "metrics:"
 
     def _references(self, metrics: Mapping[str, float]) -> list[str]:
         # A data module may know reference values for its test metrics (the toy data: the true

@@ -70,6 +70,7 @@ def test_toy_recipe_end_to_end_and_resume(capsys):
     first = cli(["fit", *args])
     out = capsys.readouterr().out
     assert "true noise model test NLL" in out and "test/nll" in out
+    assert "metrics (regression: original units of y):" in out  # a classifier's differs
     log_dir = Path(first.trainer.log_dir)
     for name in ("metrics.csv", "config.yaml", "predictive_band.png", "calibration_test.png"):
         assert (log_dir / name).is_file(), name

@@ -27,7 +27,16 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-__all__ = ["SUPPORTED_SUFFIXES", "Table", "column_names", "fail", "read_columns", "read_tabular"]
+__all__ = [
+    "SUPPORTED_SUFFIXES",
+    "Table",
+    "column_names",
+    "delimiter_hint",
+    "fail",
+    "missing_column",
+    "read_columns",
+    "read_tabular",
+]
 
 TEXT_SUFFIXES = (".csv", ".tsv", ".txt")
 NUMPY_SUFFIXES = (".npy", ".npz")
@@ -36,6 +45,8 @@ SUPPORTED_SUFFIXES = (*TEXT_SUFFIXES, *NUMPY_SUFFIXES, *PARQUET_SUFFIXES)
 
 # What pyarrow's CSV number conversion trims around a value (its compute cast trims nothing).
 _CSV_BLANKS = " \t"
+# Separators a header that reads as one column may hold: it is likely separated by one of them.
+_LIKELY_DELIMITERS = (";", "\t", "|", ",")
 
 
 def fail(path: Path, row: str, column: str, problem: str) -> ValueError:
@@ -62,12 +73,50 @@ class Table:
     row_name: Callable[[int], str]
 
 
-def _check_present(path: Path, available: Sequence[str], wanted: Sequence[str]) -> None:
+def delimiter_hint(path: Path, names: Sequence[str], delimiter: str | None = None) -> str:
+    """A hint when a text file's header reads as one column holding a likely delimiter.
+
+    A ``;``-separated file read with the default ``,`` has a single column named
+    ``"x0;x1;target"``; the hint names the delimiter it looks separated by (the most frequent
+    of ``;``, tab, ``|`` and ``,`` in that name, other than the one used) and the option.
+
+    Returns:
+        ``"; the header looks ';'-separated: pass --data.delimiter ';' ..."``, or ``""``.
+    """
+    if path.suffix.lower() not in TEXT_SUFFIXES or len(names) != 1:
+        return ""
+    used = delimiter or ("\t" if path.suffix.lower() == ".tsv" else ",")
+    counts = {c: names[0].count(c) for c in _LIKELY_DELIMITERS if c != used}
+    likely = max(counts, key=lambda c: counts[c])
+    if not counts[likely]:
+        return ""
+    if likely == "\t":
+        return (
+            "; the header looks tab-separated: name the file .tsv, or pass --data.delimiter "
+            "$'\\t' (bash; delimiter='\\t' in Python, delimiter: \"\\t\" in YAML)"
+        )
+    return (
+        f"; the header looks {likely!r}-separated: pass --data.delimiter {likely!r} "
+        f"(delimiter={likely!r} in Python)"
+    )
+
+
+def missing_column(
+    path: Path, available: Sequence[str], column: str, delimiter: str | None = None
+) -> ValueError:
+    """The error for a column not in the file, naming the file's columns (and a delimiter hint)."""
+    return ValueError(
+        f"{path}: no column {column!r} (columns in the file: {', '.join(available)})"
+        + delimiter_hint(path, available, delimiter)
+    )
+
+
+def _check_present(
+    path: Path, available: Sequence[str], wanted: Sequence[str], delimiter: str | None = None
+) -> None:
     missing = [c for c in wanted if c not in available]
     if missing:
-        raise ValueError(
-            f"{path}: no column {missing[0]!r} (columns in the file: {', '.join(available)})"
-        )
+        raise missing_column(path, available, missing[0], delimiter)
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -256,7 +305,7 @@ class _TextFile:
         return ValueError(f"{self.path}: cannot be read as a table: {err}")
 
     def read(self, numbers: Sequence[str], values: Sequence[str]) -> Table:
-        _check_present(self.path, self.names, [*numbers, *values])
+        _check_present(self.path, self.names, [*numbers, *values], self.delimiter)
         types = {name: pa.float64() for name in numbers} | {name: pa.string() for name in values}
         try:
             table = self._read(types)

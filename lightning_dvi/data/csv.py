@@ -37,7 +37,7 @@ from torch.utils.data import TensorDataset
 
 from ._base import InMemoryDataModule, fit_standardizer
 from ._labels import Label, LabelColumn, resolve_labels
-from ._read import column_names, fail, read_columns, read_tabular
+from ._read import column_names, fail, missing_column, read_columns, read_tabular
 
 __all__ = ["CSVDataModule", "read_tabular"]  # read_tabular: re-exported from ._read
 
@@ -391,9 +391,7 @@ class CSVDataModule(InMemoryDataModule):
         names = column_names(path, self.delimiter, self.encoding)
         for column in (self.target, *self.id_columns, *self.drop_columns):
             if column not in names:
-                raise ValueError(
-                    f"{path}: no column {column!r} (columns in the file: {', '.join(names)})"
-                )
+                raise missing_column(path, names, column, self.delimiter)
         if self.features is not None:
             return list(self.features)
         left_out = {self.target, *self.id_columns, *self.drop_columns}
