@@ -30,8 +30,10 @@ when piped or under ``CI`` (:mod:`lightning_dvi.lightning.progress`).
 Invalid configurations stop with jsonargparse's message naming the key and exit code 2: type
 errors while parsing, and the modules' own ``ValueError`` checks while instantiating. ``test``,
 ``validate`` and ``predict`` with ``--ckpt_path last`` and no last checkpoint, a refused
-checkpoint, and ``validate`` or ``test`` on a data module without that split, stop with a
-message and exit code 1 instead of running an untrained model, code from a file, or nothing.
+checkpoint, ``validate`` or ``test`` on a data module without that split, and ``fit`` resumed
+from a checkpoint that has reached ``--trainer.max_epochs`` (which counts the checkpoint's
+epochs too) or ``max_steps``, stop with a message and exit code 1 instead of running an
+untrained model, code from a file, or nothing.
 """
 
 from __future__ import annotations
