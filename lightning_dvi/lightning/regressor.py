@@ -11,7 +11,9 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 from torchmetrics import Metric, MetricCollection
 
+from ..gaussian import Gaussian
 from ..likelihoods import HeteroscedasticGaussian, HomoscedasticGaussian, Poisson
+from ..likelihoods.gaussian import NoiseBound
 from ..metrics import RegressionMetrics
 from ..metrics.regression import RegressionCalibrationError, regression_metric_selection
 from ._base import DVIModule, PredictiveMethod, resolve_method
@@ -54,11 +56,14 @@ class VarianceSplit(Metric):
 RegressionLikelihood = HeteroscedasticGaussian | HomoscedasticGaussian | Poisson
 
 
-def _regression_likelihood(likelihood: str, init_log_noise: float) -> RegressionLikelihood:
+def _regression_likelihood(
+    likelihood: str, init_log_noise: float, noise_bound: NoiseBound
+) -> RegressionLikelihood:
     """The likelihood named ``likelihood``; a homoscedastic one starts at ``init_log_noise``."""
     one_of("likelihood", likelihood, ("heteroscedastic", "homoscedastic", "poisson"))
+    one_of("noise_bound", noise_bound, ("training_range", "none"))
     if likelihood == "heteroscedastic":
-        return HeteroscedasticGaussian()
+        return HeteroscedasticGaussian(noise_bound=noise_bound)
     if likelihood == "poisson":
         return Poisson()
     return HomoscedasticGaussian(init_log_variance=init_log_noise)
@@ -192,6 +197,20 @@ class DVIRegressor(DVIModule):
             (``None`` warns at ``fit`` when in-memory targets lie on a grid of at least a tenth
             of their standard deviation).
             Gaussian likelihoods only. The predictive and every metric are unchanged.
+        noise_bound: how the heteroscedastic predictive bounds the noise variance
+            :math:`e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2}` away from the data.
+            ``"training_range"`` (default): :math:`\langle\ell\rangle` and
+            :math:`\Sigma_{\ell\ell}` are clamped to their range on the training inputs (plus
+            :math:`\log 2`), recorded at the end of ``fit`` (and into each checkpoint written
+            during it, for the weights it holds) in the likelihood's ``noise_range`` buffer
+            (:meth:`~lightning_dvi.likelihoods.HeteroscedasticGaussian.bounded_log_noise`); on
+            the training inputs nothing changes, far away the noise stays at what the data
+            showed and the epistemic variance still grows. ``"none"``: the exact
+            :math:`\mathbb E[e^\ell]`, which a ReLU network lets grow like
+            :math:`e^{c x^2}` (std 1e14 at ten times the training range). Either way the
+            variance is finite (capped below the dtype's overflow) and a
+            :class:`~lightning_dvi.likelihoods.NoiseBoundWarning` names the rows bounded or
+            capped. Validation during ``fit`` is never bounded. Other likelihoods ignore it.
         val_metrics: what a validation epoch computes and logs: any of ``"nll"``,
             ``"rmse"``, ``"crps"``, ``"coverage"``, ``"calibration"``, ``"sharpness"``
             (:class:`~lightning_dvi.metrics.RegressionMetrics` members), ``"elbo"``
@@ -234,9 +253,10 @@ class DVIRegressor(DVIModule):
         standardize_targets: bool = True,
         val_metrics: list[str] | None = None,
         target_resolution: float | Literal["auto"] | None = None,
+        noise_bound: NoiseBound = "training_range",
         **kwargs: Any,
     ) -> None:
-        lik = _regression_likelihood(likelihood, init_log_noise)
+        lik = _regression_likelihood(likelihood, init_log_noise, noise_bound)
         resolution = _checked_target_resolution(target_resolution)
         if resolution is not None and isinstance(lik, Poisson):
             raise ValueError(
@@ -406,6 +426,73 @@ class DVIRegressor(DVIModule):
         if self.standardize_targets:
             return y
         return y * self.target_scale + self.target_loc
+
+    # ------------------------------------------------------------------ noise bound
+    def on_fit_start(self) -> None:
+        """Also forget a recorded noise range: validation during ``fit`` is never bounded."""
+        super().on_fit_start()
+        if isinstance(self.likelihood, HeteroscedasticGaussian):
+            self.likelihood.forget_noise_range()
+
+    def on_fit_end(self) -> None:
+        """Record the noise range on the training inputs with the final weights (see ``noise_bound``)."""
+        super().on_fit_end()
+        if isinstance(self.likelihood, HeteroscedasticGaussian):
+            found = self._training_noise_range()
+            if found is not None:
+                self.likelihood.noise_range.copy_(found.to(self.likelihood.noise_range))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint written during ``fit`` holds the noise range of the weights it holds."""
+        super().on_save_checkpoint(checkpoint)
+        trainer = self._trainer
+        if not isinstance(self.likelihood, HeteroscedasticGaussian) or trainer is None:
+            return
+        if trainer.state.fn != "fit" or trainer.state.status != "running":
+            return  # after fit: the buffer already holds the final weights' range
+        found = self._training_noise_range()
+        state = checkpoint.get("state_dict")
+        key = "likelihood.noise_range"
+        if found is not None and isinstance(state, dict) and key in state:
+            state[key] = found.to(state[key])
+
+    def _training_noise_range(self) -> Tensor | None:
+        """The range of the log-variance moments on the training inputs, or ``None`` without them.
+
+        One forward pass in the closed-form predictive's mode, in eval mode and without
+        gradients, over the training split's tensors (no loader: the training RNG is not
+        touched) or, for other datasets, the training loader under a forked RNG. Under DDP the
+        processes' ranges are combined.
+        """
+        view = DataView(self.trainer, "fit")
+        dataset = view.dataset()
+        if isinstance(dataset, TensorDataset):
+            inputs: Any = dataset.tensors[0].split(4096)
+        else:
+            loader = view.loader()
+            if loader is None:
+                return None
+            inputs = (b[0] if isinstance(b, (tuple, list)) else b for b in loader)
+        mode = self.mode if self.mode in ("full", "diag") else "full"
+        dtype, device = self._network_dtype(), self.device
+        modes = {m: m.training for m in self.net.modules()}
+        self.net.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                outs: list[Gaussian] = []
+                for x in inputs:
+                    x = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
+                    outs.append(self.net(x, mode=mode))
+                if not outs:
+                    return None
+                ranges = HeteroscedasticGaussian.noise_range_of(outs)
+        finally:
+            for module, training in modes.items():
+                module.train(training)
+        if self.trainer.world_size > 1:
+            gathered = self.all_gather(ranges.to(self.device)).reshape(-1, 3).cpu()
+            ranges = torch.stack([gathered[:, 0].min(), gathered[:, 1].max(), gathered[:, 2].max()])
+        return ranges
 
     # ------------------------------------------------------------------ predictive
     def _network_predictive(

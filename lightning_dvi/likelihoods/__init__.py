@@ -8,7 +8,7 @@ from . import functional, logistic_normal, predictive
 from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 from .bernoulli import Bernoulli
 from .categorical import Categorical
-from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian
+from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian, NoiseBoundWarning
 from .poisson import Poisson, PoissonLogNormal
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "HeteroscedasticGaussian",
     "HomoscedasticGaussian",
     "Likelihood",
+    "NoiseBoundWarning",
     "Poisson",
     "PoissonLogNormal",
     "PredictiveHead",

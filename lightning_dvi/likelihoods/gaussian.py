@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -11,7 +14,41 @@ from ..gaussian import Gaussian
 from . import functional as F
 from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 
-__all__ = ["HeteroscedasticGaussian", "HomoscedasticGaussian", "dequantisation_variance"]
+__all__ = [
+    "HeteroscedasticGaussian",
+    "HomoscedasticGaussian",
+    "NoiseBound",
+    "NoiseBoundWarning",
+    "dequantisation_variance",
+]
+
+#: How :class:`HeteroscedasticGaussian`'s predictive bounds the noise variance's growth.
+NoiseBound = Literal["training_range", "none"]
+#: How far past the recorded range :meth:`HeteroscedasticGaussian.bounded_log_noise` lets the
+#: log-variance's mean and variance go (each by :math:`\log 2`): a smooth network's extremes
+#: fall between training inputs too, and those inputs should keep their exact predictive.
+NOISE_BOUND_MARGIN = math.log(2)
+
+
+class NoiseBoundWarning(UserWarning):
+    r"""A heteroscedastic predictive's noise variance :math:`\mathbb E[e^\ell]` was bounded.
+
+    Either to the range recorded on the training inputs (``noise_bound="training_range"``), or,
+    for any setting, because :math:`e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2}` would overflow
+    the dtype. The message names the rows.
+    """
+
+
+def _overflow_exponent(dtype: torch.dtype) -> float:
+    r"""The largest exponent whose ``exp`` leaves room below the dtype's largest number (88.7 - 1 in float32)."""
+    return math.log(torch.finfo(dtype).max) - 1.0
+
+
+def _row_list(mask: Tensor) -> str:
+    """``"3 rows (0, 5, 7)"`` for the true entries of ``mask`` (flattened), at most ten named."""
+    rows = mask.reshape(-1).nonzero().reshape(-1).tolist()
+    shown = ", ".join(str(i) for i in rows[:10]) + (", ..." if len(rows) > 10 else "")
+    return f"{len(rows)} row{'s' if len(rows) != 1 else ''} ({shown})"
 
 
 def dequantisation_variance(resolution: float) -> float:
@@ -100,13 +137,161 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
     """
 
     num_outputs = 2
+    noise_range: Tensor  # buffer: [lowest <l>, highest <l>, highest S_ll] on the training inputs
 
     def __init__(
-        self, require_full: bool = False, mc_samples: int = 256, resolution: float = 0.0
+        self,
+        require_full: bool = False,
+        mc_samples: int = 256,
+        resolution: float = 0.0,
+        noise_bound: NoiseBound = "training_range",
     ) -> None:
         super().__init__(mc_samples)
+        if noise_bound not in get_args(NoiseBound):
+            raise ValueError(
+                f"noise_bound must be one of {get_args(NoiseBound)}, got {noise_bound!r}"
+            )
         self.require_full = bool(require_full)
         self.resolution = resolution
+        self.noise_bound: NoiseBound = noise_bound
+        self.register_buffer("noise_range", _unrecorded_range())
+
+    # ------------------------------------------------------------------ the noise bound
+    @property
+    def noise_range_recorded(self) -> bool:
+        """Whether :attr:`noise_range` holds a recorded range (until then nothing is bounded)."""
+        return bool(torch.isfinite(self.noise_range).all())
+
+    @staticmethod
+    def noise_range_of(outs: Gaussian | Iterable[Gaussian]) -> Tensor:
+        r"""The range of the log-variance output's moments over the outputs ``outs``.
+
+        Args:
+            outs: the network's output Gaussians (mean ``[..., 2]``) on the training inputs,
+                one or an iterable of batches.
+
+        Returns:
+            ``[min⟨ℓ⟩, max⟨ℓ⟩, max Σ_ℓℓ]``, float64, shape ``[3]``.
+
+        Raises:
+            ValueError: for no rows, or non-finite moments.
+        """
+        batches = [outs] if isinstance(outs, Gaussian) else list(outs)
+        lows, highs, variances = [], [], []
+        for out in batches:
+            mean_l, var_l = out.mean[..., 1].detach(), out.var[..., 1].detach()
+            if mean_l.numel():
+                lows.append(mean_l.min().double())
+                highs.append(mean_l.max().double())
+                variances.append(var_l.max().double())
+        if not lows:
+            raise ValueError("HeteroscedasticGaussian.noise_range_of: no rows to record a range on")
+        found = torch.stack(
+            [torch.stack(lows).min(), torch.stack(highs).max(), torch.stack(variances).max()]
+        ).cpu()
+        if not bool(torch.isfinite(found).all()):
+            raise ValueError(
+                "HeteroscedasticGaussian: the log-variance output is not finite on the training "
+                f"inputs (range {found.tolist()}); no noise bound can be recorded"
+            )
+        return found
+
+    def record_noise_range(self, outs: Gaussian | Iterable[Gaussian]) -> None:
+        r"""Record the range of :math:`\langle\ell\rangle` and :math:`\Sigma_{\ell\ell}` on the training inputs.
+
+        :class:`~lightning_dvi.DVIRegressor` calls it at the end of ``fit`` (and each checkpoint
+        it writes during ``fit`` holds the range of the weights it holds); with a network
+        trained in code, pass the outputs on the training inputs, e.g.
+        ``lik.record_noise_range(net(x_train, mode="full"))``. See :meth:`bounded_log_noise`.
+        """
+        found = self.noise_range_of(outs)
+        self.noise_range.copy_(found.to(self.noise_range))
+
+    def forget_noise_range(self) -> None:
+        """Drop the recorded range: the predictive is unbounded until the next record."""
+        self.noise_range.copy_(_unrecorded_range().to(self.noise_range))
+
+    def bounded_log_noise(self, mean_l: Tensor, var_l: Tensor) -> tuple[Tensor, Tensor]:
+        r"""The log-variance moments the predictive uses: clamped to the training range, if asked.
+
+        With ``noise_bound="training_range"`` and a recorded range,
+
+        .. math::
+            \langle\ell\rangle \mapsto \operatorname{clamp}(\langle\ell\rangle,
+                \ell_{\min}, \ell_{\max}),\qquad
+            \Sigma_{\ell\ell} \mapsto \min(\Sigma_{\ell\ell}, v_{\max}),
+
+        with :math:`\ell_{\min}, \ell_{\max}` the extremes of :math:`\langle\ell\rangle` and
+        :math:`v_{\max}` the largest :math:`\Sigma_{\ell\ell}` on the training inputs
+        (:attr:`noise_range`), each widened by :data:`NOISE_BOUND_MARGIN` (:math:`\log 2`), so the noise variance :math:`e^{\langle\ell\rangle +
+        \Sigma_{\ell\ell}/2}` stays within what the data showed: a ReLU network's
+        :math:`\langle\ell\rangle` grows linearly and :math:`\Sigma_{\ell\ell}` quadratically
+        away from the data, which made a model trained on :math:`x\in[-1, 1]` claim a noise
+        standard deviation of 1e14 at :math:`x = 10`. On the training inputs nothing changes.
+        The epistemic part :math:`\Sigma_{mm}` is never bounded: far from the data the
+        predictive still widens through it. ``noise_bound="none"`` or no recorded range: the
+        moments as given.
+        """
+        if self.noise_bound == "none" or not self.noise_range_recorded:
+            return mean_l, var_l
+        bound = _with_margin(self.noise_range).to(dtype=mean_l.dtype, device=mean_l.device)
+        return mean_l.clamp(bound[0], bound[1]), var_l.clamp(max=bound[2])
+
+    def predictive_moments(self, out: Gaussian) -> tuple[Tensor, Tensor]:
+        r"""``(mean, var)`` of :meth:`predictive`, finite, with a :class:`NoiseBoundWarning` naming bounded rows.
+
+        :math:`\operatorname{Var}[y] = \Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2}`
+        after :meth:`bounded_log_noise`; an exponent past the dtype's range (88.7 in float32,
+        709.8 in float64) is capped one below it (a warning names those rows too), never
+        ``inf``.
+        """
+        self.validate_output(out)
+        mean_m, var_m, mean_l, var_l, _ = self._parts(out)
+        bounded_mean, bounded_var = self.bounded_log_noise(mean_l, var_l)
+        exponent = bounded_mean + 0.5 * bounded_var
+        limit = _overflow_exponent(exponent.dtype)
+        if not torch.compiler.is_compiling():
+            self._warn_bounded(mean_l + 0.5 * var_l, exponent, limit)
+        mean, var = F.heteroscedastic_predictive_moments(
+            mean_m, var_m, exponent.clamp(max=limit), torch.zeros_like(exponent)
+        )
+        return mean, var
+
+    def _warn_bounded(self, exponent: Tensor, bounded: Tensor, limit: float) -> None:
+        """Warn naming the rows whose noise exponent was bounded or capped at the dtype's range."""
+        with torch.no_grad():
+            capped = bounded > limit
+            changed = (bounded != exponent) & ~capped  # NaN compares unequal: excluded below
+            changed &= ~exponent.isnan()
+            if bool(changed.any()):
+                widest = _with_margin(self.noise_range)
+                hi = float(widest[1] + 0.5 * widest[2])
+                warnings.warn(
+                    f"HeteroscedasticGaussian: the noise variance E[exp(l)] of "
+                    f"{_row_list(changed)} is outside the training range and was bounded to it "
+                    f"(noise_bound='training_range': noise std at most {math.exp(0.5 * hi):.4g} "
+                    "in the likelihood's units); the epistemic variance is not bounded. "
+                    "noise_bound='none' gives the unbounded model",
+                    NoiseBoundWarning,
+                    stacklevel=4,
+                )
+            if bool(capped.any()):
+                warnings.warn(
+                    f"HeteroscedasticGaussian: the noise variance E[exp(l)] = exp(<l> + S_ll/2) "
+                    f"of {_row_list(capped)} overflows {bounded.dtype} (exponent up to "
+                    f"{float(bounded.max()):.4g}) and was capped at exp({limit:.4g}); these rows "
+                    "are far outside the training data. noise_bound='training_range' bounds the "
+                    "noise to what the training data showed",
+                    NoiseBoundWarning,
+                    stacklevel=4,
+                )
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        # checkpoints from before the bound have no range: load them as "not recorded"
+        state_dict.setdefault(prefix + "noise_range", _unrecorded_range().to(self.noise_range))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def validate_output(self, out: Gaussian) -> Gaussian:
         """As :meth:`Likelihood.validate_output`; also rejects diag outputs if ``require_full``."""
@@ -151,23 +336,57 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         return self.validate_output(out).var[..., 0]
 
     def predictive(self, out: Gaussian) -> torch.distributions.Normal:
-        r""":math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2})`."""
-        self.validate_output(out)
-        mean_m, var_m, mean_l, var_l, _ = self._parts(out)
-        mean, var = F.heteroscedastic_predictive_moments(mean_m, var_m, mean_l, var_l)
+        r""":math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2})`, bounded as :meth:`predictive_moments` says."""
+        mean, var = self.predictive_moments(out)
         return torch.distributions.Normal(mean, var.sqrt())
 
     def export_head(self, options: ExportOptions) -> PredictiveHead:
-        r"""``mean = ⟨m⟩``, ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``, in the original units of ``y``."""
-        return _HeteroscedasticHead(options)
+        r"""``mean = ⟨m⟩``, ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``, in the original units of ``y``.
+
+        The noise bound (:meth:`bounded_log_noise`) travels with the head as buffers when it
+        is on and recorded; the exponent is capped below the dtype's overflow either way.
+        """
+        bound = self.noise_bound != "none" and self.noise_range_recorded
+        return _HeteroscedasticHead(options, _with_margin(self.noise_range) if bound else None)
+
+    def extra_repr(self) -> str:
+        """The noise bound and whether its range is recorded."""
+        recorded = "recorded" if self.noise_range_recorded else "not recorded"
+        return f"noise_bound={self.noise_bound!r} ({recorded})"
+
+
+def _with_margin(noise_range: Tensor) -> Tensor:
+    """``noise_range`` widened by :data:`NOISE_BOUND_MARGIN`: lower mean, upper mean, upper variance."""
+    margin = torch.tensor([-NOISE_BOUND_MARGIN, NOISE_BOUND_MARGIN, NOISE_BOUND_MARGIN])
+    return noise_range + margin.to(noise_range)
+
+
+def _unrecorded_range() -> Tensor:
+    """The :attr:`HeteroscedasticGaussian.noise_range` of no record: bounds that bound nothing."""
+    return torch.tensor([-math.inf, math.inf, math.inf])
 
 
 class _HeteroscedasticHead(RegressionHead):
     name = "heteroscedastic"
+    noise_range: Tensor
+
+    def __init__(self, options: ExportOptions, noise_range: Tensor | None) -> None:
+        super().__init__(options)
+        self.bounded = noise_range is not None  # decided at export: no branch in the graph
+        if noise_range is not None:
+            self.register_buffer("noise_range", noise_range.detach().to(dtype=options.dtype))
+        self.limit = _overflow_exponent(options.dtype)
 
     def standardized(self, out: Gaussian) -> tuple[Tensor, Tensor]:
         mean_m, var_m, mean_l, var_l, _ = HeteroscedasticGaussian._parts(out)
-        return F.heteroscedastic_predictive_moments(mean_m, var_m, mean_l, var_l)
+        if self.bounded:
+            bound = self.noise_range
+            mean_l = torch.minimum(torch.maximum(mean_l, bound[0]), bound[1])
+            var_l = torch.minimum(var_l, bound[2])
+        exponent = (mean_l + 0.5 * var_l).clamp(max=self.limit)
+        return F.heteroscedastic_predictive_moments(
+            mean_m, var_m, exponent, torch.zeros_like(exponent)
+        )
 
 
 class HomoscedasticGaussian(_DequantisedTargets, _GaussianRegression):
