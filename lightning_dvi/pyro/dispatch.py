@@ -140,7 +140,7 @@ def op_name(func: Callable[..., Any]) -> str:
     except Exception:  # pragma: no cover - resolve_name is best effort
         name = None
     if name:
-        return name
+        return str(name)
     try:  # a function torch does not know (a user's, in the layer registry)
         return f"{func.__module__}.{func.__qualname__}"
     except AttributeError:

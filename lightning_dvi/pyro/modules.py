@@ -154,8 +154,8 @@ class PyroBayesNet(PyroModule):
                                 strict=True)
             )  # fmt: skip
             with given_weights(given):
-                out = cast(Tensor, self._propagate(x.unsqueeze(0), "sample"))
-            return out if batched else out.squeeze(0)
+                drawn = cast(Tensor, self._propagate(x.unsqueeze(0), "sample"))
+            return drawn if batched else drawn.squeeze(0)
         if len(moments) != len(values) + isinstance(x, MomentTensor):
             raise unsupported("a PyroBayesNet with some weights given as values, not moments")
         mode = moments[0].dvi_mode
@@ -175,7 +175,7 @@ class _Propagate(nn.Module):
 
     def forward(self, x: Tensor | Gaussian, mode: Mode) -> Tensor | Gaussian:
         """The declared network's propagation of ``x``."""
-        return cast("Tensor | Gaussian", self.net.propagate(x, mode))
+        return self.net.propagate(x, mode)
 
 
 def _values(groups: dict[str, Tensor]) -> GroupMoments:

@@ -321,8 +321,9 @@ def _group_norm(
     layer = GroupNorm(num_groups, x.shape[1], eps, affine=False)
     if weight is not None or bias is not None:  # the affine map needs both: fill the other
         like = weight if weight is not None else bias
-        layer.weight = torch.ones_like(like) if weight is None else weight
-        layer.bias = torch.zeros_like(like) if bias is None else bias
+        # the caller's tensors (gradients reach them), as F.layer_norm's from_call does
+        layer.weight = torch.ones_like(like) if weight is None else weight  # type: ignore[assignment]
+        layer.bias = torch.zeros_like(like) if bias is None else bias  # type: ignore[assignment]
     return _declared(layer, x, op)
 
 
@@ -362,7 +363,7 @@ def _cat(func: Callable[..., Any], tensors: Any, dim: int = 0, **kwargs: Any) ->
         var = torch.cat([g.var for g in gs], d)
         out = MomentTensor(mean, var, mode=like.dvi_mode, sources=sources, marginal=marginal)
         return out
-    covs = [g.to_full().cov for g in gs]
+    covs = [cast(Tensor, g.to_full().cov) for g in gs]
     if last:  # block-diagonal: independent operands
         batch = mean.shape[:-1]
         rows = []
@@ -508,10 +509,10 @@ class _SoftmaxSum(MomentTensor):
 
     dvi_of: MomentTensor
 
-    def normalise(self, a: Any) -> MomentTensor:
+    def normalise(self, a: MomentTensor) -> MomentTensor:
         if a is not self.dvi_of:
             raise unsupported("`sum` of moments other than in probs / probs.sum(-1)")
-        return cast(MomentTensor, a)
+        return a
 
 
 @register(torch.sum, _T.sum, kind="")
