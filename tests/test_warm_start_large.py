@@ -24,10 +24,15 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dvi import DVIRegressor
-from lightning_dvi.callbacks import PointEstimateWarmStart, ProgressLog
+from lightning_dvi.callbacks import DVIProgressBar, PointEstimateWarmStart, ProgressLog
 from lightning_dvi.cli import cli
 from lightning_dvi.lightning import warm_start as warm_start_module
-from lightning_dvi.lightning.progress import PhaseProgress, describe_data, peak_memory
+from lightning_dvi.lightning.progress import (
+    PhaseProgress,
+    describe_data,
+    peak_memory,
+    phase_progress,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CSV_RECIPE = REPO / "recipes" / "csv_regression.yaml"
@@ -97,7 +102,9 @@ def test_the_warm_start_writes_progress_lines_through_the_progress_log():
     assert [line.split()[3] for line in steps] == ["0/4", "1/4", "2/4", "3/4", "4/4"]
     for line in steps:
         assert " loss " in line and " held-out loss " in line and line.endswith(" s")
-    assert warm_lines[-1].startswith("warm start: done, 4 L-BFGS steps on 200 training rows (max_steps)")
+    assert warm_lines[-1].startswith(
+        "warm start: done, 4 L-BFGS steps on 200 training rows (max_steps)"
+    )
     assert "peak memory" in warm_lines[-1]
     # all of it before training's own first line
     assert lines.index(warm_lines[-1]) < lines.index(
@@ -181,6 +188,21 @@ def test_phase_progress_lines_and_peak_memory():
     peak = peak_memory()
     assert peak is not None and peak > 10_000_000  # bytes: a Python process with torch
     assert describe_data(object()) is None
+
+
+def test_phase_progress_follows_the_runs_progress_callback(capsys):
+    """A terminal bar: lines on standard error, at most one a second; no bar: nothing."""
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_model_summary": False}
+    terminal = lightning.Trainer(callbacks=[DVIProgressBar()], **quiet)
+    phase = phase_progress(terminal, "warm start", 5)
+    assert phase.enabled and phase.every_n_seconds == 1.0
+    capsys.readouterr()
+    phase.write("hello")
+    assert capsys.readouterr().err.splitlines() == ["warm start: hello"]
+    silent = phase_progress(lightning.Trainer(enable_progress_bar=False, **quiet), "w", 5)
+    capsys.readouterr()
+    silent.write("hello")
+    assert not silent.enabled and "hello" not in capsys.readouterr().err
 
 
 def test_the_cli_switch_and_the_adam_flags_turn_the_warm_start_off(cli_workdir, capsys):

@@ -190,7 +190,8 @@ def phase_progress(trainer: Trainer, name: str, total: int) -> PhaseProgress:
         return PhaseProgress(
             name, total, bar.every_n_seconds, stream=bar._stream, enabled=bar._enabled
         )
-    return PhaseProgress(name, total, 1.0, enabled=bar.is_enabled)
+    # TQDMProgressBar and RichProgressBar say whether they are on; the base class does not
+    return PhaseProgress(name, total, 1.0, enabled=bool(getattr(bar, "is_enabled", True)))
 
 
 class DVIProgressBar(TQDMProgressBar):
