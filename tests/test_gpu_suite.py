@@ -188,3 +188,24 @@ def test_the_shell_scripts_parse_and_the_wheels_folder_is_ignored():
         ["git", "-C", str(REPO), "check-ignore", "-q", "wheels/x.whl"], check=False
     )
     assert ignored.returncode == 0
+
+
+def test_every_compiled_speed_cell_is_compiled_past_dynamos_recompile_limit():
+    # The suite compiles the same forward ~35 times (7 methods x 5 widths); Dynamo stops
+    # compiling a code object after torch._dynamo.config.recompile_limit (8) compilations and
+    # silently runs it eagerly, so without a fresh Dynamo state per cell the later "compiled"
+    # columns would be eager times.
+    import torch
+
+    from lightning_dvi.benchmarks import speed_net
+
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    cells = torch._dynamo.config.recompile_limit + 2
+    for d in range(2, 2 + cells):
+        speed_net.net_cell("plain MLP", d, 3, 1, {"backend": backend})
+    assert len(compiled) == cells

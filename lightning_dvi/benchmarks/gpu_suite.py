@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -272,10 +273,11 @@ def tf32_state() -> dict[str, Any]:
     older versions the ``allow_tf32`` flags. No CUDA initialisation.
     """
     backends = torch.backends
+    cudnn: Any = backends.cudnn  # its `conv` sub-module (torch >= 2.9) is not in the stubs
     state: dict[str, Any] = {"float32_matmul_precision": torch.get_float32_matmul_precision()}
     if hasattr(backends.cuda.matmul, "fp32_precision"):
         state["matmul fp32_precision"] = backends.cuda.matmul.fp32_precision
-        state["cudnn conv fp32_precision"] = backends.cudnn.conv.fp32_precision
+        state["cudnn conv fp32_precision"] = cudnn.conv.fp32_precision
     else:  # pragma: no cover - torch < 2.9
         state["matmul allow_tf32"] = backends.cuda.matmul.allow_tf32
         state["cudnn allow_tf32"] = backends.cudnn.allow_tf32
@@ -284,10 +286,11 @@ def tf32_state() -> dict[str, Any]:
 
 def _set_tf32(allowed: bool) -> None:
     backends = torch.backends
+    cudnn: Any = backends.cudnn  # its `conv` sub-module (torch >= 2.9) is not in the stubs
     if hasattr(backends.cuda.matmul, "fp32_precision"):
         value = "tf32" if allowed else "ieee"
         backends.cuda.matmul.fp32_precision = value
-        backends.cudnn.conv.fp32_precision = value
+        cudnn.conv.fp32_precision = value
     else:  # pragma: no cover - torch < 2.9
         backends.cuda.matmul.allow_tf32 = allowed
         backends.cudnn.allow_tf32 = allowed
@@ -297,11 +300,12 @@ def _set_tf32(allowed: bool) -> None:
 def tf32(allowed: bool) -> Iterator[None]:
     """TF32 matmuls and convolutions on (``allowed``) or off (strict fp32) inside the block."""
     backends = torch.backends
+    cudnn: Any = backends.cudnn  # its `conv` sub-module (torch >= 2.9) is not in the stubs
     new_api = hasattr(backends.cuda.matmul, "fp32_precision")
     if new_api:
         saved: tuple[Any, ...] = (
             backends.cuda.matmul.fp32_precision,
-            backends.cudnn.conv.fp32_precision,
+            cudnn.conv.fp32_precision,
         )
     else:  # pragma: no cover - torch < 2.9
         saved = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32)
@@ -310,7 +314,7 @@ def tf32(allowed: bool) -> Iterator[None]:
         yield
     finally:
         if new_api:
-            backends.cuda.matmul.fp32_precision, backends.cudnn.conv.fp32_precision = saved
+            backends.cuda.matmul.fp32_precision, cudnn.conv.fp32_precision = saved
         else:  # pragma: no cover - torch < 2.9
             backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = saved
 
@@ -397,7 +401,7 @@ def section_speed(plan: Plan, rec: Recorder) -> None:
     from .speed_net import net_cell
 
     S.DEVICE = torch.device(plan.device)
-    rows = {d: {"d": d, "batch": plan.batch} for d in plan.widths}
+    rows: dict[int, dict[str, Any]] = {d: {"d": d, "batch": plan.batch} for d in plan.widths}
     if plan.tf32_width not in rows:
         rows[plan.tf32_width] = {"d": plan.tf32_width, "batch": plan.batch}
     rec.data.update({
@@ -505,8 +509,10 @@ def section_resnet(plan: Plan, rec: Recorder) -> None:
         for _ in range(plan.resnet_warmup):
             step(xb, yb)
         if plan.resnet_peak_memory:
-            rec.data[name + " peak MiB"] = peak_memory_mib(lambda s=step: s(xb, yb), device)
-        rec.data[name + " ops"] = count_dispatch(lambda s=step: s(xb, yb), device.type == "cuda")
+            rec.data[name + " peak MiB"] = peak_memory_mib(functools.partial(step, xb, yb), device)
+        rec.data[name + " ops"] = count_dispatch(
+            functools.partial(step, xb, yb), device.type == "cuda"
+        )
         rec.save()
         done, start = 0, clock(device)
         while done < n:
@@ -951,6 +957,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "precision": "strict fp32 (matmul and cuDNN conv at IEEE fp32) except the 'DVI tf32' cell",
         "plan": asdict(plan),
     }
+    # The sections fork from this process, so it must not initialise CUDA. torch.cuda's default
+    # availability check (CUDA runtime) is not fork-safe, its NVML check is: any library calling
+    # torch.cuda.is_available() here (on import, say) then leaves the forked sections usable.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     # Import what the sections use once, here (no CUDA initialisation): forked sections inherit
     # it. A missing dependency shows up as the failing section's error instead.
     for module in ("lightning_dvi.benchmarks.speed_net", "lightning_dvi.lightning",
