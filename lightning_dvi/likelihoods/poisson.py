@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -10,6 +9,7 @@ from torch import Tensor
 from torch.distributions import constraints
 
 from ..gaussian import Gaussian
+from ..moments._quadrature import constant, fixed_rule
 from . import functional as F
 from .base import Likelihood
 
@@ -19,11 +19,12 @@ __all__ = ["Poisson", "PoissonLogNormal"]
 HERMITE_NODES = 32
 
 
-@functools.cache
+@fixed_rule
 def _hermite_rule(n: int) -> tuple[Tensor, Tensor]:
     r"""Nodes :math:`z_i` and log-weights of :math:`\mathbb E g(z) \approx \sum_i w_i g(z_i)`, :math:`z\sim\mathcal N(0, 1)`.
 
-    Golub–Welsch for the probabilists' Hermite polynomials (float64, torch only).
+    Golub–Welsch for the probabilists' Hermite polynomials (float64, torch only), computed
+    once per ``n`` outside any tracing and kept as Python floats (:func:`fixed_rule`).
     """
     k = torch.arange(1, n, dtype=torch.float64)
     jacobi = torch.diag(k.sqrt(), 1) + torch.diag(k.sqrt(), -1)
@@ -96,7 +97,8 @@ class PoissonLogNormal(torch.distributions.Distribution):
         mode = loc + v * y - _lambert_w_of_exp(v.log() + loc + v * y)
         scale = torch.rsqrt(mode.exp() + 1.0 / v)
         nodes, log_w = (
-            t.to(loc).reshape(-1, *[1] * mode.dim()) for t in _hermite_rule(HERMITE_NODES)
+            constant(t, loc.dtype, loc.device).reshape(-1, *[1] * mode.dim())
+            for t in _hermite_rule(HERMITE_NODES)
         )
         f = mode + scale * nodes  # [n, ...]
         log_joint = (

@@ -22,6 +22,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..moments._quadrature import constant, fixed_rule
 from .functional import PROBIT_LAMBDA, _as_full_cov
 
 __all__ = [
@@ -42,7 +43,20 @@ MENDELL_ELSTON_MAX_CLASSES = 32
 #: Gauss-Hermite nodes of the quadratures over one logit.
 QUADRATURE_NODES = 8
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
-_NODES: dict[int, tuple[Tensor, Tensor]] = {}
+
+
+@fixed_rule
+def _hermite_log_rule(n: int) -> tuple[Tensor, Tensor]:
+    """Golub-Welsch nodes and log-weights (float64, run untraced by :func:`fixed_rule`)."""
+    off = torch.arange(1, n, dtype=torch.float64).sqrt()
+    nodes, vectors = torch.linalg.eigh(torch.diag(off, 1) + torch.diag(off, -1))
+    return nodes, 2 * vectors[0].abs().log()
+
+
+def _hermite_constants(n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """:func:`gauss_hermite`'s nodes and log-weights as tensors of ``dtype`` on ``device``."""
+    nodes, log_w = _hermite_log_rule(n)
+    return constant(nodes, dtype, device), constant(log_w, dtype, device)
 
 
 def gauss_hermite(n: int) -> tuple[Tensor, Tensor]:
@@ -50,23 +64,21 @@ def gauss_hermite(n: int) -> tuple[Tensor, Tensor]:
 
     Golub-Welsch: the nodes are the eigenvalues of the Jacobi matrix of the probabilists'
     Hermite polynomials (off-diagonal :math:`\sqrt k`), the weights the squared first
-    components of its eigenvectors. Exact for polynomials of degree :math:`< 2n`. float64,
-    cached per ``n`` (built outside inference mode, so usable under autograd afterwards).
+    components of its eigenvectors. Exact for polynomials of degree :math:`< 2n`. float64.
+    Computed once per ``n`` outside any tracing and kept as Python floats
+    (:func:`~lightning_dvi.moments._quadrature.fixed_rule`): ``torch.export`` and ONNX graphs
+    hold the nodes as constants, with no eigendecomposition, and no cache ever holds a tracer's
+    tensor. The tensors are cached outside tracing (built outside inference mode, so usable
+    under autograd afterwards).
 
     Examples:
         >>> z, log_w = gauss_hermite(8)
         >>> round(float((log_w.exp() * z**4).sum()), 10)  # E Z^4 = 3
         3.0
     """
-    if n not in _NODES:
-        # Normal tensors even when first called under inference mode (Lightning's validate and
-        # predict): an inference tensor cannot be saved for a later backward pass.
-        with torch.inference_mode(False):
-            off = torch.arange(1, n, dtype=torch.float64).sqrt()
-            jacobi = torch.diag(off, 1) + torch.diag(off, -1)
-            nodes, vectors = torch.linalg.eigh(jacobi)
-            _NODES[n] = nodes, 2 * vectors[0].abs().log()
-    return _NODES[n]
+    if n < 1:
+        raise ValueError(f"a Gauss-Hermite rule needs n >= 1 nodes, got {n}")
+    return _hermite_constants(n, torch.float64, torch.device("cpu"))
 
 
 def _check_shapes(mean: Tensor, cov: Tensor) -> bool:
@@ -146,9 +158,7 @@ def _conditioned_on_each_logit(
     (:math:`\Sigma_{jj}` for a diagonal :math:`\Sigma` or a deterministic :math:`b_i`), and the
     log-weights of the ``n`` Gauss-Hermite nodes; :math:`\beta_{ij} = 1 - \Sigma_{ij}/\Sigma_{ii}`.
     """
-    nodes, log_w = gauss_hermite(QUADRATURE_NODES)
-    z = nodes.to(dtype=mean.dtype, device=mean.device)
-    log_w = log_w.to(dtype=mean.dtype, device=mean.device)
+    z, log_w = _hermite_constants(QUADRATURE_NODES, mean.dtype, mean.device)
     gap = (mean.unsqueeze(-1) - mean.unsqueeze(-2)).unsqueeze(-2)  # [..., i, 1, j]
     if diagonal:
         var = cov.clamp_min(0) + noise_var  # [..., K]

@@ -74,6 +74,8 @@ __all__ = [
     "SWITCH_SD",
     "Kernel",
     "StatsFn",
+    "constant",
+    "fixed_rule",
     "gauss_hermite",
     "gauss_laguerre",
     "moments_from_stats",
@@ -134,30 +136,124 @@ class Kernel:
         _laguerre_table(self)
 
 
+# ------------------------------------------------------------ fixed rules, never traced
+FloatRows = tuple[tuple[float, ...], ...]
+"""Rows of Python floats: a fixed rule's nodes, weights, ... (no tensor, so no tracer's)."""
+
+
+def _untraced(build: Callable[[int], tuple[Tensor, ...]], n: int) -> FloatRows:
+    """``build(n)`` run in a fresh thread, its tensors returned as rows of Python floats.
+
+    Tracing (``torch.export``'s fake and proxy modes, inference mode, ``vmap``) is thread-local
+    state, so a fresh thread runs ``build`` on real float64 CPU tensors whatever the caller is
+    doing: nothing of it (e.g. the ``eigh`` of a Golub-Welsch matrix) reaches a traced graph,
+    and a fake tensor never reaches a cache. ``torch.compile`` does not trace into it (it graph
+    breaks once, at the first call of a rule not yet built).
+    """
+    out: list[FloatRows] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(tuple(tuple(t.tolist()) for t in build(n)))
+        except BaseException as err:  # re-raised in the caller's thread
+            error.append(err)
+
+    worker = threading.Thread(target=run, name="lightning_dvi-quadrature-rule")
+    worker.start()
+    worker.join()
+    if error:
+        raise error[0]
+    return out[0]
+
+
+_untraced_call = torch.compiler.disable(_untraced)
+
+
+def fixed_rule(build: Callable[[int], tuple[Tensor, ...]]) -> Callable[[int], FloatRows]:
+    """A per-``n`` cache of ``build(n)`` (float64 tensors) as Python floats, filled untraced.
+
+    The cache is a plain dict of floats: a hit is a constant to ``torch.compile`` and
+    ``torch.export``, and a miss (even inside a traced forward pass) computes the rule outside
+    any tracing (:func:`_untraced`). Tensors are made from the floats per call, by
+    :func:`constant`.
+    """
+    cache: dict[int, FloatRows] = {}
+
+    @functools.wraps(build)
+    def rule(n: int) -> FloatRows:
+        hit = cache.get(n)
+        if hit is None:
+            hit = cache[n] = _untraced_call(build, n)
+        return hit
+
+    return rule
+
+
+_CONSTANTS: dict[tuple[tuple[float, ...], torch.dtype, torch.device], Tensor] = {}
+
+
+def constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.tensor(values, dtype, device)``, cached per dtype and device outside tracing.
+
+    While traced (``torch.compile``, ``torch.export``) it is built fresh, a constant of the
+    graph; a tensor that is not a plain ``torch.Tensor`` (a tracer's fake or functional tensor)
+    is never cached. Cached tensors are built outside inference mode (usable under autograd
+    after a first call in Lightning's validation or predict loop).
+    """
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return torch.tensor(values, dtype=dtype, device=device)
+    key = (values, dtype, torch.device(device))
+    hit = _CONSTANTS.get(key)
+    if hit is None:
+        with torch.inference_mode(False):
+            hit = torch.tensor(values, dtype=dtype, device=device)
+        if type(hit) is not Tensor:
+            return hit
+        _CONSTANTS[key] = hit
+    return hit
+
+
 # ---------------------------------------------------------------------------------- rules
-@functools.lru_cache(maxsize=16)
-def gauss_hermite(n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Probabilists' Gauss–Hermite nodes and weights (weights sum to one), Golub–Welsch."""
-    if n < 2:
-        raise ValueError(f"num_nodes must be >= 2, got {n}")
+@fixed_rule
+def _hermite_rule(n: int) -> tuple[Tensor, Tensor]:
     off = torch.sqrt(torch.arange(1, n, dtype=torch.float64))
     nodes, vecs = torch.linalg.eigh(torch.diag(off, 1) + torch.diag(off, -1))
     weights = vecs[0] ** 2
-    return tuple(nodes.tolist()), tuple((weights / weights.sum()).tolist())
+    return nodes, weights / weights.sum()
 
 
-@functools.lru_cache(maxsize=4)
-def gauss_laguerre(n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    r"""Nodes :math:`x_i` and weights :math:`W_i` of :math:`\int_0^\infty e^{-x}g(x)dx \approx \sum_i W_i g(x_i)`."""
+def gauss_hermite(n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Probabilists' Gauss–Hermite nodes and weights (weights sum to one), Golub–Welsch.
+
+    Computed once per ``n`` in float64, outside any tracing (:func:`fixed_rule`).
+    """
+    if n < 2:
+        raise ValueError(f"num_nodes must be >= 2, got {n}")
+    nodes, weights = _hermite_rule(n)
+    return nodes, weights
+
+
+@fixed_rule
+def _laguerre_rule(n: int) -> tuple[Tensor, Tensor]:
     k = torch.arange(n, dtype=torch.float64)
     off = torch.arange(1, n, dtype=torch.float64)
     nodes, vecs = torch.linalg.eigh(
         torch.diag(2 * k + 1) + torch.diag(off, 1) + torch.diag(off, -1)
     )
-    return tuple(nodes.tolist()), tuple((vecs[0] ** 2).tolist())
+    return nodes, vecs[0] ** 2
 
 
-gauss_hermite(DEFAULT_NODES)  # built eagerly, outside any tracing
+def gauss_laguerre(n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    r"""Nodes :math:`x_i` and weights :math:`W_i` of :math:`\int_0^\infty e^{-x}g(x)dx \approx \sum_i W_i g(x_i)`.
+
+    Computed once per ``n`` in float64, outside any tracing (:func:`fixed_rule`).
+    """
+    nodes, weights = _laguerre_rule(n)
+    return nodes, weights
+
+
+gauss_hermite(DEFAULT_NODES)  # built eagerly
 
 
 def _poly_rows(r0: float, r1: float, order: int) -> list[tuple[float, float, float]]:

@@ -77,12 +77,12 @@ Measured against Monte Carlo in ``docs/moments.md`` ("Normalization layers").
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 from torch import Tensor
 
+from ._quadrature import constant, fixed_rule
 from .special import flush
 
 __all__ = ["normalize_diag", "normalize_diag_with_slope", "normalize_full", "normalize_jacobian"]
@@ -93,13 +93,23 @@ _STEP = 0.1
 _RANGE = 4.0
 
 
-@functools.lru_cache(maxsize=8)
-def _nodes(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(u, log dt/T)`` of the double-exponential rule: ``t = T e^u``, ``u = pi/2 sinh x``."""
+@fixed_rule
+def _rule(_: int) -> tuple[Tensor, Tensor]:
+    """``(u, log dt/T)`` of the double-exponential rule in float64 (computed untraced, once)."""
     x = torch.arange(-_RANGE, _RANGE + _STEP / 2, _STEP, dtype=torch.float64)
     u = math.pi / 2 * torch.sinh(x)
     log_dt = torch.log(_STEP * math.pi / 2 * torch.cosh(x)) + u
-    return u.to(dtype=dtype, device=device), log_dt.to(dtype=dtype, device=device)
+    return u, log_dt
+
+
+def _nodes(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(u, log dt/T)`` of the double-exponential rule: ``t = T e^u``, ``u = pi/2 sinh x``.
+
+    The float64 values are Python floats computed once outside any tracing (no cache holds a
+    tracer's tensor); the tensors are :func:`~._quadrature.constant`.
+    """
+    u, log_dt = _rule(0)
+    return constant(u, dtype, device), constant(log_dt, dtype, device)
 
 
 def _centre(x: Tensor) -> Tensor:

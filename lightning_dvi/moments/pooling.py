@@ -42,12 +42,11 @@ the units as independent (the diagonal approximation).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._quadrature import constant, fixed_rule
 from .special import normal_cdf, normal_pdf
 
 __all__ = ["avg_pool2d_diag", "max_of_gaussians", "max_of_gaussians_quadrature", "max_pool2d_diag"]
@@ -102,9 +101,12 @@ def max_of_gaussians(m1: Tensor, v1: Tensor, m2: Tensor, v2: Tensor) -> tuple[Te
     return mean, var.clamp_min(0)
 
 
-@functools.lru_cache(maxsize=8)
+@fixed_rule
 def _gauss_legendre(points: int) -> tuple[Tensor, Tensor]:
-    """Gauss-Legendre nodes and weights on ``[0, 1]`` (Golub-Welsch, float64, CPU)."""
+    """Gauss-Legendre nodes and weights on ``[0, 1]`` (Golub-Welsch, float64).
+
+    Computed once per ``points`` outside any tracing, kept as Python floats (:func:`fixed_rule`).
+    """
     k = torch.arange(1, points, dtype=torch.float64)
     beta = k / torch.sqrt(4 * k * k - 1)
     jacobi = torch.diag(beta, 1) + torch.diag(beta, -1)
@@ -133,9 +135,9 @@ def max_of_gaussians_quadrature(
     with torch.no_grad():  # a fixed grid: gradients flow through the integrand only
         lo = (mean - 8 * sd).amax(-1, keepdim=True)
         width = (mean + 8 * sd).amax(-1, keepdim=True) - lo
-        nodes, weights = _gauss_legendre(points)
-        offset = width * nodes.to(mean)  # [..., G], x - L
-        weights = width * weights.to(mean)
+        nodes, weights = (constant(t, mean.dtype, mean.device) for t in _gauss_legendre(points))
+        offset = width * nodes  # [..., G], x - L
+        weights = width * weights
     z = ((lo + offset).unsqueeze(-1) - mean.unsqueeze(-2)) / sd.unsqueeze(-2)  # [..., G, k]
     survival = 1.0 - normal_cdf(z).prod(-1)  # 1 - F(x)
     first = (weights * survival).sum(-1)  # E[max] - L

@@ -33,6 +33,7 @@ Regression moments are mapped to the original units with ``target_loc``/``target
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import Any, Literal, Protocol, cast
 
@@ -43,7 +44,7 @@ from ..gaussian import Gaussian
 from ..likelihoods import ExportOptions, Likelihood, PredictiveHead
 from .base import BayesModule
 
-__all__ = ["PredictiveModule", "export_predictive"]
+__all__ = ["PredictiveModule", "export_predictive", "onnx_translations"]
 
 ExportMode = Literal["diag", "full"]
 
@@ -147,7 +148,13 @@ class PredictiveModule(nn.Module):
             dims = {"x": {0: torch.export.Dim.AUTO}}
             with torch.no_grad():
                 torch.onnx.export(
-                    self, (example,), path, dynamo=True, dynamic_shapes=dims, verbose=False
+                    self,
+                    (example,),
+                    path,
+                    dynamo=True,
+                    dynamic_shapes=dims,
+                    verbose=False,
+                    custom_translation_table=onnx_translations(),
                 )
         else:
             raise ValueError(f"unknown export format for {path!r}: use a .pt2 or .onnx suffix")
@@ -155,6 +162,112 @@ class PredictiveModule(nn.Module):
     def extra_repr(self) -> str:
         """Head and mode."""
         return f"head={self.head.name!r}, mode={self.mode!r}"
+
+
+# Numerical Recipes' erfc (``erfcc``): erfcx(a) = tau exp(P(tau)), tau = 1 / (1 + a/2), a >= 0,
+# relative error below 1.2e-7 for every a (measured: 1.07e-7 against scipy's erfcx).
+_ERFCX_COEFFS = (
+    -1.26551223,
+    1.00002368,
+    0.37409196,
+    0.09678418,
+    -0.18628806,
+    0.27886807,
+    -1.13520398,
+    1.48851587,
+    -0.82215223,
+    0.17087277,
+)
+
+
+def onnx_translations() -> dict[Any, Any]:
+    r"""Numerically safe ONNX lowerings of the normal tail functions, for ``torch.onnx.export``.
+
+    The ONNX exporter lowers ``erfc`` to ``1 - Erf`` (zero beyond :math:`x\approx 4` in
+    float32: no tail) and ``special_log_ndtr`` by a decomposition whose ``erfcx`` overflows
+    (``inf * 0``): onnxruntime returns NaN for :math:`\log\Phi(x)` below :math:`x\approx -13`,
+    the logit gaps of every confident classifier. :meth:`PredictiveModule.save` passes these
+    instead (``custom_translation_table``). Each is written in the tail's own scale, with
+    :math:`a = |x|/\sqrt2`, :math:`\tau = 1/(1 + a/2)` and the scaled complementary error
+    function :math:`\operatorname{erfcx}(a) = e^{a^2}\operatorname{erfc}(a) \approx
+    \tau e^{P(\tau)}` (Numerical Recipes' ``erfcc``: a degree-9 polynomial :math:`P`, relative
+    error below :math:`1.2\cdot10^{-7}` for every :math:`a \ge 0`):
+
+    * :math:`\log\Phi(x) = \log(\tau/2) + P(\tau) - a^2` for :math:`x < 0` (no exponential:
+      finite down to :math:`-\sqrt{2\cdot\text{max}}`), and
+      :math:`\operatorname{log1p}(-q)`, :math:`q = \tfrac\tau2 e^{P(\tau) - a^2}`, for
+      :math:`x \ge 0` (``log1p`` by :math:`\log(w)\,(-q)/(w - 1)`, :math:`w = 1 - q`: full
+      relative precision at small :math:`q`, and ONNX has no ``Log1p``);
+    * :math:`\operatorname{erfc}(x) = \tau e^{P(\tau) - x^2}` for :math:`x \ge 0`, :math:`2 -`
+      that of :math:`-x` below; :math:`\Phi(x) = \tfrac12\operatorname{erfc}(-x/\sqrt2)`;
+      :math:`\operatorname{erfcx}(x) = \tau e^{P(\tau)}` for :math:`x \ge 0`,
+      :math:`2e^{x^2} - \operatorname{erfcx}(-x)` below.
+
+    The math is unchanged (the same functions, to the polynomial's :math:`1.2\cdot10^{-7}`, far
+    below float32's :math:`10^{-5}`-level agreement with torch); constants are float64 cast to
+    the input's dtype.
+
+    Returns:
+        ``{torch op overload: onnxscript trace function}`` for ``custom_translation_table``.
+
+    Raises:
+        ImportError: without ``onnxscript`` (the ``export`` extra).
+    """
+    import numpy as np
+    import onnx_ir as ir
+    from onnxscript import opset18 as op
+
+    def const(value: float, like: Any) -> Any:
+        return op.CastLike(op.Constant(value=ir.tensor(np.array(value, dtype=np.float64))), like)
+
+    def tail(x: Any, scale: float) -> tuple[Any, Any]:
+        """``a = |x| * scale`` and ``log erfcx(a)``."""
+        a = op.Mul(op.Abs(x), const(scale, x))
+        tau = op.Reciprocal(op.Add(op.Mul(a, const(0.5, x)), const(1.0, x)))
+        poly = const(_ERFCX_COEFFS[-1], x)
+        for c in reversed(_ERFCX_COEFFS[:-1]):
+            poly = op.Add(op.Mul(poly, tau), const(c, x))
+        return a, op.Add(op.Log(tau), poly)
+
+    def erfc_of_abs(x: Any, scale: float) -> Any:
+        """``erfc(|x| * scale)``, full relative precision in the tail."""
+        a, log_erfcx = tail(x, scale)
+        return op.Exp(op.Sub(log_erfcx, op.Mul(a, a)))
+
+    def erfc(x: Any) -> Any:
+        upper = erfc_of_abs(x, 1.0)
+        return op.Where(op.Less(x, const(0.0, x)), op.Sub(const(2.0, x), upper), upper)
+
+    def ndtr(x: Any) -> Any:
+        tail_half = op.Mul(erfc_of_abs(x, math.sqrt(0.5)), const(0.5, x))  # Phi(-|x|)
+        upper = op.Sub(const(1.0, x), tail_half)
+        return op.Where(op.Less(x, const(0.0, x)), tail_half, upper)
+
+    def log_ndtr(x: Any) -> Any:
+        a, log_erfcx = tail(x, math.sqrt(0.5))
+        log_tail = op.Sub(op.Add(log_erfcx, const(math.log(0.5), x)), op.Mul(a, a))
+        q = op.Exp(log_tail)  # Phi(-|x|)
+        w = op.Sub(const(1.0, x), q)
+        rounds_to_one = op.Equal(w, const(1.0, x))
+        denom = op.Where(rounds_to_one, const(-1.0, x), op.Sub(w, const(1.0, x)))
+        log1p = op.Div(op.Mul(op.Log(w), op.Neg(q)), denom)
+        upper = op.Where(rounds_to_one, op.Neg(q), log1p)
+        return op.Where(op.Less(x, const(0.0, x)), log_tail, upper)
+
+    def erfcx(x: Any) -> Any:
+        a, log_erfcx = tail(x, 1.0)
+        upper = op.Exp(log_erfcx)
+        lower = op.Sub(op.Mul(const(2.0, x), op.Exp(op.Mul(a, a))), upper)
+        return op.Where(op.Less(x, const(0.0, x)), lower, upper)
+
+    aten = torch.ops.aten
+    return {
+        aten.erfc.default: erfc,
+        aten.special_erfc.default: erfc,
+        aten.special_ndtr.default: ndtr,
+        aten.special_log_ndtr.default: log_ndtr,
+        aten.special_erfcx.default: erfcx,
+    }
 
 
 def export_predictive(
