@@ -85,19 +85,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=None, help="default: the model's")
     args = parser.parse_args()
+    width = {} if args.hidden is None else {"hidden": args.hidden}
     far = torch.tensor([[0.0], [5.0], [10.0], [100.0]])
     models = {
-        "DVIRegressor(lr=1e-2)": {"lr": 1e-2},
+        "DVIRegressor(lr=1e-2)": {"lr": 1e-2, **width},
         "hidden=[50], L-BFGS": {"hidden": [50], "optimizer": "lbfgs"},
-        'likelihood="homoscedastic"': {"likelihood": "homoscedastic", "lr": 1e-2},
+        'likelihood="homoscedastic"': {"likelihood": "homoscedastic", "lr": 1e-2, **width},
     }
     print("| model | noise_bound | std at x = 0 | x = 5 | x = 10 | x = 100 |")
     print("|---|---|---|---|---|---|")
     x, y = sine_data(200, -1.0, 1.0, seed=0)
     fitted = {}
     for name, kwargs in models.items():
-        epochs = args.epochs if kwargs.get("optimizer") != "lbfgs" else 60
+        epochs = args.epochs if kwargs.get("optimizer") != "lbfgs" else min(args.epochs, 60)
         fitted[name] = model = fit(x, y, epochs, seed=0, **kwargs)
         bounds = ("none", "training_range") if "homoscedastic" not in name else ("-",)
         for bound in bounds:
@@ -122,7 +124,7 @@ def main() -> None:
         results: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for seed in args.seeds:
             xs, ys = train(500, seed)
-            model = fit(xs, ys, args.epochs, seed=seed, lr=1e-2)
+            model = fit(xs, ys, args.epochs, seed=seed, lr=1e-2, **width)
             for where, (lo, hi) in ranges.items():
                 xt, yt = draw(1000, lo, hi, 100 + seed)
                 for bound in ("none", "training_range"):

@@ -188,3 +188,11 @@ def test_the_bound_travels_with_the_exported_predictive(tmp_path):
     model.likelihood.noise_bound = "none"
     unbounded = export_predictive(model)(FAR)[1]
     assert bool(torch.isfinite(unbounded).all()) and bool((unbounded[-1] > var[-1]).all())
+
+
+def test_the_monte_carlo_predictive_is_finite_far_out():
+    torch.manual_seed(0)
+    model = DVIRegressor(in_features=1, hidden=[16], num_data=64, mode="local", num_samples=8)
+    with pytest.warns(NoiseBoundWarning, match=r"rows? \((\d+, )*4\)"):
+        _, var = model.predictive(FAR * 100)
+    assert bool(torch.isfinite(var).all())

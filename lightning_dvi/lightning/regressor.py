@@ -490,7 +490,7 @@ class DVIRegressor(DVIModule):
             for module, training in modes.items():
                 module.train(training)
         if self.trainer.world_size > 1:
-            gathered = self.all_gather(ranges.to(self.device)).reshape(-1, 3).cpu()
+            gathered = cast(Tensor, self.all_gather(ranges.to(self.device))).reshape(-1, 3).cpu()
             ranges = torch.stack([gathered[:, 0].min(), gathered[:, 1].max(), gathered[:, 2].max()])
         return ranges
 
@@ -508,6 +508,9 @@ class DVIRegressor(DVIModule):
         # One Gaussian per weight draw (zero output variance), then the mixture's moments.
         per_sample = self.likelihood.conditional(f)
         means, variances = per_sample.mean, per_sample.variance
+        if isinstance(self.likelihood, HeteroscedasticGaussian):  # finite far from the data
+            # float64: the mean of S capped draws would overflow float32 again
+            variances = self.likelihood.sampled_noise_variance(f[..., 1]).double()
         epistemic = means.var(0, correction=0)
         return means.mean(0), variances.mean(0) + epistemic, epistemic
 

@@ -257,6 +257,25 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         )
         return mean, var
 
+    def sampled_noise_variance(self, log_noise: Tensor) -> Tensor:
+        r""":math:`e^{\ell_s}` of sampled log-variances ``[S, B]``, capped below the dtype's overflow.
+
+        For the Monte Carlo predictive (not bounded to the training range); a
+        :class:`NoiseBoundWarning` names the rows ``B`` with a capped draw.
+        """
+        limit = _overflow_exponent(log_noise.dtype)
+        if not torch.compiler.is_compiling():
+            capped = (log_noise > limit).reshape(-1, log_noise.shape[-1]).any(0)
+            if bool(capped.any()):
+                warnings.warn(
+                    f"HeteroscedasticGaussian: sampled noise variances e^l of "
+                    f"{_row_list(capped)} overflow {log_noise.dtype} and were capped at "
+                    f"exp({limit:.4g}); these rows are far outside the training data",
+                    NoiseBoundWarning,
+                    stacklevel=3,
+                )
+        return log_noise.clamp(max=limit).exp()
+
     def _warn_bounded(self, exponent: Tensor, bounded: Tensor, limit: float) -> None:
         """Warn naming the rows whose noise exponent was bounded or capped at the dtype's range."""
         with torch.no_grad():
