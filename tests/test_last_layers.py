@@ -299,3 +299,82 @@ def test_a_flatten_call_inside_the_head_converts():
     ]  # fmt: skip
     x = torch.randn(4, 5, dtype=torch.float64)
     torch.testing.assert_close(net(x, mode="diag").mean, model(x))
+
+
+class _MeanPooledEmbedding(nn.Module):
+    """Token ids ``[B, T]`` -> embedding -> mean over tokens -> a linear classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(20, 8), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids).mean(1))
+
+
+class _RecurrentClassifier(nn.Module):
+    """Token ids -> embedding -> LSTM -> the last step's state -> a linear classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lstm = nn.Embedding(20, 8), nn.LSTM(8, 8, batch_first=True)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.fc(self.lstm(self.emb(ids))[0][:, -1])
+
+
+@pytest.mark.parametrize("build", [_MeanPooledEmbedding, _RecurrentClassifier])
+def test_token_ids_go_to_the_plain_torch_backbone(build):
+    torch.manual_seed(0)
+    model = build().eval()
+    ids = torch.randint(0, 20, (4, 6))
+    net = from_torch(model, last_layers=1)
+    with torch.no_grad():
+        logits = model(ids)
+        for mode in ("diag", "full"):
+            out = net(ids, mode=mode)
+            # a Linear head on deterministic features: its mean is the torch model's logits
+            torch.testing.assert_close(out.mean, logits, rtol=0, atol=1e-6)
+            var = out.var if mode == "diag" else out.cov.diagonal(dim1=-2, dim2=-1)
+            assert bool((var > 0).all())
+        assert net(ids, mode="sample", num_samples=3).shape == (3, 4, 3)
+    # the whole-network conversion refuses the embedding (and the LSTM) and names the way out
+    with pytest.raises(NotImplementedError, match=r"from_torch\(model, last_layers=k\)"):
+        from_torch(model)
+
+
+def test_unsupported_layers_suggest_last_layers():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), nn.Flatten(), nn.Linear(32, 2)
+    ).eval()
+    with pytest.raises(NotImplementedError, match=r"last_layers=k"):
+        from_torch(model)
+    x = torch.randn(3, 4, 8)
+    out = from_torch(model, last_layers=1)(x, mode="diag")
+    torch.testing.assert_close(out.mean, model(x), rtol=0, atol=1e-5)
+
+
+def test_integer_inputs_to_a_whole_bayesian_network_are_refused_naming_last_layers():
+    net = from_torch(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match=r"floating tensor.*last_layers=k"):
+        net(torch.tensor([[1, 2, 3]]), mode="diag")
+    with pytest.raises(ValueError, match="NaN or Inf"):  # the last-layers path still checks
+        from_torch(_FunctionalMLP(), last_layers=1)(torch.full((2, 5), float("nan")), mode="diag")
+
+
+def test_a_token_model_exports_and_its_program_takes_token_ids(tmp_path):
+    from lightning_dvi.likelihoods import Categorical
+    from lightning_dvi.nn import export_predictive
+
+    torch.manual_seed(0)
+    net = from_torch(_MeanPooledEmbedding().eval(), last_layers=1)
+    predictive = export_predictive(net, Categorical(3), "diag")
+    ids = torch.randint(0, 20, (5, 6))
+    probs = predictive(ids)
+    torch.testing.assert_close(probs, Categorical(3).predictive_probs(net(ids, mode="diag")))
+    predictive.save(tmp_path / "tokens.pt2", ids)
+    program = torch.export.load(tmp_path / "tokens.pt2").module()
+    more = torch.randint(0, 20, (7, 6))  # another batch size
+    torch.testing.assert_close(program(more), predictive(more), rtol=0, atol=1e-6)

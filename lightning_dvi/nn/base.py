@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from ..gaussian import Gaussian, Mode, all_finite, validate_mode
@@ -83,8 +84,18 @@ class BayesModule(nn.Module):
         return self.propagate_cross(cross, x, mode), self.propagate(x, mode)
 
 
-def prepare_input(x: Moments, mode: Mode, num_samples: int | None) -> Moments:
+def prepare_input(
+    x: Moments, mode: Mode, num_samples: int | None, integer_ok: bool = False
+) -> Moments:
     """Check an input of :meth:`BayesModule.forward`; in the Monte Carlo modes expand it to ``[S, ...]``.
+
+    Args:
+        x: the input.
+        mode: the (validated) mode.
+        num_samples: ``S`` of the Monte Carlo modes.
+        integer_ok: also accept integer tensors (token ids, indices): for a network whose
+            first stage is plain torch (``from_torch(model, last_layers=k)``'s backbone), which
+            takes whatever the torch model took.
 
     Raises:
         ValueError: as :meth:`BayesModule.forward` (``mode`` is already validated).
@@ -95,13 +106,21 @@ def prepare_input(x: Moments, mode: Mode, num_samples: int | None) -> Moments:
         return x
     if not isinstance(x, Tensor):
         raise ValueError(f"input must be a tensor or a Gaussian, got {type(x).__name__}")
-    if x.dim() < 1 or not x.dtype.is_floating_point:
+    integer = not x.dtype.is_floating_point and not x.is_complex() and x.dtype != torch.bool
+    if x.dim() < 1 or not (x.dtype.is_floating_point or (integer_ok and integer)):
+        hint = (
+            " (integer inputs such as token ids need a plain-torch first stage: convert the "
+            "model with from_torch(model, last_layers=k), which keeps an nn.Embedding in its "
+            "backbone)"
+            if integer
+            else ""
+        )
         raise ValueError(
-            f"input must be a floating tensor [..., D], got {x.dtype} {tuple(x.shape)}"
+            f"input must be a floating tensor [..., D], got {x.dtype} {tuple(x.shape)}{hint}"
         )
     # A host read: skipped while torch.compile traces (it would split the graph);
     # lightning_dvi.compile runs it once per call outside the compiled region.
-    if not all_finite(x):
+    if not integer and not all_finite(x):
         raise ValueError("input contains NaN or Inf")
     if mode in ("sample", "local"):
         s = 1 if num_samples is None else num_samples

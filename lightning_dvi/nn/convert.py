@@ -283,16 +283,26 @@ def from_torch(
         from .last_layers import last_layer_network
 
         return last_layer_network(module, last_layers, options, freeze_backbone, head_covariance)
-    if _by_graph(module):
-        return graph_from_torch(module, options)
-    layers: list[BayesModule] = []
-    for position, (path, leaf) in enumerate(_leaves(module, ""), start=1):
-        converted = _convert_leaf(leaf, options, position, path)
-        if converted is not None:
-            layers.append(converted)
+    try:
+        if _by_graph(module):
+            return graph_from_torch(module, options)
+        layers: list[BayesModule] = []
+        for position, (path, leaf) in enumerate(_leaves(module, ""), start=1):
+            converted = _convert_leaf(leaf, options, position, path)
+            if converted is not None:
+                layers.append(converted)
+    except NotImplementedError as err:
+        raise NotImplementedError(f"{err}{_LAST_LAYERS_HINT}") from err
     if not layers:
         raise ValueError("from_torch: nothing left to convert (only dropped layers)")
     return Sequential(*layers)
+
+
+_LAST_LAYERS_HINT = (
+    ". To keep such a network's body as plain torch (embeddings, recurrent or attention layers, "
+    "any torch code) and make only its last k weight layers Bayesian, convert it with "
+    "from_torch(model, last_layers=k)"
+)
 
 
 def _by_graph(module: nn.Module) -> bool:

@@ -80,7 +80,8 @@ class PredictiveModule(nn.Module):
             (:meth:`~lightning_dvi.likelihoods.Likelihood.export_head`).
         mode: ``"diag"`` or ``"full"``.
         input_loc: subtracted from ``x`` before the network.
-        input_scale: divides ``x - input_loc``.
+        input_scale: divides ``x - input_loc``. With neither, ``x`` goes to the network as
+            it is (a :class:`~lightning_dvi.nn.LastLayerNetwork` takes integer token ids).
 
     Attributes:
         head: the :class:`~lightning_dvi.likelihoods.PredictiveHead` (its ``name``:
@@ -104,6 +105,9 @@ class PredictiveModule(nn.Module):
         self.head = head
         self.mode = mode
         dtype = next(net.parameters()).dtype
+        # no standardisation asked: x goes in untouched (integer token ids stay integers for a
+        # last-layers network's plain-torch backbone)
+        self.standardize = input_loc is not None or input_scale is not None
         loc = torch.zeros((), dtype=dtype) if input_loc is None else input_loc
         scale = torch.ones((), dtype=dtype) if input_scale is None else input_scale
         self.register_buffer("input_loc", torch.as_tensor(loc).detach().clone().to(dtype))
@@ -111,7 +115,9 @@ class PredictiveModule(nn.Module):
 
     def forward(self, x: Tensor) -> Any:
         """Predictive of ``x [B, D_in]``: ``(mean, var)`` or class probabilities ``[B, K]``."""
-        out = self.net.propagate((x - self.input_loc) / self.input_scale, self.mode)
+        if self.standardize:
+            x = (x - self.input_loc) / self.input_scale
+        out = self.net.propagate(x, self.mode)
         if not isinstance(out, Gaussian):
             raise ValueError("the network output is deterministic: it has no BayesLinear layer")
         return self.head(out)

@@ -43,8 +43,8 @@ from typing import Literal
 
 from torch import Tensor, fx, nn
 
-from ..gaussian import Gaussian, Mode, all_finite, validate_mode
-from .base import BayesModule, Moments
+from ..gaussian import Gaussian, Mode, validate_mode
+from .base import BayesModule, Moments, finish, prepare_input
 from .container import Sequential
 from .full_cov import BayesLinearFullCov
 from .graph import GraphNetwork
@@ -345,12 +345,14 @@ class LastLayerNetwork(BayesModule):
         """As :meth:`BayesModule.forward`; the Monte Carlo modes run the backbone once."""
         validate_mode(mode)
         if mode in ("sample", "local") and isinstance(x, Tensor):
-            if not all_finite(x):
-                raise ValueError("input contains NaN or Inf")
+            prepare_input(x, "full", None, integer_ok=True)  # checks only: finite, any dtype
             # the head expands the features (a tuple of them for a graph head) to [S, B, ...]
             out: Tensor = self.head(self.features(x), mode=mode, num_samples=num_samples)
             return out
-        return super().forward(x, mode, num_samples)
+        # the backbone is plain torch: it takes what the torch model took, integer token ids
+        # included (only the head needs floating features)
+        moments = self.propagate(prepare_input(x, mode, num_samples, integer_ok=True), mode)
+        return finish(moments, mode, self)
 
     def propagate(self, x: Moments, mode: Mode) -> Moments:
         """The head's moments (or samples) at the backbone's features."""
