@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 from lightning_dvi import DVIClassifier, DVIRegressor
-from lightning_dvi.likelihoods import Categorical, HeteroscedasticGaussian, HomoscedasticGaussian
+from lightning_dvi.likelihoods import (
+    Bernoulli,
+    Categorical,
+    HeteroscedasticGaussian,
+    HomoscedasticGaussian,
+    Poisson,
+)
 from lightning_dvi.nn import export_predictive, from_torch, mlp
 
 # Run a saved artifact with lightning_dvi made unimportable: only torch / onnxruntime remain.
@@ -141,6 +147,8 @@ def test_onnx_files_match_torch_in_onnxruntime_without_lightning_dvi(tmp_path):
         "native_full": (export_predictive(_native(2), HeteroscedasticGaussian(), "full"), 11),
         "converted_diag": (export_predictive(_converted(2), HeteroscedasticGaussian(), "diag"), 11),
         "converted_full": (export_predictive(_converted(3), Categorical(3), "full"), 7),
+        "bernoulli_diag": (export_predictive(_native(1), Bernoulli(), "diag"), 11),
+        "poisson_full": (export_predictive(_converted(1), Poisson(), "full"), 7),
     }
     expected = {}
     # classifiers also at confident inputs: logits scaled x1 to x100 (issue 44: onnxruntime's
@@ -149,7 +157,7 @@ def test_onnx_files_match_torch_in_onnxruntime_without_lightning_dvi(tmp_path):
     for name, (predictive, batch) in cases.items():
         predictive.save(tmp_path / f"{name}.onnx", torch.randn(5, 3))
         x = torch.randn(batch, 3)
-        if predictive.head.name == "categorical":
+        if predictive.head.name in ("categorical", "bernoulli"):
             x = x * scales.repeat(batch)[:batch, None]
         np.save(tmp_path / f"{name}_x.npy", x.numpy())
         ref = predictive(x)
@@ -183,9 +191,19 @@ def test_bad_exports_rejected(tmp_path):
         export_predictive(net).save(tmp_path / "model.bin", torch.randn(2, 3))
 
 
-def test_bernoulli_and_poisson_are_not_exported_yet():
-    from lightning_dvi.likelihoods import Bernoulli, Poisson
-
-    for likelihood in (Bernoulli(), Poisson()):
-        with pytest.raises(ValueError, match="no exportable predictive"):
-            export_predictive(_native(1), likelihood)
+def test_bernoulli_and_poisson_export_their_library_predictive():
+    x = torch.randn(6, 3, dtype=torch.float64)
+    for mode in ("diag", "full"):
+        net = _native(1, torch.float64)
+        out = net(x, mode=mode)
+        probs = export_predictive(net, Bernoulli(), mode)(x)
+        torch.testing.assert_close(probs, Bernoulli().predictive_probs(out), rtol=0, atol=1e-12)
+        mean, var = export_predictive(net, Poisson(), mode)(x)
+        dist = Poisson().predictive(out)
+        torch.testing.assert_close((mean, var), (dist.mean, dist.variance), rtol=1e-12, atol=0)
+    clf = DVIClassifier(
+        in_features=3, num_classes=2, hidden=[8], num_data=10, likelihood="bernoulli"
+    )
+    clf.predictive_temperature.fill_(0.5)  # tempered as the classifier tempers
+    x = x.float()
+    torch.testing.assert_close(export_predictive(clf)(x), clf.predictive(x), rtol=0, atol=1e-6)

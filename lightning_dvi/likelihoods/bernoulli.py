@@ -7,7 +7,8 @@ from torch import Tensor
 
 from ..gaussian import Gaussian
 from . import functional as F
-from .base import Likelihood
+from .base import ExportOptions, Likelihood, PredictiveHead
+from .categorical import tempered
 
 __all__ = ["Bernoulli"]
 
@@ -75,3 +76,26 @@ class Bernoulli(Likelihood):
         return torch.distributions.Bernoulli(
             probs=F.sigmoid_normal_mean(out.mean[..., 0], out.var[..., 0])
         )
+
+    def export_head(self, options: ExportOptions) -> PredictiveHead:
+        r"""Class probabilities ``[B, 2]``, :math:`(1 - \bar p, \bar p)`, as :meth:`predictive_probs`.
+
+        Tempered, :math:`\operatorname{softmax}(\log p / T)`, when ``options.temperature`` is
+        not 1 (as ``DVIClassifier(likelihood="bernoulli")``'s temperature scaling).
+        """
+        return _BernoulliHead(options.temperature, options.dtype)
+
+
+class _BernoulliHead(PredictiveHead):
+    name = "bernoulli"
+    temperature: Tensor
+
+    def __init__(self, temperature: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tempered = temperature != 1.0  # decided here: no data-dependent branch when traced
+        self.register_buffer("temperature", torch.tensor(float(temperature), dtype=dtype))
+
+    def forward(self, out: Gaussian) -> Tensor:
+        p = F.sigmoid_normal_mean(out.mean[..., 0], out.var[..., 0])
+        probs = torch.stack([1 - p, p], -1)
+        return tempered(probs, self.temperature) if self.tempered else probs

@@ -11,7 +11,7 @@ from torch.distributions import constraints
 from ..gaussian import Gaussian
 from ..moments._quadrature import constant, fixed_rule
 from . import functional as F
-from .base import Likelihood
+from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 
 __all__ = ["Poisson", "PoissonLogNormal"]
 
@@ -175,8 +175,26 @@ class Poisson(Likelihood):
         self.validate_output(out)
         return PoissonLogNormal(out.mean[..., 0], out.var[..., 0])
 
+    def export_head(self, options: ExportOptions) -> PredictiveHead:
+        r"""The exported predictive: :class:`PoissonLogNormal`'s exact ``(mean, var)``, ``[B]`` each.
+
+        :math:`\mathbb E y = e^{\mu + v/2}` and
+        :math:`\operatorname{Var} y = \mathbb E y + (e^v - 1)(\mathbb E y)^2`, in the counts' own
+        units.
+        """
+        return _PoissonHead(options)
+
     def epistemic_variance(self, out: Gaussian) -> Tensor:
         r""":math:`\operatorname{Var}_q[e^f] = (e^v - 1)e^{2\langle f\rangle + v}`: the part of the predictive variance due to the weights."""
         self.validate_output(out)
         mean, var = out.mean[..., 0], out.var[..., 0]
         return torch.expm1(var) * torch.exp(2 * mean + var)
+
+
+class _PoissonHead(RegressionHead):
+    name = "poisson"
+
+    def standardized(self, out: Gaussian) -> tuple[Tensor, Tensor]:
+        loc, var = out.mean[..., 0], out.var[..., 0]
+        mean = torch.exp(loc + 0.5 * var)  # PoissonLogNormal's mean and variance, no validation
+        return mean, mean + torch.expm1(var) * mean.square()

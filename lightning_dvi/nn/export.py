@@ -23,8 +23,16 @@ The built-in heads:
   :func:`~lightning_dvi.likelihoods.predictive.categorical_predictive` (the library's
   predictive), tempered by a classifier's ``predictive_temperature`` when it is not 1.
 
-``Bernoulli`` and ``Poisson`` have no exported head yet (the base class's ``ValueError`` says
-so).
+* :class:`~lightning_dvi.likelihoods.Bernoulli`: class probabilities ``[B, 2]``,
+  :math:`(1 - \bar p, \bar p)` with :math:`\bar p = \mathbb E\,\sigma(f)`, tempered likewise.
+* :class:`~lightning_dvi.likelihoods.Poisson`: ``mean = e^{⟨f⟩ + Σ_ff/2}``,
+  ``var = mean + (e^{Σ_ff} - 1) mean²`` (the Poisson log-normal predictive, in counts).
+
+A likelihood without a deterministic predictive raises the base class's ``ValueError``.
+
+The ``.onnx`` file lowers ``erfc``, ``ndtr``, ``log_ndtr`` and ``erfcx`` by tail-safe formulas
+(:func:`onnx_translations`): the exporter's own lowerings lose the tails, and onnxruntime
+returned NaN for a confident classifier's ``log Φ``.
 
 Regression moments are mapped to the original units with ``target_loc``/``target_scale``
 (``mean * scale + loc``, ``var * scale²``), read from a ``DVIRegressor`` when one is passed.
@@ -221,7 +229,10 @@ def onnx_translations() -> dict[Any, Any]:
     """
     import numpy as np
     import onnx_ir as ir
-    from onnxscript import opset18 as op
+    import onnxscript
+
+    # trace functions: the exporter calls them with its graph values, not typed onnxscript tensors
+    op: Any = onnxscript.opset18
 
     def const(value: float, like: Any) -> Any:
         return op.CastLike(op.Constant(value=ir.tensor(np.array(value, dtype=np.float64))), like)
