@@ -206,13 +206,13 @@ def test_bound_values_and_gradients_finite_at_extremes(dtype) -> None:
         assert torch.isfinite(out).all() and torch.isfinite(g).all()
 
 
-def test_categorical_and_classifier_default_to_the_bound() -> None:
-    assert Categorical(3).method == "bound"
+def test_categorical_and_classifier_default_to_the_tight_bound() -> None:
+    assert Categorical(3).method == "tight"  # issue 41: the tighter certified bound
     model = DVIClassifier(in_features=2, num_classes=3, hidden=[4], num_data=10)
-    assert model.likelihood.method == "bound"
+    assert model.likelihood.method == "tight"
     out = Gaussian(torch.zeros(2, 3), var=torch.full((2, 3), 0.5))
     y = torch.tensor([0, 2])
     torch.testing.assert_close(
         Categorical(3).expected_log_prob(out, y),
-        F.categorical_bound_expected_log_prob(out.mean, out.var, y),
+        F.categorical_tight_expected_log_prob(out.mean, out.var, y),
     )

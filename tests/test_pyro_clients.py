@@ -213,7 +213,7 @@ def test_categorical_site_calls_the_classifier_objective(pyro_state) -> None:
     clf = DVIClassifier(in_features=2, num_classes=4, hidden=[4], num_data=6)
     lightning = clf.likelihood.expected_log_prob(Gaussian(mean, var=var), y)
     torch.testing.assert_close(site, lightning, rtol=0, atol=0)
-    assert clf.likelihood.method == likelihoods.Categorical(4).method == "bound"
+    assert clf.likelihood.method == likelihoods.Categorical(4).method == "tight"
 
 
 @pytest.mark.parametrize(

@@ -147,13 +147,13 @@ def test_categorical_expected_log_prob_uses_full_or_diag_covariance():
     y = torch.tensor([0, 2, 1, 1])
     full = Categorical(logits=MomentTensor(mean, cov=cov, mode="full"))
     diag = Categorical(logits=MomentTensor(mean, cov.diagonal(dim1=-2, dim2=-1)))
-    # the Lightning classifier's objective (the certified bound), with each covariance
+    # the Lightning classifier's objective (the tight certified bound), with each covariance
     torch.testing.assert_close(
-        full.expected_log_prob(y), LF.categorical_bound_expected_log_prob(mean, cov, y)
+        full.expected_log_prob(y), LF.categorical_tight_expected_log_prob(mean, cov, y)
     )
     torch.testing.assert_close(
         diag.expected_log_prob(y),
-        LF.categorical_bound_expected_log_prob(mean, cov.diagonal(dim1=-2, dim2=-1), y),
+        LF.categorical_tight_expected_log_prob(mean, cov.diagonal(dim1=-2, dim2=-1), y),
     )
     assert full.expand(torch.Size([2, 4])).batch_shape == (2, 4)
 

@@ -57,8 +57,10 @@ class DVIClassifier(DVIModule):
             1.2 / 0.8 points below the accuracy, 128-128 none; docs/calibration.md), which is
             why the default is no longer ``[64]``.
         likelihood_method: how the expected log-likelihood integrates over the logit
-            Gaussian: ``"bound"`` (default; a lower bound that is never above the true expected
-            log-likelihood and tight at trained parameters,
+            Gaussian: ``"tight"`` (default; a lower bound that is never above the true expected
+            log-likelihood and close to it at every logit variance,
+            :func:`~lightning_dvi.likelihoods.functional.categorical_tight_expected_log_prob`),
+            ``"bound"`` (the earlier, looser certified bound,
             :func:`~lightning_dvi.likelihoods.functional.categorical_bound_expected_log_prob`),
             ``"clark"`` (smoothed-max closed form, an approximation), ``"delta"`` (the paper's
             second-order delta method, appendix B.4) or ``"mc"`` (DVI-MC: Monte Carlo over the
@@ -105,7 +107,7 @@ class DVIClassifier(DVIModule):
         in_features: int | None = None,
         num_classes: int | None = None,
         hidden: list[int] = [128, 128],  # noqa: B006 (jsonargparse and the CLI help show it)
-        likelihood_method: Literal["bound", "clark", "delta", "mc"] = "bound",
+        likelihood_method: Literal["tight", "bound", "clark", "delta", "mc"] = "tight",
         likelihood_mc_samples: int = 32,
         ece_bins: int = 15,
         mode: Mode = "diag",

@@ -21,6 +21,7 @@ from torch import Tensor
 from .logistic_normal import (
     bernoulli_expected_log_prob,
     categorical_bound_expected_log_prob,
+    categorical_tight_expected_log_prob,
     sigmoid_normal_mean,
     softplus_normal_bound,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "categorical_delta_expected_log_prob",
     "categorical_delta_predictive",
     "categorical_mean_field_predictive",
+    "categorical_tight_expected_log_prob",
     "heteroscedastic_expected_log_prob",
     "heteroscedastic_predictive_moments",
     "normal_expected_log_prob",

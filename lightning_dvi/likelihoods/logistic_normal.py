@@ -60,6 +60,7 @@ __all__ = [
     "SERIES_VARIANCE",
     "bernoulli_expected_log_prob",
     "categorical_bound_expected_log_prob",
+    "categorical_tight_expected_log_prob",
     "sigmoid_normal_mean",
     "softplus_normal_bound",
 ]
@@ -451,3 +452,183 @@ def categorical_bound_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) ->
     plain = _jensen(mean_y, mean, var.clamp_min(0))
     pairwise = -torch.logsumexp(diff + 0.5 * diff_var, -1)  # t = 1: tempering adds < 1 nat
     return torch.maximum(one_vs_each, torch.maximum(plain, pairwise))
+
+
+#: Probit constant of the shift search of :func:`_bouchard_shift`,
+#: :math:`\mathbb E\,\sigma(x) \approx \sigma(m/\sqrt{1 + \pi v/8})` (MacKay 1992).
+_PROBIT = math.pi / 8
+#: Safeguarded Newton steps of :func:`_bouchard_shift` (from its bracket; measured: the root to
+#: 1e-8 or better for logit variances 0.1 to 1000 and means up to 100 in scale).
+_SHIFT_STEPS = 16
+
+
+def _reference_terms(mean: Tensor, cov: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    r"""``(w·μ, μ - w·μ, s)`` of :math:`x_k = a_k - w^\top a`: :math:`s_k = C_{kk} - 2(Cw)_k + w^\top Cw`.
+
+    ``cov`` is full ``[..., K, K]`` or diag ``[..., K]`` (validated by the caller); ``w`` is a
+    fixed weight vector ``[..., K]`` (any function of the moments, not of :math:`a`).
+    """
+    if cov.shape == mean.shape:
+        diag, cw = cov, cov * w
+    else:
+        diag, cw = cov.diagonal(dim1=-2, dim2=-1), (cov @ w.unsqueeze(-1)).squeeze(-1)
+    wm = (w * mean).sum(-1, keepdim=True)
+    return wm, mean - wm, (diag - 2 * cw + (w * cw).sum(-1, keepdim=True)).clamp_min(0)
+
+
+def _bouchard_shift(mean: Tensor, var: Tensor) -> Tensor:
+    r"""A near-optimal shift :math:`c` of Bouchard's bound, ``[..., 1]``.
+
+    The bound :math:`c + \sum_k\mathbb E\operatorname{softplus}(x_k - c)` is smallest where
+    :math:`\sum_k\mathbb E\,\sigma(x_k - c) = 1`. With the probit form of
+    :math:`\mathbb E\,\sigma`, :math:`h(c) = \log\sum_k\sigma(z_k)`,
+    :math:`z_k = \kappa_k(m_k - c)`, :math:`\kappa_k = (1 + \pi v_k/8)^{-1/2}`, decreases from
+    :math:`\log K` to :math:`-\infty`; its root is bracketed by the second largest
+    :math:`m_k` (two terms :math:`\ge \tfrac12`, :math:`h \ge 0`) and
+    :math:`\max_k(m_k + \log K/\kappa_k)` (every term :math:`< 1/K`, :math:`h < 0`), and found
+    by Newton steps that fall back to bisection when they leave the bracket. Any :math:`c`
+    gives a valid bound; this one is within the probit error of the best.
+
+    The root is a smooth function of ``mean`` and ``var``, and carries its implicit gradient
+    :math:`\partial c/\partial m_j = \pi_j`, :math:`\partial c/\partial v_j =
+    -\tfrac{\pi}{16}\kappa_j^2(m_j - c)\,\pi_j`, with
+    :math:`\pi_j \propto \kappa_j\sigma(z_j)\sigma(-z_j)` normalised to sum to one (computed
+    as a softmax, so it is finite where the slope of :math:`h` underflows), so the bound's
+    gradient is the derivative of its value.
+    """
+    with torch.no_grad():
+        kappa = torch.rsqrt(1 + _PROBIT * var)
+        hi = (mean + math.log(mean.shape[-1]) / kappa).amax(-1, keepdim=True)
+        lo = mean.topk(2, dim=-1).values[..., 1:]
+        c = hi
+        for _ in range(_SHIFT_STEPS):
+            z = (mean - c) * kappa
+            log_sig = torch.nn.functional.logsigmoid(z)
+            h = torch.logsumexp(log_sig, -1, keepdim=True)
+            slope = -(torch.softmax(log_sig, -1) * kappa * torch.sigmoid(-z)).sum(-1, keepdim=True)
+            hi = torch.where(h <= 0, c, hi)
+            lo = torch.where(h > 0, c, lo)
+            step = c - h / slope.clamp_max(-torch.finfo(mean.dtype).tiny)
+            c = torch.where((step >= lo) & (step <= hi), step, 0.5 * (lo + hi))
+        z = (mean - c) * kappa
+        weight = torch.softmax(
+            kappa.log() + torch.nn.functional.logsigmoid(z) + torch.nn.functional.logsigmoid(-z),
+            -1,
+        )
+        var_coef = (-0.5 * _PROBIT) * kappa.square() * (mean - c)
+    if not (mean.requires_grad or var.requires_grad):
+        return c
+    moved = (mean - mean.detach()) + var_coef * (var - var.detach())  # zero, with gradient
+    return c + (weight * moved).sum(-1, keepdim=True)
+
+
+def _bouchard(mean: Tensor, var: Tensor) -> Tensor:
+    r"""Upper bound on :math:`\mathbb E\log\sum_k e^{x_k}`, :math:`x_k\sim\mathcal N(m_k, v_k)`.
+
+    Bouchard (2007): :math:`\log\sum_k e^{x_k} \le c + \log(1 + \sum_k e^{x_k - c})
+    \le c + \sum_k\operatorname{softplus}(x_k - c)` for every :math:`c` (since
+    :math:`1 + \sum_k u_k \le \prod_k(1 + u_k)` for :math:`u_k \ge 0`), each expectation by
+    :func:`softplus_normal_bound` (an upper bound), at :func:`_bouchard_shift`'s :math:`c`
+    (Knowles & Minka 2011 optimise :math:`c` the same way, with quadrature). ``[...]``.
+    """
+    c = _bouchard_shift(mean, var)
+    return (c + softplus_normal_bound(mean - c, var).sum(-1, keepdim=True)).squeeze(-1)
+
+
+def _tight_wide(
+    mean_y: Tensor,
+    mean: Tensor,
+    cov: Tensor,
+    shift: Tensor,
+    ref: Tensor,
+    ref_var: Tensor,
+    at_one: Tensor,
+) -> Tensor:
+    """The two bounds of :func:`categorical_tight_expected_log_prob` for wide rows, and their max."""
+    tempered = _tempered(shift, ref, ref_var, at_one)
+    uniform = torch.full_like(mean, 1.0 / mean.shape[-1])
+    centre, centred, centred_var = _reference_terms(mean, cov, uniform)
+    bouchard = (mean_y - centre).squeeze(-1) - _bouchard(centred, centred_var)
+    return torch.maximum(tempered, bouchard)
+
+
+def categorical_tight_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) -> Tensor:
+    r"""A tighter lower bound on :math:`\mathbb E\log\operatorname{softmax}(a)_y`, :math:`a\sim\mathcal N(\mu, C)`.
+
+    ``Categorical(method="tight")``. With any reference :math:`r = w^\top a` (a fixed
+    :math:`w`, chosen from :math:`\mu` and :math:`C`), :math:`\log\operatorname{softmax}(a)_y
+    = a_y - r - \log\sum_k e^{x_k}`, :math:`x_k = a_k - r \sim \mathcal N(m_k, s_k)`,
+    :math:`m_k = \mu_k - w^\top\mu`, :math:`s_k = C_{kk} - 2(Cw)_k + w^\top Cw`, so every
+    upper bound on :math:`\mathbb E\log\sum_k e^{x_k}` gives a lower bound. The result is the
+    largest of three, each valid for every :math:`\mu` and :math:`C`:
+
+    1. **Tempered Jensen at the softmax reference** :math:`w = p = \operatorname{softmax}(\mu)`.
+       For :math:`t \in (0, 1]`,
+
+       .. math::
+           \mathbb E\log\sum_k e^{x_k} = \tfrac1t\,\mathbb E\log\Big(\sum_k e^{x_k}\Big)^t
+           \le \tfrac1t\,\mathbb E\log\sum_k e^{t x_k}
+           \le \tfrac1t\log\sum_k\mathbb E e^{t x_k}
+           = \tfrac1t\operatorname{logsumexp}_k\big(t m_k + \tfrac{t^2}{2}s_k\big):
+
+       the first step because :math:`(\sum_k u_k)^t \le \sum_k u_k^t` for :math:`u_k \ge 0`,
+       :math:`t \le 1` (:math:`u \mapsto u^t` is concave with :math:`0^t = 0`, so subadditive),
+       the second by Jensen (:math:`\log` is concave), the last is the log-normal mean. At
+       :math:`t = 1` its expansion in :math:`C` is :math:`\operatorname{logsumexp}\mu +
+       \tfrac12\sum_k p_k s_k`, and :math:`\sum_k p_k s_k = p^\top\operatorname{diag}C -
+       2p^\top Cw + w^\top Cw` is smallest at :math:`w = p`, where it is the delta method's
+       :math:`p^\top\operatorname{diag}C - p^\top Cp` (:func:`~lightning_dvi.likelihoods.
+       functional.categorical_delta_expected_log_prob`): the bound is exact to second order,
+       its gap :math:`O(v^2)`. Small :math:`t` makes it grow like :math:`\sqrt v`, not
+       :math:`v/2`; :math:`t` is the best of :data:`TEMPERATURES` (any is a bound).
+    2. **One-vs-each** (Titsias 2016), :math:`w = e_y`:
+       :math:`\log(1 + \sum_{k\ne y}e^{x_k}) \le \sum_{k\ne y}\operatorname{softplus}(x_k)`,
+       each expectation by :func:`softplus_normal_bound`: exact for :math:`K = 2` (to
+       :math:`3\cdot10^{-4}`), tight when one class dominates.
+    3. **Bouchard / Knowles–Minka at the mean reference** :math:`w = \mathbf 1/K` (the
+       :math:`w` with the smallest :math:`\sum_k s_k`: a logit shift common to all classes
+       drops out): :math:`\log\sum_k e^{x_k} \le c + \sum_k\operatorname{softplus}(x_k - c)`
+       for every :math:`c` (:math:`1 + \sum_k u_k \le \prod_k (1 + u_k)`), at a
+       near-optimal :math:`c` (:func:`_bouchard_shift`); it grows like the expected maximum
+       of the logits, which the Jensen forms overestimate by a constant factor.
+
+    Bounds 1 (tempered) and 3 are evaluated on rows whose largest logit variance exceeds
+    :data:`TEMPER_VARIANCE` (elsewhere they do not improve on 1 at :math:`t = 1` and 2).
+    :math:`t` is chosen without gradient (each fixed value gives a valid bound, and the value is
+    the minimum over the grid, whose gradient is the chosen bound's); :math:`p` and :math:`c`
+    (a smooth function of the moments) carry theirs, so the gradient is the derivative of the
+    value.
+
+    Measured against 200,000-draw Monte Carlo on ``recipes/categorical_tight_bound.py``'s grid
+    (10 classes, 64 random rows per logit variance, float64): never above it by more than 3
+    standard errors; mean gap 0.0005 nats at :math:`v = 0.1`, 0.05 at 1, 0.94 at 10 and 2.0
+    at 100, against 0.019, 0.18, 2.2 and 9.1 for :func:`categorical_bound_expected_log_prob`,
+    at about 1.2 to 2.5 times its cost per datum.
+
+    Args:
+        mean: logit means ``[..., K]``.
+        cov: logit covariance, full ``[..., K, K]`` or diag ``[..., K]``.
+        y: integer labels ``[...]`` in ``[0, K)``.
+
+    Returns:
+        The bound ``[...]``.
+
+    Raises:
+        ValueError: if ``cov`` has neither the full nor the diag shape.
+
+    Examples:
+        >>> mean, y = torch.tensor([2.0, 0.0, 0.0]), torch.tensor(0)
+        >>> exact = torch.log_softmax(mean, -1)[0]
+        >>> bool((categorical_tight_expected_log_prob(mean, torch.zeros(3), y) - exact).abs() < 1e-6)
+        True
+    """
+    mean_y, cov_y, var_y, var = _label_terms(mean, cov, y)  # validates the shapes
+    diff, diff_var = mean - mean_y, (var + var_y - 2 * cov_y).clamp_min(0)
+    other = torch.ones_like(mean, dtype=torch.bool).scatter(-1, y.long().unsqueeze(-1), False)
+    one_vs_each = -(softplus_normal_bound(diff, diff_var) * other).sum(-1)
+    centre, ref, ref_var = _reference_terms(mean, cov, torch.softmax(mean, -1))
+    shift = mean_y - centre
+    jensen = (shift - torch.logsumexp(ref + 0.5 * ref_var, -1, keepdim=True)).squeeze(-1)
+    best = torch.maximum(one_vs_each, jensen)
+    need = var.amax(-1) > TEMPER_VARIANCE
+    return _where_needed(need, _tight_wide, (mean_y, mean, cov, shift, ref, ref_var, best))

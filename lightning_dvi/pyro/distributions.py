@@ -61,7 +61,7 @@ def categorical_expected_log_prob(
 ) -> Callable[[Tensor], Tensor]:
     """``y ->`` :class:`lightning_dvi.likelihoods.Categorical`'s expected log-likelihood.
 
-    With the class's default method (``"bound"``, as :class:`~lightning_dvi.DVIClassifier`):
+    With the class's default method (``"tight"``, as :class:`~lightning_dvi.DVIClassifier`):
     never above the true expected log-likelihood. ``link``: what ``logits`` stands for
     (``"log_softmax"`` of the logits, as ``Categorical(logits=f)`` normalises them, or
     ``"softmax"``, the ``probs`` of ``Categorical(probs=softmax(f))``); either way the
@@ -194,7 +194,7 @@ class Categorical(dist.Categorical):
     the method for direct use. The logits :math:`a \sim \mathcal N(\mu, C)` (the full
     :math:`C` in ``full`` mode, its diagonal in ``diag`` mode), and the expected log-likelihood
     is :class:`lightning_dvi.likelihoods.Categorical`'s, with its default method: the lower
-    bound :func:`~lightning_dvi.likelihoods.functional.categorical_bound_expected_log_prob`,
+    bound :func:`~lightning_dvi.likelihoods.functional.categorical_tight_expected_log_prob`,
     never above :math:`\mathbb E\log\operatorname{softmax}(a)_y` and the objective
     :class:`~lightning_dvi.DVIClassifier` trains with.
 
