@@ -38,6 +38,7 @@ def _sine(n: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fit(tmp_path, **kwargs) -> tuple[DVIRegressor, lightning.Trainer]:
+    kwargs.setdefault("noise_bound", "training_range")
     x, y = _sine()
     lightning.seed_everything(0, verbose=False)
     model = DVIRegressor(in_features=1, hidden=[16], num_data=len(x), lr=1e-2, **kwargs)
@@ -85,7 +86,7 @@ def test_inside_the_training_range_the_bound_changes_nothing(dtype):
     net = _net(dtype)
     gen = torch.Generator().manual_seed(1)
     x_train = 2 * torch.rand(300, 1, generator=gen, dtype=dtype) - 1
-    lik = HeteroscedasticGaussian()
+    lik = HeteroscedasticGaussian(noise_bound="training_range")
     lik.record_noise_range(net(x_train, mode="full"))
     inside = torch.cat([x_train, torch.linspace(-1, 1, 1001, dtype=dtype)[:, None]])
     for mode in ("full", "diag"):
@@ -106,7 +107,7 @@ def test_an_unrecorded_or_switched_off_bound_is_the_exact_model():
     expected = F.heteroscedastic_predictive_moments(
         out.mean[..., 0], out.var[..., 0], out.mean[..., 1], out.var[..., 1]
     )[1]
-    fresh = HeteroscedasticGaussian()
+    fresh = HeteroscedasticGaussian(noise_bound="training_range")
     assert not fresh.noise_range_recorded
     off = HeteroscedasticGaussian(noise_bound="none")
     off.record_noise_range(net(torch.zeros(4, 1, dtype=torch.float64), mode="full"))
@@ -132,6 +133,21 @@ def test_the_issue_table_has_no_inf_at_x_100(tmp_path):
     assert bool((aleatoric <= widest * model.target_scale**2 * (1 + 1e-5) + 1e-5 * var).all())
     homo = DVIRegressor(in_features=1, hidden=[16], num_data=64, likelihood="homoscedastic")
     assert bool(torch.isfinite(homo.predictive(FAR)[1]).all())
+
+
+def test_the_default_is_unbounded_but_finite_and_records_the_range(tmp_path):
+    """Chosen by measurement (docs/lightning.md): the exact noise, capped only at the overflow."""
+    assert HeteroscedasticGaussian().noise_bound == "none"
+    model, _ = _fit(tmp_path, noise_bound="none")
+    assert model.likelihood.noise_bound == "none"
+    assert model.likelihood.noise_range_recorded  # so the bound can be switched on after fit
+    with pytest.warns(NoiseBoundWarning, match="overflows"):
+        _, var = model.predictive(FAR)
+    assert bool(torch.isfinite(var).all())
+    model.likelihood.noise_bound = "training_range"
+    with pytest.warns(NoiseBoundWarning, match="bounded to it"):
+        _, bounded = model.predictive(FAR)
+    assert bool((bounded[-1] < var[-1]).all())
 
 
 def test_the_bound_round_trips_through_checkpoints(tmp_path):

@@ -126,6 +126,11 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         resolution: the grid step :math:`\Delta` of the targets in the units this likelihood
             sees them (0: continuous); the expected log-likelihood is that of dequantised targets
             (:func:`dequantisation_variance`). The predictive is unchanged.
+        noise_bound: ``"none"`` (default): the predictive's noise variance is the exact
+            :math:`\mathbb E[e^\ell] = e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2}`, capped
+            only below the dtype's overflow; ``"training_range"``: the log-variance's moments
+            are clamped to the range recorded on the training inputs
+            (:meth:`bounded_log_noise`, :meth:`record_noise_range`).
 
     Examples:
         >>> lik = HeteroscedasticGaussian()
@@ -144,7 +149,7 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         require_full: bool = False,
         mc_samples: int = 256,
         resolution: float = 0.0,
-        noise_bound: NoiseBound = "training_range",
+        noise_bound: NoiseBound = "none",
     ) -> None:
         super().__init__(mc_samples)
         if noise_bound not in get_args(NoiseBound):
