@@ -546,7 +546,24 @@ class DVIModule(LightningModule):
         if logs_this_step(self.trainer):
             self._log_terms(terms, "train", batch[0].shape[0])
             self.log("train/kl_weight", kl_weight, on_step=True, on_epoch=False, batch_size=1)
+        if self.optimiser_config.optimizer == "lbfgs" and self.trainer.world_size > 1:
+            return self._global_loss_value(terms.loss)
         return terms.loss
+
+    def _global_loss_value(self, loss: Tensor) -> Tensor:
+        r"""The processes' mean loss as the value, this process's loss as the gradient.
+
+        Under DDP each process's loss is the per-datum ELBO of its shard, and the gradient
+        all-reduce averages the shards' gradients into the global batch's. L-BFGS's line search
+        also compares loss *values*: with each process's own value the processes would accept
+        different step lengths and their weights drift apart (DDP synchronises gradients, not
+        weights). Returning :math:`\ell_r + (\bar\ell - \ell_r)` with the difference
+        detached gives every process the value :math:`\bar\ell` (the global batch's loss, for
+        equal shards) and keeps :math:`\nabla\ell_r`, which DDP averages to
+        :math:`\nabla\bar\ell`: every process runs the one-process L-BFGS step.
+        """
+        mean = self.trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean")
+        return loss + (mean - loss.detach())
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """L-BFGS forgets its curvature pairs when the KL weight changes: the objective did."""
