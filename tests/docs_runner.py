@@ -126,7 +126,13 @@ def _run_block(spec_path: str) -> None:
 def main(argv: list[str]) -> None:
     """Dispatch ``block`` / ``cli`` / ``python`` (see the module docstring)."""
     if fast_mode():
-        clamp_trainer()
+        kind_args = argv[1:]
+        if any(arg.startswith("--ckpt_path") for arg in kind_args):
+            # a resumed run trains on from an earlier (clamped) run's checkpoint: clamping it to
+            # the same limits would leave nothing to train, which the CLI refuses
+            clamp_trainer(2 * FAST_EPOCHS, 2 * FAST_STEPS)
+        else:
+            clamp_trainer()
         # Small examples run fastest on one thread; extra intra-op threads spin on shared CPUs.
         import torch
 
