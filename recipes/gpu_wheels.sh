@@ -5,7 +5,7 @@
 #   recipes/gpu_wheels.sh [PYTHON]        # from the repository root; PYTHON defaults to .venv/bin/python
 #
 # The device image already holds torch, Triton, lightning, torchmetrics, numpy, pyarrow, pandas,
-# matplotlib, scikit-learn, PyYAML and typing-extensions (/work/.library/device/KINDS.md). The
+# matplotlib, scikit-learn, PyYAML and typing-extensions (the device tool's list of kinds). The
 # suite's import path (python -m lightning_dvi.benchmarks.gpu_suite, and `lightning-dvi fit`) adds
 # only jsonargparse[signatures]: jsonargparse, docstring-parser and typeshed-client, pure-Python
 # wheels of about 1 MiB together. pyro-ppl is a dependency of the package but no section imports

@@ -307,10 +307,13 @@ def test_image_outputs_stay_diag_in_full_mode():
     assert flat.cov.shape == (2, 32, 32)  # a flat output is returned full, as for dense nets
 
 
-def test_conv_refuses_weight_values_from_a_front_end():
+def test_conv_with_weight_values_from_a_front_end_is_the_torch_convolution():
+    """A drawn weight (a Pyro sample, the point pass) runs the plain convolution, as in linear."""
     from lightning_dvi.nn.linear import given_weights
 
     conv = BayesConv2d(1, 2, 3)
-    w = torch.randn(2, 1, 3, 3)
-    with given_weights({conv: (w, None, None, None)}), pytest.raises(ValueError, match="moments"):
-        conv(torch.randn(1, 1, 5, 5), mode="diag")
+    w, b = torch.randn(2, 1, 3, 3), torch.randn(2)
+    x = torch.randn(1, 1, 5, 5)
+    with given_weights({conv: (w, None, b, None)}):
+        out = conv(x, mode="sample", num_samples=1)
+    torch.testing.assert_close(out.reshape(1, 2, 3, 3), torch.nn.functional.conv2d(x, w, b))

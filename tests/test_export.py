@@ -142,12 +142,13 @@ def test_onnx_files_match_torch_in_onnxruntime_without_lightning_dvi(tmp_path):
     pytest.importorskip("onnx")
     pytest.importorskip("onnxscript")
     pytest.importorskip("onnxruntime")
+    # Each ONNX export costs ~10 s of CPU: the heteroscedastic full-mode head is exported to
+    # ONNX in tests/test_noise_bound.py and the classifier's in test_export_fresh_process.py;
+    # Bernoulli's head is checked against the library here in torch (below).
     cases = {  # native and converted, diag and full, run at a batch size other than the traced
         "native_diag": (export_predictive(_confident(), Categorical(3), "diag"), 11),
-        "native_full": (export_predictive(_native(2), HeteroscedasticGaussian(), "full"), 11),
         "converted_diag": (export_predictive(_converted(2), HeteroscedasticGaussian(), "diag"), 11),
         "converted_full": (export_predictive(_converted(3), Categorical(3), "full"), 7),
-        "bernoulli_diag": (export_predictive(_native(1), Bernoulli(), "diag"), 11),
         "poisson_full": (export_predictive(_converted(1), Poisson(), "full"), 7),
     }
     expected = {}

@@ -29,7 +29,7 @@ from typing import IO, Any
 try:  # POSIX only; peak_memory() says "unknown" elsewhere
     import resource
 except ImportError:  # pragma: no cover - Windows
-    resource = None  # type: ignore[assignment]
+    resource = None  # type: ignore[assignment]  # the module is absent: peak_memory() checks
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar

@@ -208,10 +208,10 @@ class DVIRegressor(DVIModule):
             :math:`\log 2`)
             (:meth:`~lightning_dvi.likelihoods.HeteroscedasticGaussian.bounded_log_noise`); on
             the training inputs nothing changes, far away the noise stays at what the data
-            showed and the epistemic variance still grows. The range is recorded either way,
-            at the end of ``fit`` (and into each checkpoint written during it, for the weights
-            it holds) in the likelihood's ``noise_range`` buffer, so the setting can be
-            switched after training (``model.likelihood.noise_bound = "training_range"``).
+            showed and the epistemic variance still grows. The range is recorded at the end of
+            ``fit`` (and into each checkpoint written during it, for the weights it holds) in
+            the likelihood's ``noise_range`` buffer; to bound a model trained with ``"none"``,
+            set ``model.likelihood.noise_bound`` and call its ``record_noise_range``.
             Either way the variance is finite (capped below the dtype's overflow) and a
             :class:`~lightning_dvi.likelihoods.NoiseBoundWarning` names the rows bounded or
             capped. Validation during ``fit`` is never bounded. Other likelihoods ignore it.
@@ -441,16 +441,17 @@ class DVIRegressor(DVIModule):
     def on_fit_end(self) -> None:
         """Record the noise range on the training inputs with the final weights (see ``noise_bound``)."""
         super().on_fit_end()
-        if isinstance(self.likelihood, HeteroscedasticGaussian):
+        lik = self.likelihood
+        if isinstance(lik, HeteroscedasticGaussian) and self._bounds_noise():
             found = self._training_noise_range()
             if found is not None:
-                self.likelihood.noise_range.copy_(found.to(self.likelihood.noise_range))
+                lik.noise_range.copy_(found.to(lik.noise_range))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint written during ``fit`` holds the noise range of the weights it holds."""
         super().on_save_checkpoint(checkpoint)
         trainer = self._trainer
-        if not isinstance(self.likelihood, HeteroscedasticGaussian) or trainer is None:
+        if not self._bounds_noise() or trainer is None:
             return
         if trainer.state.fn != "fit" or trainer.state.status != "running":
             return  # after fit: the buffer already holds the final weights' range
@@ -459,6 +460,11 @@ class DVIRegressor(DVIModule):
         key = "likelihood.noise_range"
         if found is not None and isinstance(state, dict) and key in state:
             state[key] = found.to(state[key])
+
+    def _bounds_noise(self) -> bool:
+        """Whether the predictive bounds the noise, so the training range must be recorded."""
+        lik = self.likelihood
+        return isinstance(lik, HeteroscedasticGaussian) and lik.noise_bound != "none"
 
     def _training_noise_range(self) -> Tensor | None:
         """The range of the log-variance moments on the training inputs, or ``None`` without them.
@@ -516,7 +522,8 @@ class DVIRegressor(DVIModule):
             # float64: the mean of S capped draws would overflow float32 again
             variances = self.likelihood.sampled_noise_variance(f[..., 1]).double()
         epistemic = means.var(0, correction=0)
-        return means.mean(0), variances.mean(0) + epistemic, epistemic
+        # the mean of capped draws is at most the cap: back in the network's dtype, finite
+        return means.mean(0), variances.mean(0).to(means.dtype) + epistemic, epistemic
 
     def predictive_standardized(
         self, x: Tensor, method: PredictiveMethod | None = None, num_samples: int | None = None

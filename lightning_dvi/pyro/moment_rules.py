@@ -322,8 +322,8 @@ def _group_norm(
     if weight is not None or bias is not None:  # the affine map needs both: fill the other
         like = weight if weight is not None else bias
         # the caller's tensors (gradients reach them), as F.layer_norm's from_call does
-        layer.weight = torch.ones_like(like) if weight is None else weight  # type: ignore[assignment]
-        layer.bias = torch.zeros_like(like) if bias is None else bias  # type: ignore[assignment]
+        layer.weight = torch.ones_like(like) if weight is None else weight  # type: ignore[assignment]  # a plain tensor in place of the Parameter
+        layer.bias = torch.zeros_like(like) if bias is None else bias  # type: ignore[assignment]  # a plain tensor in place of the Parameter
     return _declared(layer, x, op)
 
 
