@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,4 +64,15 @@ def cli_workdir(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lightning-dvi"])
     threads = torch.get_num_threads()
     yield tmp_path
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def cli_isolated(tmp_path, monkeypatch):
+    """Run a recipe in ``tmp_path`` as the CLI would: its ``runs/`` stay out of the checkout,
+    pytest's argv does not look like CLI arguments, and the recipes' ``num_threads`` is undone."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dvi"])
+    threads = torch.get_num_threads()
+    yield
     torch.set_num_threads(threads)

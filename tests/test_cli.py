@@ -19,16 +19,7 @@ TOY, UCI, DIGITS = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    # Recipes write under runs/ relative to the working directory; keep the checkout clean, and
-    # undo the recipes' num_threads setting for the rest of the session. pytest's own argv must
-    # not look like CLI arguments to LightningCLI.
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-dvi"])
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cli_isolated")
 
 
 def test_toy_recipe_links_data_to_model():

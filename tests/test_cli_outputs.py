@@ -4,7 +4,6 @@ injected networks that checkpoints rebuild."""
 import csv
 import inspect
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,7 @@ TOY = REPO / "recipes" / "toy_heteroscedastic.yaml"
 QUICK = ["--trainer.max_epochs", "1", "--data.init_args.num_train", "64"]
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-dvi"])
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cli_isolated")
 
 
 def _rows(path):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from lightning_dvi.cli import cli
 
@@ -18,13 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 CLASSIFICATION = REPO / "recipes" / "csv_classification.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-dvi"])
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cli_isolated")
 
 
 def _lightning_dvi(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -24,15 +24,6 @@ from lightning_dvi.nn import CNN
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-dvi"])
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_digit_images_and_ood_inputs():
     flat, images = DigitsDataModule(), DigitsDataModule(images=True)
     x_flat, y_flat = flat.test_dataset.tensors
@@ -85,7 +76,7 @@ def test_classification_summary_against_independent_references():
     assert set(classification_summary(probs, target)) == {"acc", "nll", "brier", "ece", "aurc"}
 
 
-@pytest.mark.usefixtures("_isolated")
+@pytest.mark.usefixtures("cli_isolated")
 @pytest.mark.parametrize("recipe", ["digits_cnn", "digits_ood"])
 def test_recipes_run_and_log_ood_metrics(recipe):
     args = ["--config", str(REPO / "recipes" / f"{recipe}.yaml"), "--trainer.max_epochs", "1"]
