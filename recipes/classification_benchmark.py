@@ -21,7 +21,14 @@ Protocols (``--protocol``):
   dense 64) and its plain twin, Adam 3e-3, 60 epochs;
 * ``defaults``: the defaults against a plain network and the old defaults over widths 50-400,
   depths 1-3, 200 training rows and a 50 000-row synthetic problem (``lightning_dvi.benchmarks``
-  ``.data.synthetic_split``, 10 epochs).
+  ``.data.synthetic_split``, 10 epochs);
+* ``unseen`` (issue 41, item 4): ``DVIClassifier()``'s defaults (``true_defaults``, 128-128)
+  against a plain 128-128 MLP (``plain_128``) on the sets of
+  ``lightning_dvi.benchmarks.data.UNSEEN_SETS`` (``--sets``, default all: ten overlapping
+  classes with label noise, heavily corrupted digits, labels from a random teacher network),
+  Adam 3e-3, 60 epochs, with the ECE noise floor in the table; ``--plots DIR`` writes one
+  reliability diagram per set (``classification_unseen_<set>.png``, every seed's test rows
+  pooled). The teacher set also gets a ``bayes`` row: its generating probabilities.
 
 ``--folds K`` (``mlp``, ``scaled``, ``cnn``): instead of the one split, train every row on
 each of ``K`` stratified folds of all 1797 digits and score the pooled out-of-fold
@@ -35,7 +42,10 @@ import argparse
 import functools
 import json
 import warnings
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_dvi.benchmarks.classification import (
@@ -46,7 +56,15 @@ from lightning_dvi.benchmarks.classification import (
     run_row,
     run_row_pooled,
 )
-from lightning_dvi.benchmarks.data import Budget, digits_folds, digits_split, synthetic_split
+from lightning_dvi.benchmarks.data import (
+    UNSEEN_SETS,
+    Budget,
+    ClassificationSplit,
+    digits_folds,
+    digits_split,
+    synthetic_split,
+)
+from lightning_dvi.metrics import classification_summary, ece_noise_floor
 
 # DVIClassifier's defaults before issues 23 and 26 (the predictive is today's)
 OLD_DEFAULTS = {
@@ -97,6 +115,61 @@ SWEEP = [
     ("50 000 rows", lambda: synthetic_split(50_000), (100, 100), Budget(epochs=10)),
 ]
 
+# the ``unseen`` protocol: its rows and table columns
+UNSEEN_ROWS = ["plain_128", "true_defaults"]
+UNSEEN_METRICS = ("acc", "nll", "ece", "ece_floor", "confidence", "brier", "train_s")
+
+
+def _bayes_run(split: ClassificationSplit) -> dict[str, Any]:
+    """The generating probabilities of a split's test labels, scored like a trained row."""
+    assert split.test_probs is not None
+    probs = split.test_probs
+    out: dict[str, Any] = classification_summary(probs, split.y_test)
+    out.update(confidence=float(probs.max(-1).values.mean()), ece_floor=ece_noise_floor(probs))
+    return {**out, "train_s": 0.0}
+
+
+def reliability_plot(runs: dict[str, list[dict]], title: str, path: Path) -> None:
+    """One reliability panel per row, its seeds' test rows pooled into the 15 bins.
+
+    Bars: the accuracy per confidence bin; dots: the bin's mean confidence; the diagonal is
+    calibration (a bar below it is over-confident). The panel title gives the pooled ECE and
+    the mean of the runs' noise floors; the bottom strip, the rows per bin.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4 * len(runs), 4.6))
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(2, len(runs), height_ratios=[3, 1])
+    for col, (name, row_runs) in enumerate(runs.items()):
+        bins = [run["reliability"] for run in row_runs]
+        edges = np.array(bins[0]["bin_edges"])
+        count = sum(np.array(b["count"]) for b in bins)
+        hits = sum(np.array(b["count"]) * np.array(b["accuracy"]) for b in bins)
+        conf = sum(np.array(b["count"]) * np.array(b["confidence"]) for b in bins)
+        safe = np.maximum(count, 1)
+        ece = float(np.abs(hits - conf).sum() / count.sum())
+        floor = float(np.mean([run["ece_floor"] for run in row_runs]))
+        width, filled = np.diff(edges), count > 0
+        ax = fig.add_subplot(grid[0, col])
+        ax.plot([0, 1], [0, 1], "k--", lw=1, label="calibrated")
+        ax.bar(edges[:-1], hits / safe, width=width, align="edge", color="C0", edgecolor="k",
+               alpha=0.7, label="accuracy")  # fmt: skip
+        ax.scatter(edges[:-1][filled] + width[filled] / 2, (conf / safe)[filled], c="C3", s=12,
+                   zorder=3, label="mean confidence")  # fmt: skip
+        ax.set(xlim=(0, 1), ylim=(0, 1), ylabel="accuracy" if col == 0 else None)
+        ax.set_title(
+            f"{name}\nECE {ece:.3f} (floor {floor:.3f}), {len(row_runs)} seeds", fontsize=9
+        )
+        ax.legend(loc="upper left", fontsize=7)
+        strip = fig.add_subplot(grid[1, col], sharex=ax)
+        strip.bar(edges[:-1], count, width=width, align="edge", color="0.5")
+        strip.set(xlabel="confidence", ylabel="rows" if col == 0 else None)
+    fig.suptitle(title, fontsize=10, y=1.04)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+
 
 def _row(name: str, arch: str, hidden: tuple[int, ...]) -> Row:
     """The named row on the protocol's architecture (the true defaults keep their own shape)."""
@@ -108,7 +181,13 @@ def _row(name: str, arch: str, hidden: tuple[int, ...]) -> Row:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--protocol", choices=[*PROTOCOLS, "defaults"], default="mlp")
+    parser.add_argument("--protocol", choices=[*PROTOCOLS, "defaults", "unseen"], default="mlp")
+    parser.add_argument(
+        "--sets",
+        default=None,
+        help=f"unseen: comma-separated sets (default: {','.join(UNSEEN_SETS)})",
+    )
+    parser.add_argument("--plots", default=None, help="unseen: write reliability PNGs here")
     parser.add_argument("--rows", default=None, help="comma-separated rows (default: all)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per row")
     parser.add_argument("--epochs", type=int, default=None, help="override the budget's epochs")
@@ -130,6 +209,12 @@ def main() -> None:
     if args.protocol == "defaults":
         cases = [(name, make, hidden, budget, "mlp") for name, make, hidden, budget in SWEEP]
         names = args.rows.split(",") if args.rows else ["plain", "defaults", "old_defaults"]
+    elif args.protocol == "unseen":
+        sets = args.sets.split(",") if args.sets else list(UNSEEN_SETS)
+        if any(name not in UNSEEN_SETS for name in sets):
+            parser.error(f"unknown sets in {sets} (known: {list(UNSEEN_SETS)})")
+        cases = [(name, UNSEEN_SETS[name], (100, 100), Budget(), "mlp") for name in sets]
+        names = args.rows.split(",") if args.rows else UNSEEN_ROWS
     else:
         make, budget, arch, names = PROTOCOLS[args.protocol]
         hidden = (64,) if arch == "cnn" else (100, 100)
@@ -139,7 +224,7 @@ def main() -> None:
     if unknown or args.seeds < 1:
         parser.error(f"unknown rows {unknown} (known: {list(ROWS)}) or --seeds < 1")
     if args.folds is not None and (
-        args.protocol == "defaults" or args.folds < 2 or args.interleave
+        args.protocol in ("defaults", "unseen") or args.folds < 2 or args.interleave
     ):
         parser.error("--folds needs K >= 2, a digits protocol and no --interleave")
     results: dict[str, list[dict]] = {}
@@ -150,7 +235,8 @@ def main() -> None:
         data = FOLDS[args.protocol](args.folds) if args.folds else make()
         train = functools.partial(run_row_pooled if args.folds else run_row, data)
         rows = {name: _row(name, arch, hidden) for name in names}
-        keys = {name: f"{name} ({case})" if args.protocol == "defaults" else name for name in names}
+        several = args.protocol in ("defaults", "unseen")
+        keys = {name: f"{name} ({case})" if several else name for name in names}
         if args.interleave:  # seed by seed, the rows' order reversed every other seed
             for seed in range(args.seeds):
                 for name in names if seed % 2 == 0 else names[::-1]:
@@ -161,8 +247,16 @@ def main() -> None:
         for name in names:
             results[keys[name]] = [train(rows[name], budget, s) for s in range(args.seeds)]
             print(f"{case} {name}: done", flush=True)
+        if args.protocol == "unseen" and data.test_probs is not None:
+            results[f"bayes ({case})"] = [_bayes_run(data)] * args.seeds
+        if args.plots and args.protocol == "unseen":
+            runs = {keys[name]: results[keys[name]] for name in names}
+            path = Path(args.plots) / f"classification_unseen_{case}.png"
+            reliability_plot(runs, f"{data.name}: test reliability", path)
+            print(f"wrote {path}", flush=True)
     title = f"{args.protocol}, {args.folds} folds pooled" if args.folds else args.protocol
-    table = markdown_table(results, POOLED_METRICS if args.folds else METRICS)
+    keys_ = UNSEEN_METRICS if args.protocol == "unseen" else METRICS
+    table = markdown_table(results, POOLED_METRICS if args.folds else keys_)
     print(f"\n{title}: {args.seeds} seed(s)\n{table}")
     if args.json:
         with open(args.json, "w") as fh:

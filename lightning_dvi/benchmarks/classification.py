@@ -37,7 +37,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..metrics import class_probability_samples, classification_summary
+from ..metrics import class_probability_samples, classification_summary, ece_noise_floor
+from ..metrics.functional import reliability_bins
 from . import baselines
 from .baselines import Fitted
 from .data import Budget, ClassificationSplit, plain_cnn, plain_mlp
@@ -193,19 +194,25 @@ def run_row(
 ) -> dict[str, Any]:
     """Train ``row`` with ``seed`` and return its test metrics, ``train_s`` and ``best_epoch``.
 
-    Also ``confidence``, the mean top-class probability (above ``acc``: over-confident), the
-    row's chosen hyper-parameters (``details``) and, for DVI rows, every epoch's logged
-    validation metrics (``history``).
+    Also ``confidence``, the mean top-class probability (above ``acc``: over-confident),
+    ``ece_floor`` and ``reliability`` (:func:`evaluate`), the row's chosen hyper-parameters
+    (``details``) and, for DVI rows, every epoch's logged validation metrics (``history``).
     """
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     return evaluate(split, fit_row(split, row, budget, seed), mc_eval)
 
 
-def evaluate(split: ClassificationSplit, fitted: Fitted, mc_eval: int = 64) -> dict[str, Any]:
+def evaluate(
+    split: ClassificationSplit, fitted: Fitted, mc_eval: int = 64, ece_draws: int = 200
+) -> dict[str, Any]:
     """The test metrics of a trained row (see :func:`run_row`), its ``train_s`` and ``best_epoch``.
 
     The OOD inputs are :meth:`~lightning_dvi.benchmarks.data.ClassificationSplit.ood_inputs`;
     rows with ``samples`` also get the mutual-information detector from ``mc_eval`` draws.
+    Also ``ece_floor``, the 15-bin ECE a perfectly calibrated model with these predictions
+    would score on these test rows (:func:`~lightning_dvi.metrics.ece_noise_floor`, from
+    ``ece_draws`` label draws), and ``reliability``, the 15 reliability-diagram bins
+    (:func:`~lightning_dvi.metrics.functional.reliability_bins`, as lists).
     """
     x, ood = split.x_test, split.ood_inputs()
     samples = ood_samples = None
@@ -217,6 +224,10 @@ def evaluate(split: ClassificationSplit, fitted: Fitted, mc_eval: int = 64) -> d
     )
     # the sign of the calibration gap: accuracy above confidence is under-confidence
     out["confidence"] = float(probs.max(-1).values.mean())
+    out["ece_floor"] = ece_noise_floor(probs, draws=ece_draws)
+    top = probs.max(-1)
+    bins = reliability_bins(top.values, (top.indices == split.y_test).double(), 15)
+    out["reliability"] = {k: v.tolist() for k, v in bins.items()}
     out.update(train_s=fitted.train_seconds, best_epoch=fitted.best_epoch)
     out["details"] = {k: v for k, v in fitted.details.items() if k != "history"}
     if "history" in fitted.details:
@@ -245,8 +256,6 @@ def run_row_pooled(
     Raises:
         ValueError: for no splits.
     """
-    from ..metrics import ece_noise_floor
-
     if not splits:
         raise ValueError("run_row_pooled needs at least one split")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

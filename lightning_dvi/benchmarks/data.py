@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,13 +12,17 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 __all__ = [
+    "UNSEEN_SETS",
     "Budget",
     "ClassificationSplit",
     "digits_folds",
     "digits_split",
+    "noisy_digits_split",
+    "overlap_split",
     "plain_cnn",
     "plain_mlp",
     "synthetic_split",
+    "teacher_split",
 ]
 
 DigitsInputs = Literal["standardized", "global", "scaled"]
@@ -46,6 +50,9 @@ class ClassificationSplit:
     Attributes:
         name: a short description (data set, preprocessing, sizes).
         num_classes: :math:`K`.
+        test_probs: the class probabilities the test labels were drawn from ``[N_test, K]``,
+            where the generator knows them (:func:`teacher_split`), else ``None``: the
+            Bayes-optimal predictive, a reference no model can beat in expectation.
     """
 
     name: str
@@ -56,6 +63,7 @@ class ClassificationSplit:
     x_test: Tensor
     y_test: Tensor
     num_classes: int
+    test_probs: Tensor | None = None
 
     @property
     def num_train(self) -> int:
@@ -233,6 +241,146 @@ def synthetic_split(
     x = (x - x[train].mean(0)) / x[train].std(0)
     name = f"synthetic ({num_features} features, {num_classes} classes, {num_train}/{num_val}/{num_test})"
     return _tensors(name, x, y, (train, val, test))
+
+
+def overlap_split(
+    *,
+    num_train: int = 3000,
+    num_val: int = 500,
+    num_test: int = 2000,
+    class_sep: float = 1.2,
+    flip_y: float = 0.1,
+    split_seed: int = 0,
+) -> ClassificationSplit:
+    r"""Ten overlapping classes with label noise (scikit-learn's ``make_classification``).
+
+    20 features (8 informative, 4 redundant linear combinations of them, 8 pure noise), two
+    Gaussian clusters per class on the vertices of a hypercube of side :math:`2\,` ``class_sep``,
+    and a fraction ``flip_y`` of the labels replaced by uniformly random classes, so no
+    classifier can exceed about :math:`1 - 0.9\,` ``flip_y`` accuracy. Standardised with the
+    training rows' statistics. A plain 128-128 MLP reaches about 0.64 test accuracy (60
+    epochs, Adam 3e-3, the validation-best epoch). Rows come in generator order (val, test,
+    train), so the parts are disjoint and ``split_seed`` fixes everything.
+    """
+    from sklearn.datasets import make_classification
+
+    total = num_train + num_val + num_test
+    x, y = make_classification(
+        n_samples=total, n_features=20, n_informative=8, n_redundant=4, n_classes=10,
+        n_clusters_per_class=2, class_sep=class_sep, flip_y=flip_y, random_state=split_seed,
+    )  # fmt: skip
+    rows = np.arange(total)
+    val, test, train = (
+        rows[:num_val],
+        rows[num_val : num_val + num_test],
+        rows[num_val + num_test :],
+    )
+    x = (x - x[train].mean(0)) / x[train].std(0)
+    name = f"overlap (10 classes, flip {flip_y:g}, sep {class_sep:g}, {num_train}/{num_val}/{num_test})"
+    return _tensors(name, x, y, (train, val, test))
+
+
+def noisy_digits_split(
+    *,
+    num_val: int = 200,
+    num_test: int = 1000,
+    copies: int = 4,
+    noise: float = 0.3,
+    block: int = 4,
+    split_seed: int = 0,
+) -> ClassificationSplit:
+    r"""scikit-learn's digits, heavily corrupted: a blanked square and Gaussian pixel noise.
+
+    The 1797 digits are split, stratified by class, into ``num_test`` test and ``num_val``
+    validation digits and the rest (597 by default) for training; every image (pixels
+    :math:`/16`, in [0, 1]) then gets a ``block`` :math:`\times` ``block`` square set to 0 at
+    a uniformly random position and additive :math:`\mathcal N(0, \text{noise}^2)` noise on
+    every pixel. Each training digit appears ``copies`` times with independent corruptions
+    (2388 training rows by default); validation and test digits once each, and no digit is in
+    two parts. Standardised per pixel with the training rows' statistics. A plain 128-128 MLP
+    reaches about 0.63 test accuracy (60 epochs, Adam 3e-3, the validation-best epoch).
+    """
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x0, y0 = digits.data / 16.0, digits.target
+    rest, test = _stratified(y0, len(y0) - num_test, split_seed, np.arange(len(y0)))
+    train, val = _stratified(y0, len(rest) - num_val, split_seed, rest)
+    rng = np.random.default_rng(split_seed)
+    images, labels = [], []
+    for part, repeat in ((train, copies), (val, 1), (test, 1)):
+        rows = np.repeat(part, repeat)
+        img = x0[rows].reshape(-1, 8, 8)
+        top, left = rng.integers(0, 9 - block, size=(2, len(rows)))
+        r, c = np.arange(8)[None, :, None], np.arange(8)[None, None, :]
+        rows_in = (r >= top[:, None, None]) & (r < top[:, None, None] + block)
+        inside = rows_in & (c >= left[:, None, None]) & (c < left[:, None, None] + block)
+        img = np.where(inside, 0.0, img) + noise * rng.standard_normal(img.shape)
+        images.append(img.reshape(-1, 64))
+        labels.append(y0[rows])
+    x, y = np.concatenate(images), np.concatenate(labels)
+    ends = np.cumsum([0, *(len(part) for part in labels)])
+    parts = tuple(np.arange(ends[i], ends[i + 1]) for i in range(3))
+    loc, scale = x[parts[0]].mean(0), x[parts[0]].std(0)
+    x = (x - loc) / np.where(scale > 0, scale, 1.0)  # constant pixels only without noise
+    sizes = "/".join(str(len(part)) for part in parts)
+    name = f"noisy digits (block {block}, noise {noise:g}, {sizes})"
+    return _tensors(name, x, y, (parts[0], parts[1], parts[2]))
+
+
+def teacher_split(
+    *,
+    num_train: int = 3000,
+    num_val: int = 500,
+    num_test: int = 2000,
+    num_features: int = 20,
+    num_classes: int = 10,
+    width: int = 50,
+    scale: float = 8.0,
+    split_seed: int = 0,
+) -> ClassificationSplit:
+    r"""Labels drawn from a random teacher network: aleatoric noise whose probabilities are known.
+
+    Inputs :math:`x \sim \mathcal N(0, I_D)`; a random one-hidden-layer teacher
+    :math:`f(x) = s\,W_2^\top \tanh(1.5\,W_1^\top x)` (entries of :math:`W_1` and
+    :math:`W_2` standard normal over :math:`\sqrt{D}` and :math:`\sqrt{\text{width}}`, scale
+    :math:`s` = ``scale``), and each label drawn from :math:`\operatorname{softmax}(f(x))`.
+    The test rows' generating probabilities are kept (``test_probs``): the Bayes-optimal
+    predictive, calibrated by construction (test accuracy about 0.81, NLL about 0.50 by
+    default). A plain 128-128 MLP reaches about 0.67 accuracy (60 epochs, Adam 3e-3, the
+    validation-best epoch). Inputs are already standard; they are not rescaled.
+    """
+    rng = np.random.default_rng(split_seed)
+    total = num_train + num_val + num_test
+    x = rng.standard_normal((total, num_features))
+    w1 = rng.standard_normal((num_features, width)) / np.sqrt(num_features)
+    w2 = rng.standard_normal((width, num_classes)) / np.sqrt(width)
+    logits = scale * np.tanh(1.5 * x @ w1) @ w2
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    # inverse-CDF draw per row, clipped for the rounding of the cumulative sum
+    y = np.minimum((rng.random(total)[:, None] > probs.cumsum(1)).sum(1), num_classes - 1)
+    rows = np.arange(total)
+    val, test, train = (
+        rows[:num_val],
+        rows[num_val : num_val + num_test],
+        rows[num_val + num_test :],
+    )
+    name = f"teacher ({num_features} features, {num_classes} classes, scale {scale:g}, {num_train}/{num_val}/{num_test})"
+    split = _tensors(name, x, y, (train, val, test))
+    test_probs = torch.tensor(probs[test], dtype=torch.float32)
+    return ClassificationSplit(*(getattr(split, f) for f in _FIELDS), test_probs=test_probs)
+
+
+_FIELDS = ("name", "x_train", "y_train", "x_val", "y_val", "x_test", "y_test", "num_classes")
+
+#: The classification sets of issue 41 item 4, nobody's defaults tuned on them: name to maker
+#: (keyword arguments only, ``split_seed`` among them).
+UNSEEN_SETS: dict[str, Callable[..., ClassificationSplit]] = {
+    "overlap": overlap_split,
+    "noisy_digits": noisy_digits_split,
+    "teacher": teacher_split,
+}
 
 
 def plain_mlp(

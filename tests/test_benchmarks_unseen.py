@@ -1,0 +1,159 @@
+"""Issue 41 item 4: the classification sets nobody tuned for, and the ``unseen`` benchmark protocol."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_dvi.benchmarks import baselines
+from lightning_dvi.benchmarks.data import (
+    UNSEEN_SETS,
+    Budget,
+    ClassificationSplit,
+    noisy_digits_split,
+    plain_mlp,
+    teacher_split,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sets() -> dict[str, ClassificationSplit]:
+    return {name: make() for name, make in UNSEEN_SETS.items()}
+
+
+def _rows(split: ClassificationSplit) -> list[torch.Tensor]:
+    return [split.x_train, split.x_val, split.x_test]
+
+
+def test_promised_shapes_and_disjoint_parts(sets: dict[str, ClassificationSplit]) -> None:
+    for name, split in sets.items():
+        assert len(split.y_test) >= 1000 and split.num_classes == 10, name
+        for x, y in zip(_rows(split), (split.y_train, split.y_val, split.y_test), strict=True):
+            assert x.dtype == torch.float32 and y.dtype == torch.int64 and len(x) == len(y)
+            assert torch.isfinite(x).all() and set(y.unique().tolist()) == set(range(10)), name
+        # no input row in two parts
+        joined = torch.cat(_rows(split))
+        assert len(torch.unique(joined, dim=0)) == len(joined), name
+    assert sets["noisy_digits"].input_shape == (64,)
+    assert sets["noisy_digits"].num_train == 4 * (1797 - 1000 - 200)
+    assert sets["overlap"].input_shape == sets["teacher"].input_shape == (20,)
+    for name in ("overlap", "noisy_digits"):  # standardised with the training rows
+        x = sets[name].x_train
+        assert torch.allclose(x.mean(0), torch.zeros(x.shape[1]), atol=1e-4)
+        assert torch.allclose(x.std(0, unbiased=False), torch.ones(x.shape[1]), atol=1e-3)
+
+
+def test_same_seed_same_data_other_seed_other_data() -> None:
+    for name, make in UNSEEN_SETS.items():
+        a, b, c = make(split_seed=3), make(split_seed=3), make(split_seed=4)
+        for first, second, third in zip(_rows(a), _rows(b), _rows(c), strict=True):
+            assert torch.equal(first, second), name
+            assert first.shape == third.shape and not torch.equal(first, third), name
+        assert torch.equal(a.y_test, b.y_test), name
+
+
+def _blank_windows(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per row: whether some ``block`` x ``block`` window holds only raw-zero pixels.
+
+    Pixels are non-negative before standardisation, so a raw 0 is its column's minimum.
+    """
+    zero = torch.isclose(x, x.min(0).values.expand_as(x), atol=1e-6).reshape(-1, 1, 8, 8)
+    windows = torch.nn.functional.avg_pool2d(zero.double(), block, stride=1)
+    return (windows > 1 - 1e-9).flatten(1).any(-1)
+
+
+def test_noisy_digits_blank_a_square_of_every_image() -> None:
+    blanked = noisy_digits_split(noise=0.0, block=4, copies=2)
+    clean = noisy_digits_split(noise=0.0, block=0, copies=2)
+    assert torch.isfinite(clean.x_train).all()  # constant pixels: scale 1, no division by 0
+    for x in (blanked.x_train, blanked.x_test):
+        assert _blank_windows(x, 4).all()
+    # the same digits in the same order: blanking only adds zeros, and adds some to most rows
+    zeros = [
+        torch.isclose(s.x_test, s.x_test.min(0).values.expand_as(s.x_test), atol=1e-6).sum(-1)
+        for s in (blanked, clean)
+    ]
+    assert torch.equal(blanked.y_test, clean.y_test) and (zeros[0] >= zeros[1]).all()
+    assert (zeros[0] > zeros[1]).double().mean() > 0.9
+    assert not _blank_windows(clean.x_test, 4).all()
+    # copies: each training digit twice, with independent blank squares
+    assert torch.equal(clean.x_train[0::2], clean.x_train[1::2])
+    assert not torch.equal(blanked.x_train[0::2], blanked.x_train[1::2])
+    counts = torch.bincount(clean.y_test, minlength=10).double()  # stratified
+    assert counts.min() >= 0.8 * counts.mean() and len(clean.y_test) == 1000
+
+
+def test_teacher_labels_follow_the_kept_probabilities() -> None:
+    """Monte Carlo oracle: the labels are draws from ``test_probs``, class by class."""
+    split = teacher_split(num_train=100, num_val=100, num_test=20_000)
+    probs = split.test_probs
+    assert probs is not None and probs.shape == (20_000, 10)
+    assert torch.allclose(probs.sum(-1), torch.ones(20_000), atol=1e-5)
+    hits = torch.nn.functional.one_hot(split.y_test, 10).double()
+    gap = (hits - probs.double()).mean(0)
+    se = (probs.double() * (1 - probs.double())).mean(0).sqrt() / 20_000**0.5
+    assert (gap.abs() < 4 * se).all()
+    # the Bayes-optimal predictive of the default set is far from perfect and far from chance
+    default = teacher_split()
+    assert default.test_probs is not None
+    bayes = float((default.test_probs.argmax(-1) == default.y_test).double().mean())
+    assert 0.75 < bayes < 0.9
+
+
+@pytest.mark.parametrize("name", list(UNSEEN_SETS))
+def test_a_plain_mlp_lands_in_the_promised_regime(
+    name: str, sets: dict[str, ClassificationSplit]
+) -> None:
+    """A plain 128-128 MLP (8 epochs: its validation-best epoch is 2-8) scores 0.5-0.85."""
+    split = sets[name]
+    make = lambda p: plain_mlp(split.input_shape[0], (128, 128), 10, p)  # noqa: E731
+    fit = baselines.fit_plain(split, make, Budget(epochs=8), seed=0)
+    acc = float((fit.predict(split.x_test).argmax(-1) == split.y_test).double().mean())
+    assert 0.5 <= acc <= 0.85, acc
+
+
+def _benchmark_module():
+    path = REPO / "recipes" / "classification_benchmark.py"
+    spec = importlib.util.spec_from_file_location("classification_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_unseen_protocol_runs_end_to_end(tmp_path, monkeypatch, capsys) -> None:
+    out = tmp_path / "unseen.json"
+    argv = ["--protocol", "unseen", "--sets", "teacher", "--seeds", "1", "--epochs", "1"]
+    argv += ["--plots", str(tmp_path), "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", ["bench", *argv])
+    threads = torch.get_num_threads()
+    try:
+        _benchmark_module().main()
+    finally:
+        torch.set_num_threads(threads)
+    stdout = capsys.readouterr().out
+    assert "| ece_floor |" in stdout
+    for row in ("plain_128 (teacher)", "true_defaults (teacher)", "bayes (teacher)"):
+        assert f"| {row} |" in stdout
+    results = json.loads(out.read_text())["results"]
+    png = tmp_path / "classification_unseen_teacher.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for row in ("plain_128 (teacher)", "true_defaults (teacher)"):
+        (run,) = results[row]
+        bins = {k: np.array(v) for k, v in run["reliability"].items()}
+        assert bins["count"].sum() == 2000
+        # the bins reproduce the reported (torchmetrics) ECE
+        ece = (bins["count"] * np.abs(bins["accuracy"] - bins["confidence"])).sum() / 2000
+        assert ece == pytest.approx(run["ece"], abs=1e-5)
+        assert 0 < run["ece_floor"] < 0.1
+    monkeypatch.setattr(sys, "argv", ["bench", "--protocol", "unseen", "--sets", "nope"])
+    with pytest.raises(SystemExit):
+        _benchmark_module().main()
+    assert "unknown sets" in capsys.readouterr().err
