@@ -31,7 +31,6 @@ Examples:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +40,7 @@ from torch import Tensor, nn
 from .gaussian import Mode, validate_mode
 from .likelihoods import Likelihood
 from .nn.base import Moments
-from .objective import ELBOTerms, check_arguments, expected_log_likelihood_and_kl
+from .objective import ELBOTerms, check_arguments, elbo_terms, expected_log_likelihood_and_kl
 from .priors import Prior
 
 __all__ = ["COMPILE_MODES", "CompiledELBO", "compile_elbo", "compile_network", "compile_options"]
@@ -159,20 +158,7 @@ class CompiledELBO:
         _check_input(x)
         y = self.likelihood.validate_target(y, x.shape[0])
         ell, kl = self._compiled(x, y)
-        kl_term = kl / num_data if kl_weight == 1 else kl_weight * kl / num_data
-        loss = kl_term - ell
-        if check_finite and not math.isfinite(loss.item()):
-            raise FloatingPointError(
-                f"ELBO loss is not finite (expected log-likelihood {ell.item():.4g}, KL "
-                f"{kl.item():.4g}, mode {self.mode!r}); lower the learning rate or clip gradients"
-            )
-        return ELBOTerms(
-            loss=loss,
-            elbo=-loss.detach() if kl_weight == 1 else (ell - kl / num_data).detach(),
-            expected_log_likelihood=ell,
-            kl=kl,
-            kl_weight=float(kl_weight),
-        )
+        return elbo_terms(ell, kl, num_data, kl_weight, self.mode, check_finite)
 
 
 def compile_elbo(

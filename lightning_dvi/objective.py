@@ -200,11 +200,29 @@ def _elbo(
     check_finite: bool,
 ) -> ELBOTerms:
     ell, kl = expected_log_likelihood_and_kl(net, likelihood, prior, x, y, mode, num_samples)
+    return elbo_terms(ell, kl, num_data, kl_weight, mode, check_finite)
+
+
+def elbo_terms(
+    ell: Tensor, kl: Tensor, num_data: int, kl_weight: float, mode: Mode, check_finite: bool
+) -> ELBOTerms:
+    r"""The loss and its parts from :math:`\bar\ell` and the KL: the one assembly of the ELBO.
+
+    .. math::
+        \text{loss} = \beta_{KL}\,\frac{\mathrm{KL}}{N} - \bar\ell, \qquad
+        \text{elbo} = \bar\ell - \frac{\mathrm{KL}}{N},
+
+    used by :func:`elbo` and by :class:`lightning_dvi.compile.CompiledELBO` (which computes
+    :math:`(\bar\ell, \mathrm{KL})` in its compiled region and calls this outside it).
+
+    Raises:
+        FloatingPointError: if ``check_finite`` and the loss is NaN or Inf (one host read; skipped
+            while :func:`torch.compile` traces, where the caller checks).
+    """
     # -(ell - w KL / N) written as (w KL / N) - ell, the same float, with no op for w = 1
     kl_term = kl / num_data if kl_weight == 1 else kl_weight * kl / num_data
     loss = kl_term - ell
-    # one host read instead of torch.isfinite's four ops and a bool() sync; while torch.compile
-    # traces, the caller checks (lightning_dvi.compile.CompiledELBO reads the loss outside)
+    # one host read instead of torch.isfinite's four ops and a bool() sync
     if check_finite and not torch.compiler.is_compiling() and not math.isfinite(loss.item()):
         raise FloatingPointError(
             f"ELBO loss is not finite (expected log-likelihood {ell.item():.4g}, KL "
