@@ -20,8 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, Literal, cast
 
-import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MetricCollection
@@ -47,6 +46,7 @@ from ._modes import enter_train_mode
 from ._network import MLP_ARGUMENTS, MLPConfig, UnbuiltNetwork, primitive, setup_network
 from ._validation import one_of, optional_positive_int, positive_float, positive_int, sampling
 from .checkpoint import load_checkpoint_data
+from .lbfgs import LBFGSSupervisor, global_loss_value
 
 __all__ = ["DVIModule", "logs_this_step"]
 
@@ -368,8 +368,6 @@ class DVIModule(LightningModule):
         """
         if self.optimiser_config.lr_schedule == "cosine":
             self._total_steps("lr_schedule='cosine'")
-        if self.optimiser_config.optimizer == "lbfgs":
-            self._check_lbfgs_trainer()
         self.convergence.reset()
         total: float = self.trainer.estimated_stepping_batches
         finite = math.isfinite(total) and total >= 1
@@ -392,29 +390,6 @@ class DVIModule(LightningModule):
                 f"kl_anneal_steps={anneal}) ends after the run's {int(total)} optimisation steps, "
                 "so the KL never reaches full weight; consider kl_warmup_fraction/"
                 "kl_anneal_fraction"
-            )
-
-    def _check_lbfgs_trainer(self) -> None:
-        trainer = self.trainer
-        if trainer.gradient_clip_val:
-            raise ValueError(
-                "optimizer='lbfgs' cannot be combined with gradient clipping (Trainer("
-                f"gradient_clip_val={trainer.gradient_clip_val})): a clipped gradient is not the "
-                "gradient of the loss its line search evaluates; drop gradient_clip_val"
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                "optimizer='lbfgs' evaluates the whole batch's loss several times per step and "
-                "cannot accumulate gradients over batches (Trainer(accumulate_grad_batches="
-                f"{trainer.accumulate_grad_batches})); use a larger batch instead"
-            )
-        batches = trainer.num_training_batches
-        if isinstance(batches, (int, float)) and math.isfinite(batches) and batches > 1:
-            rank_zero_warn(
-                f"{type(self).__name__}(optimizer='lbfgs') sees {int(batches)} batches per epoch: "
-                "each step's objective is then a different minibatch, which L-BFGS's curvature "
-                "memory does not expect; a full-batch loader (batch_size = the training-set "
-                "size) is what it is for"
             )
 
     @classmethod
@@ -492,7 +467,7 @@ class DVIModule(LightningModule):
         y = self._network_targets(y)
         # L-BFGS's line search may try a point where the loss overflows; an infinite trial
         # fails its sufficient-decrease test and it backs off, so only the parameters it
-        # accepts are checked (on_train_batch_end).
+        # accepts are checked (LBFGSSupervisor).
         check_finite = stage != "train" or self.optimiser_config.optimizer != "lbfgs"
         try:
             if self._compile is not None:  # value checks run eagerly around the compiled part
@@ -547,145 +522,20 @@ class DVIModule(LightningModule):
             self._log_terms(terms, "train", batch[0].shape[0])
             self.log("train/kl_weight", kl_weight, on_step=True, on_epoch=False, batch_size=1)
         if self.optimiser_config.optimizer == "lbfgs" and self.trainer.world_size > 1:
-            return self._global_loss_value(terms.loss)
+            return global_loss_value(terms.loss, self.trainer.strategy)  # one line search
         return terms.loss
-
-    def _global_loss_value(self, loss: Tensor) -> Tensor:
-        r"""The processes' mean loss as the value, this process's loss as the gradient.
-
-        Under DDP each process's loss is the per-datum ELBO of its shard, and the gradient
-        all-reduce averages the shards' gradients into the global batch's. L-BFGS's line search
-        also compares loss *values*: with each process's own value the processes would accept
-        different step lengths and their weights drift apart (DDP synchronises gradients, not
-        weights). Returning :math:`\ell_r + (\bar\ell - \ell_r)` with the difference
-        detached gives every process the value :math:`\bar\ell` (the global batch's loss, for
-        equal shards) and keeps :math:`\nabla\ell_r`, which DDP averages to
-        :math:`\nabla\bar\ell`: every process runs the one-process L-BFGS step.
-        """
-        mean = self.trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean")
-        return loss + (mean - loss.detach())
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """L-BFGS forgets its curvature pairs when the KL weight changes: the objective did."""
-        if self.optimiser_config.optimizer != "lbfgs":
-            return
-        weight = self.kl_schedule(self.global_step)
-        if self.convergence.kl_weight_changed(weight):
-            self._forget_curvature()
-        # the parameters before the step, to restart from if the line search fails (below)
-        self._lbfgs_snapshot = [p.detach().clone() for p in self.parameters()]
-
-    def _forget_curvature(self) -> None:
-        for optimiser in self.trainer.optimizers:
-            optimiser.state.clear()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Add the batch's loss (the last evaluation's, under L-BFGS) to the epoch's objective."""
-        if self.optimiser_config.optimizer == "lbfgs":
-            loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
-            self._restart_if_not_finite(loss)
         if self.convergence.enabled and isinstance(outputs, Mapping) and "loss" in outputs:
             self.convergence.add(outputs["loss"])
 
-    def _restart_if_not_finite(self, loss: Tensor | None = None) -> None:
-        """After an L-BFGS step: restart from the step's start if its parameters are not finite.
-
-        A finite step that moved no parameter away from a non-stationary point restarts L-BFGS
-        without its curvature memory instead (:meth:`_restart_stalled`).
-
-        An overflowing trial point can make the line search's cubic interpolation return a NaN
-        step length (torch's ``_strong_wolfe`` mixed float32 gradients into it; the line search of
-        :class:`lightning_dvi.optim.LBFGS` treats an infinite value as a failed trial). The step is then
-        undone and the curvature memory cleared, so the next step starts along the steepest
-        descent direction with a short first trial; a second failure in a row is an error.
-        """
-        snapshot = getattr(self, "_lbfgs_snapshot", None)
-        params = list(self.parameters())
-        total = torch.stack([p.detach().sum() for p in params]).sum()
-        moved = total.new_ones(())
-        if snapshot is not None:  # a step below 10 ulps of every parameter does not count
-            pairs = zip(params, snapshot, strict=True)
-            step = [(p.detach() - q).abs().max() / (1 + q.abs().max()) for p, q in pairs]
-            moved = (torch.stack(step).max() > 10 * torch.finfo(total.dtype).eps).to(total.dtype)
-        grads = [p.grad.abs().max() for p in params if p.grad is not None]
-        grad = torch.stack(grads).max().to(total.dtype) if grads else total.new_zeros(())
-        value = total.new_zeros(()) if loss is None else loss.detach().to(total.dtype)
-        # one host read per step
-        total_host, moved_host, grad_host, loss_host = torch.stack(
-            [total, moved, grad, value.reshape(())]
-        ).tolist()
-        if math.isfinite(total_host):
-            self._lbfgs_restarts = 0
-            tolerance = self.trainer.optimizers[0].defaults.get("tolerance_grad", 0.0)
-            if not moved_host and grad_host > tolerance:  # not at a stationary point
-                self._restart_stalled(loss_host)
-            else:
-                self._lbfgs_stalls = 0
-            if getattr(self, "_lbfgs_first_loss", None) is None:
-                self._lbfgs_first_loss = loss_host
-            return
-        restarts = getattr(self, "_lbfgs_restarts", 0)
-        if restarts >= 1 or snapshot is None:
-            raise FloatingPointError(
-                f"the parameters are not finite after L-BFGS step {self.global_step} (epoch "
-                f"{self.current_epoch}), also after restarting it; training stopped. Typical "
-                "causes: unstandardised inputs or targets, or a log-variance output far from "
-                "the data's scale"
-            )
-        with torch.no_grad():
-            for parameter, saved in zip(self.parameters(), snapshot, strict=True):
-                parameter.copy_(saved)
-        self._forget_curvature()
-        self._lbfgs_restarts = restarts + 1
-        rank_zero_warn(
-            f"{type(self).__name__}: L-BFGS step {self.global_step} left non-finite parameters "
-            "(its line search overflowed); undone, restarting with no curvature memory"
-        )
-
-    def _restart_stalled(self, loss: float) -> None:
-        r"""After an L-BFGS step that left every parameter where it was: clear its curvature memory.
-
-        "Where it was": no parameter moved by more than 10 units of the dtype's rounding,
-        :math:`\max|\Delta p| \le 10\,\varepsilon\,(1 + \max|p|)` for every tensor, while the
-        largest gradient entry is above L-BFGS's own stationarity tolerance
-        (``tolerance_grad``); ``loss`` is the objective at the step's start.
-
-        How a fit gets there (UCI protein split 2, a 37,000-row full batch, measured): one
-        curvature pair from a very stiff direction (:math:`y^\top y / s^\top y \approx 10^{14}`)
-        sets L-BFGS's initial inverse-Hessian scale to :math:`H_0 = s^\top y / y^\top y \approx
-        1.2\cdot10^{-14}`, so every later direction is about :math:`10^{-14}` of the gradient. The
-        line search's trials then change the float32 loss by less than its rounding, the step
-        ends on ``tolerance_change``, no new pair is stored, and every later step repeats it:
-        the model scored was the initial one (test LL -28.7). Clearing the memory restarts
-        along the steepest descent with a first trial of :math:`1/\lVert g\rVert_1`, which
-        leaves the trap (protein split 2: loss 180.9 to 1.89 in the next step).
-
-        If the step after a restart does not move either, the objective does not decrease at
-        the dtype's resolution even along the gradient. After a fit that made progress that is
-        a minimum to working precision, normal at the end of a float32 fit, and stays silent;
-        a warning (once per fit) says so when the objective is still within a relative
-        ``1e-3`` of where the fit started, :math:`L > L_1 - 10^{-3}\max(1, |L_1|)` with
-        :math:`L_1` the objective at the first step's start: a fit that never got going.
-        """
-        stalls = getattr(self, "_lbfgs_stalls", 0) + 1
-        self._lbfgs_stalls = stalls
-        self._forget_curvature()
-        first = getattr(self, "_lbfgs_first_loss", None)
-        first = loss if first is None else first
-        stuck = loss > first - 1e-3 * max(1.0, abs(first))
-        if stalls < 2 or not stuck or getattr(self, "_lbfgs_stall_warned", False):
-            return
-        self._lbfgs_stall_warned = True
-        rank_zero_warn(
-            f"{type(self).__name__}: L-BFGS step {self.global_step} did not move the parameters, "
-            "also after its curvature memory was cleared, and the objective is still where the "
-            f"fit started ({loss:.7g}): the line search finds no decrease along the gradient at "
-            "the dtype's resolution. Try Trainer(precision='64-true'), standardised inputs, or "
-            "optimizer='adam'"
-        )
+    def configure_callbacks(self) -> list[Callback]:
+        """:class:`~lightning_dvi.lightning.lbfgs.LBFGSSupervisor` under ``optimizer="lbfgs"``."""
+        return [LBFGSSupervisor()] if self.optimiser_config.optimizer == "lbfgs" else []
 
     def on_fit_start(self) -> None:
-        """Put the network in train mode; forget a previous fit's stalled-step state and warning.
+        """Put the network in train mode.
 
         Lightning 2.x keeps the modes modules have when ``fit`` starts; a network converted
         from an ``eval()`` torch model would train its batch normalization on the running
@@ -702,7 +552,6 @@ class DVIModule(LightningModule):
                 "model); to train on the running statistics, set freeze_statistics=True on "
                 "those layers (or use from_torch(..., last_layers=k), whose backbone stays frozen)"
             )
-        self._lbfgs_stall_warned, self._lbfgs_stalls, self._lbfgs_first_loss = False, 0, None
 
     def on_train_epoch_end(self) -> None:
         """Stop the trainer once the objective has converged (``convergence_tol``)."""

@@ -38,7 +38,6 @@ class ObjectiveConvergence:
         self._sum: Tensor | None = None
         self._count = 0
         self._previous: float | None = None
-        self._kl_weight: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -48,13 +47,7 @@ class ObjectiveConvergence:
     def reset(self) -> None:
         """Forget the previous epochs (a new fit)."""
         self.converged = False
-        self._sum, self._count, self._previous, self._kl_weight = None, 0, None, None
-
-    def kl_weight_changed(self, weight: float) -> bool:
-        """Record the schedule's weight for this step; ``True`` if it differs from the last step's."""
-        changed = self._kl_weight is not None and weight != self._kl_weight
-        self._kl_weight = weight
-        return changed
+        self._sum, self._count, self._previous = None, 0, None
 
     def add(self, loss: Tensor) -> None:
         """Add one batch's loss (no host synchronisation: the sum stays on the device)."""
