@@ -188,6 +188,12 @@ def main() -> None:
         help=f"unseen: comma-separated sets (default: {','.join(UNSEEN_SETS)})",
     )
     parser.add_argument("--plots", default=None, help="unseen: write reliability PNGs here")
+    parser.add_argument(
+        "--dvi-settings",
+        default=None,
+        help="JSON DVIClassifier arguments added to every DVI row, e.g. '{\"kl_weight\": 1.0}' "
+        "(the row names get the JSON appended)",
+    )
     parser.add_argument("--rows", default=None, help="comma-separated rows (default: all)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per row")
     parser.add_argument("--epochs", type=int, default=None, help="override the budget's epochs")
@@ -237,6 +243,12 @@ def main() -> None:
         rows = {name: _row(name, arch, hidden) for name in names}
         several = args.protocol in ("defaults", "unseen")
         keys = {name: f"{name} ({case})" if several else name for name in names}
+        if args.dvi_settings:  # the same extra arguments on every DVI row
+            extra = json.loads(args.dvi_settings)
+            for name, row in rows.items():
+                if row.kind == "dvi":
+                    rows[name] = Row("dvi", row.arch, row.hidden, {**row.settings, **extra})
+                    keys[name] = f"{name} {args.dvi_settings}" + (f" ({case})" if several else "")
         if args.interleave:  # seed by seed, the rows' order reversed every other seed
             for seed in range(args.seeds):
                 for name in names if seed % 2 == 0 else names[::-1]:

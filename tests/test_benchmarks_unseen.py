@@ -131,7 +131,7 @@ def _benchmark_module():
 def test_unseen_protocol_runs_end_to_end(tmp_path, monkeypatch, capsys) -> None:
     out = tmp_path / "unseen.json"
     argv = ["--protocol", "unseen", "--sets", "teacher", "--seeds", "1", "--epochs", "1"]
-    argv += ["--plots", str(tmp_path), "--json", str(out)]
+    argv += ["--plots", str(tmp_path), "--json", str(out), "--dvi-settings", '{"kl_weight": 1.0}']
     monkeypatch.setattr(sys, "argv", ["bench", *argv])
     threads = torch.get_num_threads()
     try:
@@ -140,12 +140,14 @@ def test_unseen_protocol_runs_end_to_end(tmp_path, monkeypatch, capsys) -> None:
         torch.set_num_threads(threads)
     stdout = capsys.readouterr().out
     assert "| ece_floor |" in stdout
-    for row in ("plain_128 (teacher)", "true_defaults (teacher)", "bayes (teacher)"):
+    dvi = 'true_defaults {"kl_weight": 1.0} (teacher)'
+    for row in ("plain_128 (teacher)", dvi, "bayes (teacher)"):
         assert f"| {row} |" in stdout
     results = json.loads(out.read_text())["results"]
+    assert results[dvi][0]["details"]["settings"] == {"kl_weight": 1.0}
     png = tmp_path / "classification_unseen_teacher.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for row in ("plain_128 (teacher)", "true_defaults (teacher)"):
+    for row in ("plain_128 (teacher)", dvi):
         (run,) = results[row]
         bins = {k: np.array(v) for k, v in run["reliability"].items()}
         assert bins["count"].sum() == 2000
