@@ -1,11 +1,14 @@
 """Every fenced example in README.md, docs/*.md and docs/archive/*.md runs (docs/contributing.md).
 
-* ```python blocks run in a fresh interpreter, each block on its own (a fresh namespace), after
+* ```python blocks run in a fresh process, each block on its own (a fresh namespace), after
   the named hidden setup a page may ask for with ``<!-- docs-test: setup=NAME -->``
   (``tests/docs_runner.py`` holds the setups).
 * ```bash blocks run through ``bash -euo pipefail``, every command must succeed;
   ``lightning-dvi``/``.venv/bin/lightning-dvi`` and ``python``/``.venv/bin/python`` become the
   interpreter running the tests (through ``tests/docs_runner.py``).
+* Every such process is a fork of a warm interpreter that has imported torch, Lightning and the
+  library but run nothing (``tests/docs_zygote.py``, one per test process): the command's own
+  work, without ~8 s of imports each time.
 * ```yaml blocks must parse. ```text blocks (formulas, output) are not run; every fence must
   name its language, so a shell command cannot hide in an untagged block.
 * Each block runs in a fresh temporary directory holding a link to ``recipes/``, with
@@ -26,17 +29,23 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import yaml
 from docs_runner import FAST_ENV, SETUPS
+from docs_zygote import READY, ZYGOTE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
-RUNNER = Path(__file__).resolve().parent / "docs_runner.py"
+# Commands go through the zygote's client: a fork of one warm interpreter per test process
+# (tests/docs_zygote.py), instead of a fresh interpreter importing torch and Lightning each time.
+RUNNER = Path(__file__).resolve().parent / "docs_zygote.py"
 UCI_DIR = REPO.parent / "shared" / "data" / "uci"
 UCI_PLACEHOLDERS = ("../shared/data/uci", "path/to/uci")
 LANGUAGES = {"python", "bash", "yaml", "text"}
@@ -164,6 +173,26 @@ def _environment() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session")
+def zygote() -> Iterator[str]:
+    """The socket of this test process's warm interpreter (``tests/docs_zygote.py``)."""
+    folder = tempfile.mkdtemp(prefix="docs-zygote-")
+    path = os.path.join(folder, "socket")
+    server = subprocess.Popen(
+        [sys.executable, str(RUNNER), "serve", path], env=_environment(),
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline().strip()
+        assert line == READY, f"the docs zygote did not start (said {line!r})"
+        yield path
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _check(result: subprocess.CompletedProcess, block: Block) -> None:
     if result.returncode != 0:
         pytest.fail(
@@ -182,7 +211,7 @@ def _parse_only(block: Block, workdir: Path) -> None:
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
-def test_documented_example_runs(block: Block, tmp_path: Path) -> None:
+def test_documented_example_runs(block: Block, tmp_path: Path, zygote: str) -> None:
     if block.lang == "yaml":
         yaml.safe_load(block.code)
         return
@@ -211,7 +240,7 @@ def test_documented_example_runs(block: Block, tmp_path: Path) -> None:
     else:
         command = ["bash", "-euo", "pipefail", "-c", _bash_script(code)]
     result = subprocess.run(
-        command, cwd=tmp_path, env=_environment(), capture_output=True, text=True,
+        command, cwd=tmp_path, env={**_environment(), ZYGOTE_ENV: zygote}, capture_output=True, text=True,
         timeout=TIMEOUT_S,
     )  # fmt: skip
     known = [entry for snippet, entry in XFAIL.items() if snippet in block.code]

@@ -6,8 +6,6 @@ import math
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import TensorDataset
 
 from ._base import InMemoryDataModule, fit_standardizer
@@ -120,6 +118,10 @@ class DigitsDataModule(InMemoryDataModule):
         return out.reshape(-1, 1, 8, 8) if self.images else out
 
     def _build(self) -> dict[str, TensorDataset | None]:
+        # scikit-learn costs ~1 s to import: only a run that reads digits pays it
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
         x, y = load_digits(return_X_y=True)
         rows = np.arange(y.size)
         num_test = round(self.test_fraction * y.size)
