@@ -144,3 +144,79 @@ def test_pyro_md_lightning_example_sets_module_local_params_first():
     finally:
         pyro.settings.set(module_local_params=False)
     assert torch.isfinite(namespace["loss"])
+
+
+def _rows_model(net):
+    """A regression whose mean follows the input: [N] for x [N, 2], [N, 1] for x [N, 1, 2]."""
+
+    def model(x, y=None):
+        mean = net(x).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, 0.5), obs=y)
+
+    return model
+
+
+def _count_shape_checks(monkeypatch) -> list[str]:
+    import lightning_dvi.pyro.elbo as elbo_module
+
+    calls: list[str] = []
+    check = elbo_module.check_site_shape
+
+    def counted(site, max_plate_nesting):
+        calls.append(site["name"])
+        return check(site, max_plate_nesting)
+
+    monkeypatch.setattr(elbo_module, "check_site_shape", counted)
+    return calls
+
+
+def test_site_shape_check_runs_once_per_call_signature_and_catches_a_shape_change(monkeypatch):
+    calls = _count_shape_checks(monkeypatch)
+    model = _rows_model(Net())
+    guide, elbo = DeterministicGuide(model), DeterministicELBO()
+    x, y = torch.randn(10, 2), torch.randn(10)
+    elbo.loss(model, guide, x, y)
+    first = len(calls)
+    assert first > 0 and "obs" in calls  # checked at the first call
+    elbo.loss(model, guide, torch.randn(10, 2), torch.randn(10))
+    assert len(calls) == first  # same shapes: not checked again
+    elbo.loss(model, guide, torch.randn(7, 2), torch.randn(7))
+    assert len(calls) == 2 * first  # a new batch size is checked again
+    # x [10, 1, 2] gives a mean [10, 1], which the plate broadcasts to [10, 10]: y [10] fits
+    # that likelihood (so only the site-shape check can see it), and the remembered
+    # signatures do not hide it.
+    bad = torch.randn(10, 1, 2)
+    with pytest.raises(ValueError, match=r"site 'obs'.*\(10, 10\)"):
+        elbo.loss(model, guide, bad, y)
+    with pytest.raises(ValueError, match=r"site 'obs'.*\(10, 10\)"):  # on every call
+        elbo.loss(model, guide, bad, y)
+    with pytest.raises(ValueError, match="obs"):  # as Trace_ELBO refuses it
+        Trace_ELBO().loss(model, AutoNormal(model), bad, y)
+    # another guide of the same model: its first call is checked
+    before = len(calls)
+    elbo.loss(model, DeterministicGuide(model), x, y)
+    assert len(calls) > before
+
+
+def test_validate_every_step_and_validation_off(monkeypatch):
+    calls = _count_shape_checks(monkeypatch)
+    model = _rows_model(Net())
+    guide, every = DeterministicGuide(model), DeterministicELBO(validate_every_step=True)
+    x, y = torch.randn(10, 2), torch.randn(10)
+    for _ in range(3):
+        every.loss(model, guide, x, y)
+    assert calls.count("obs") == 3 and calls.count("l1.weight") == 3  # every site, every call
+    calls.clear()
+    with pyro.validation_enabled(False):
+        off = DeterministicELBO()
+        off.loss(model, guide, x, y)
+        off.loss(model, guide, torch.randn(10, 1, 2), y)  # broadcasts, as Pyro does
+    assert calls == []
+    # NaN in the observed values is checked on every call, whatever was remembered
+    elbo = DeterministicELBO()
+    elbo.loss(model, guide, x, y)
+    y_nan = y.clone()
+    y_nan[2] = float("nan")
+    with pytest.raises(ValueError, match=r"site 'obs'.*NaN"):
+        elbo.loss(model, guide, x, y_nan)

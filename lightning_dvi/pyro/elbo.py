@@ -42,7 +42,14 @@ class DeterministicELBO(ELBO):
     With Pyro's validation on (the default), every sample site of the model passes Pyro's own
     site-shape check against its plates before the loss is returned, as in ``Trace_ELBO``: a
     network output left as ``[N, 1]`` under ``pyro.plate("data", N)`` (which broadcasts the
-    site to ``[N, N]``) is refused before the first step, naming the site and the fix.
+    site to ``[N, N]``) is refused before the first step, naming the site and the fix. Site
+    shapes depend only on the model and the shapes of its arguments, so the check runs once
+    per *call signature* (the model, the guide, and the shape, dtype and device of every tensor
+    argument, the value of every other): a new batch size or input shape is checked again, an
+    unchanged one is not (``validate_every_step=True`` checks every call, as ``Trace_ELBO``
+    does). The observed values themselves (NaN/Inf, a shape that would broadcast the
+    likelihood) are checked on every call while validation is on; with
+    ``pyro.enable_validation(False)`` nothing is checked.
 
     Args:
         num_particles: samples of the non-weight latents averaged per step.
@@ -53,6 +60,8 @@ class DeterministicELBO(ELBO):
         retain_graph: passed to ``backward`` in :meth:`loss_and_grads`.
         max_plate_nesting: as for ``Trace_ELBO``: dimensions left of it are not checked
             against the plates (default: all are).
+        validate_every_step: with Pyro's validation on, run the site-shape check on every
+            call instead of once per call signature.
 
     Raises:
         ValueError: (with validation on) an observed site whose log-likelihood shape does not
@@ -68,6 +77,7 @@ class DeterministicELBO(ELBO):
         prior: EmpiricalBayes | None = None,
         retain_graph: bool | None = None,
         max_plate_nesting: float = float("inf"),
+        validate_every_step: bool = False,
     ) -> None:
         super().__init__(
             num_particles=num_particles,
@@ -79,6 +89,21 @@ class DeterministicELBO(ELBO):
         if prior is not None and prior.mode != "in_graph":
             raise ValueError("DeterministicELBO uses EmpiricalBayes in 'in_graph' mode only")
         self.prior = prior
+        self.validate_every_step = bool(validate_every_step)
+        self._checked_signatures: set[Any] = set()
+        self._checked_for: tuple[Any, Any] | None = None  # the (model, guide) they belong to
+
+    def _needs_shape_check(self, model: Any, guide: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether this call's site shapes must be checked (validation on, signature new)."""
+        if not is_validation_enabled():
+            return False
+        if self.validate_every_step:
+            return True
+        checked = self._checked_for
+        if checked is None or checked[0] is not model or checked[1] is not guide:
+            self._checked_signatures.clear()
+            self._checked_for = (model, guide)
+        return _signature_of((args, kwargs)) not in self._checked_signatures
 
     def _get_trace(self, model: Any, guide: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         r"""One moment pass: ``(model_trace, guide_trace)`` whose log-prob sums form the ELBO.
@@ -103,8 +128,11 @@ class DeterministicELBO(ELBO):
                 "in this call; DeterministicGuide needs a static model structure"
             )
         model_trace = prune_subsample_sites(model_trace)
-        if is_validation_enabled():
+        if self._needs_shape_check(model, guide, args, kwargs):
             self._check_site_shapes(model_trace)
+            if len(self._checked_signatures) >= _MAX_SIGNATURES:  # e.g. ever-changing shapes
+                self._checked_signatures.clear()
+            self._checked_signatures.add(_signature_of((args, kwargs)))
         return model_trace, prune_subsample_sites(guide_trace)
 
     def _check_site_shapes(self, model_trace: Any) -> None:
@@ -151,6 +179,23 @@ class DeterministicELBO(ELBO):
         if loss.requires_grad:
             loss.backward(retain_graph=self.retain_graph)
         return float(torch_item(loss))
+
+
+#: Call signatures whose site shapes were checked that a DeterministicELBO remembers.
+_MAX_SIGNATURES = 64
+
+
+def _signature_of(value: Any) -> Any:
+    """What the site shapes can depend on: a tensor's shape, dtype and device, else the value."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_signature_of(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _signature_of(v)) for k, v in sorted(value.items(), key=repr)))
+    return object()  # anything else: never equal to a remembered signature, checked each call
 
 
 def _shape_error(site: dict, error: ValueError) -> str:
