@@ -349,3 +349,32 @@ def test_extract_reads_fences_directives_and_indentation(tmp_path, monkeypatch):
         "echo hi\n",
         (),
     )
+
+
+def test_the_zygote_runs_a_command_as_a_fresh_interpreter_would(tmp_path, zygote):
+    """A forked command sees the client's directory, environment and streams; its exit status,
+    an uncaught exception's traceback (status 1) and its ``atexit`` handlers are an interpreter's.
+    """
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import atexit, os, sys\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "print(os.getcwd(), os.environ['PROBE'], sys.argv[1:], sys.stdin.read().strip())\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "if sys.argv[1] == 'raise':\n"
+        "    raise RuntimeError('boom')\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    env = {**_environment(), ZYGOTE_ENV: zygote, "PROBE": "from-the-client"}
+    for arg, status in (("3", 3), ("0", 0), ("raise", 1)):
+        result = subprocess.run(
+            [sys.executable, str(RUNNER), "python", str(script), arg], cwd=tmp_path, env=env,
+            input="stdin-line\n", capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == status, result.stderr
+        assert result.stdout.splitlines() == [
+            f"{tmp_path} from-the-client {[arg]} stdin-line",
+            "atexit ran",
+        ]
+        assert "to stderr" in result.stderr
+        assert ("RuntimeError: boom" in result.stderr) == (arg == "raise")
