@@ -18,6 +18,7 @@ from lightning_dvi.nn import (
     mlp,
     parameter_groups,
 )
+from lightning_dvi.nn.registry import activation_specs
 
 
 def test_paper_toy_net_full_mode_matches_20k_weight_draws():
@@ -190,8 +191,8 @@ def test_bad_construction():
         Residual(ReLU(), BayesLinear(3, 4))(Gaussian(torch.zeros(1, 3), var=torch.ones(1, 3)))
     with pytest.raises(TypeError, match=r"lightning_dvi\.nn modules"):
         Sequential(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="activation"):
-        mlp(1, [2], 1, activation="tanh")
+    with pytest.raises(ValueError, match=r"registered activation, one of \[.*'tanh'"):
+        mlp(1, [2], 1, activation="swish")
     with pytest.raises(ValueError, match="init_scale"):
         BayesLinear(2, 2, init_scale=-1.0)
     with pytest.raises(ValueError, match="scale_transform"):
@@ -242,3 +243,22 @@ def test_module_apply_walks_a_network_with_activations():
     x = torch.linspace(-1.0, 1.0, 6).reshape(3, 2)
     relu = next(m for m in net.modules() if type(m).__name__ == "ReLU")
     assert torch.equal(relu.apply(x), torch.relu(x))  # on a tensor: the activation itself
+
+
+@pytest.mark.parametrize("spec", activation_specs(), ids=lambda s: s.name)
+def test_mlp_takes_every_registered_activation_by_name(spec):
+    """``mlp(activation=NAME)`` builds the registered class, and its moments stay finite."""
+    net = mlp(2, [3, 3], 1, activation=spec.name)
+    assert [type(m) for m in net][1::2] == [spec.cls, spec.cls]
+    out = net(Gaussian(torch.randn(4, 2), var=torch.full((4, 2), 0.1)), mode="diag")
+    assert out.mean.shape == (4, 1) and torch.isfinite(out.mean).all()
+    assert torch.isfinite(out.var).all() and (out.var > 0).all()
+
+
+def test_the_lightning_modules_take_a_registered_activation_by_name():
+    from lightning_dvi import DVIRegressor
+
+    model = DVIRegressor(hidden=[4], activation="gelu", in_features=2, num_data=10)
+    assert type(model.net[1]).__name__ == "GELU"
+    with pytest.raises(ValueError, match="registered activation"):
+        DVIRegressor(hidden=[4], activation="swish", in_features=2, num_data=10)

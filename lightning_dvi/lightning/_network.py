@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ..nn import BayesModule, bayes_layers, mlp
-from ..nn.builders import Activation
-from ._validation import check, is_int, one_of, positive_float
+from ..nn.builders import Activation, activation_class
+from ._validation import check, is_int, optional_positive_int, positive_float
 
 __all__ = [
     "MLP_ARGUMENTS",
@@ -43,7 +43,8 @@ class MLPConfig:
 
     Args:
         hidden: hidden-layer widths (positive ints; may be empty).
-        activation: ``"relu"`` or ``"heaviside"``.
+        activation: the name of a registered activation (``"relu"``, ``"gelu"``, ``"tanh"``, ...;
+            :data:`~lightning_dvi.nn.builders.Activation`).
         residual: skip connections between equal-width hidden layers.
         init_scale: initial posterior std of the weights (``None``: the layer's default,
             :math:`0.1/\sqrt{\text{fan\_in}}`).
@@ -62,7 +63,7 @@ class MLPConfig:
             isinstance(hidden, (list, tuple)) and all(is_int(h) and h >= 1 for h in hidden),
             f"hidden must be a list of positive ints, got {hidden!r}",
         )
-        one_of("activation", self.activation, ("relu", "heaviside"))
+        activation_class(self.activation)  # a registered activation's name, or a ValueError
         self.hidden = list(self.hidden)
         self.residual = bool(self.residual)
         if self.init_scale is not None:
@@ -113,7 +114,12 @@ def setup_network(
     Either ``net``, an injected network or the ``{"class_path", "init_args"}`` configuration a
     CLI checkpoint saved of one, checked against the widths; or (``net=None``) the ``mlp``, built
     at once when both widths are known and otherwise an :class:`UnbuiltNetwork` until ``setup()``.
+
+    Raises:
+        ValueError: for an ``in_features`` that is not ``None`` or a positive int, or a network
+            that does not fit the widths.
     """
+    optional_positive_int("in_features", in_features, " (read from the data)")
     if mlp is not None:
         if in_features is None or out_features is None:
             return UnbuiltNetwork(owner), in_features

@@ -6,16 +6,35 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from .activations import Heaviside, ReLU
+from . import activations as _activations  # noqa: F401  (registers the built-in activations)
 from .base import BayesModule
 from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
 from .linear import BayesLinear
+from .registry import activation_specs
 
-__all__ = ["CNN", "cnn", "mlp"]
+__all__ = ["CNN", "activation_class", "cnn", "mlp"]
 
-Activation = Literal["relu", "heaviside"]
-_ACTIVATIONS: dict[str, type[BayesModule]] = {"relu": ReLU, "heaviside": Heaviside}
+Activation = str
+"""The registry name of an activation (:func:`~lightning_dvi.nn.registry.activation_specs`):
+``"relu"``, ``"heaviside"``, ``"leaky_relu"``, ``"gelu"``, ``"silu"``, ``"tanh"``,
+``"sigmoid"``, ``"elu"``, ``"softplus"``, or one registered with
+:func:`~lightning_dvi.nn.register_activation`."""
+
+
+def activation_class(name: Activation) -> type[BayesModule]:
+    """The declared activation registered as ``name``, built with its defaults by the builders.
+
+    Raises:
+        ValueError: no activation of that name is registered (the message lists those that are).
+    """
+    classes = {spec.name: spec.cls for spec in activation_specs() if spec.cls is not None}
+    if not isinstance(name, str) or name not in classes:
+        raise ValueError(
+            f"activation must be the name of a registered activation, one of {sorted(classes)}; "
+            f"got {name!r}"
+        )
+    return classes[name]
 
 
 def mlp(
@@ -32,7 +51,8 @@ def mlp(
         in_features: input size.
         hidden: hidden widths (may be empty: a Bayesian linear model).
         out_features: output size.
-        activation: ``"relu"`` or ``"heaviside"``.
+        activation: the name of a registered activation (:data:`Activation`), e.g. ``"relu"``,
+            ``"gelu"`` or ``"tanh"``; built with its default parameters.
         residual: wrap each hidden layer whose width equals the previous one in a skip
             connection, ``a = a' + W f(a') + b`` (paper appendix C).
         **layer_kwargs: forwarded to every :class:`BayesLinear` (e.g. ``init_scale``).
@@ -42,12 +62,10 @@ def mlp(
         >>> [type(m).__name__ for m in net]
         ['BayesLinear', 'ReLU', 'BayesLinear', 'ReLU', 'BayesLinear']
     """
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    act = activation_class(activation)
     widths = [int(h) for h in hidden]
     if any(h < 1 for h in widths):
         raise ValueError(f"hidden widths must be positive, got {list(hidden)}")
-    act = _ACTIVATIONS[activation]
     if not widths:
         return Sequential(BayesLinear(in_features, out_features, **layer_kwargs))
     layers: list[BayesModule] = [BayesLinear(in_features, widths[0], **layer_kwargs)]
@@ -84,7 +102,8 @@ class CNN(Sequential):
         hidden: widths of the dense hidden layers after :class:`Flatten`.
         kernel_size: odd kernel size of every convolution.
         pool: ``"avg"`` (exact), ``"max"`` (moment-matched) or ``"none"``.
-        activation: ``"relu"`` or ``"heaviside"``.
+        activation: the name of a registered activation (:data:`Activation`), e.g. ``"relu"``,
+            ``"gelu"`` or ``"tanh"``; built with its default parameters.
         init_scale: initial posterior std of every layer (default: each layer's own).
         prior_variance: initial prior-variance buffers of every layer.
 
@@ -112,10 +131,7 @@ class CNN(Sequential):
     ) -> None:
         if pool not in ("avg", "max", "none"):
             raise ValueError(f"pool must be 'avg', 'max' or 'none', got {pool!r}")
-        if activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}"
-            )
+        act = activation_class(activation)
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size}")
         widths = [int(c) for c in channels]
@@ -125,7 +141,6 @@ class CNN(Sequential):
         kwargs: dict[str, Any] = {"prior_variance": prior_variance}
         if init_scale is not None:
             kwargs["init_scale"] = init_scale
-        act = _ACTIVATIONS[activation]
         layers: list[BayesModule] = []
         prev = in_channels
         for c in widths:
