@@ -133,8 +133,9 @@ def reliability_plot(runs: dict[str, list[dict]], title: str, path: Path) -> Non
     """One reliability panel per row, its seeds' test rows pooled into the 15 bins.
 
     Bars: the accuracy per confidence bin; dots: the bin's mean confidence; the diagonal is
-    calibration (a bar below it is over-confident). The panel title gives the pooled ECE and
-    the mean of the runs' noise floors; the bottom strip, the rows per bin.
+    calibration (a bar below it is over-confident). The panel title gives the mean over the
+    runs of each run's ECE and of its noise floor (the table's figures); the bottom strip, the
+    rows per bin.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -149,7 +150,7 @@ def reliability_plot(runs: dict[str, list[dict]], title: str, path: Path) -> Non
         hits = sum(np.array(b["count"]) * np.array(b["accuracy"]) for b in bins)
         conf = sum(np.array(b["count"]) * np.array(b["confidence"]) for b in bins)
         safe = np.maximum(count, 1)
-        ece = float(np.abs(hits - conf).sum() / count.sum())
+        ece = float(np.mean([run["ece"] for run in row_runs]))
         floor = float(np.mean([run["ece_floor"] for run in row_runs]))
         width, filled = np.diff(edges), count > 0
         ax = fig.add_subplot(grid[0, col])
@@ -171,12 +172,69 @@ def reliability_plot(runs: dict[str, list[dict]], title: str, path: Path) -> Non
     fig.savefig(path, dpi=90, bbox_inches="tight")
 
 
+def unseen_report(results: dict[str, list[dict]], sets: list[str]) -> str:
+    """Per-seed rows and issue 41's acceptance for every DVI row against ``plain_128``, per set.
+
+    Acceptance, on the means over the seeds: accuracy at least the plain network's minus
+    0.01, NLL below the plain network's, and ECE at most the plain network's or at most the
+    DVI row's own noise floor (indistinguishable from a calibrated model on these rows).
+    """
+    lines = ["| set | seed | row | acc | NLL | ECE | ECE floor | confidence |", "|---" * 8 + "|"]
+    verdicts = [
+        "| set | DVI row | acc − plain | NLL − plain | ECE − plain | ECE floor (DVI) | met |",
+        "|---" * 7 + "|",
+    ]
+    for case in sets:
+        plain = results.get(f"plain_128 ({case})")
+        dvi = [key for key in results if key.endswith(f" ({case})") and "defaults" in key]
+        for key in [f"plain_128 ({case})", *dvi]:
+            for seed, run in enumerate(results.get(key, [])):
+                lines.append(
+                    f"| {case} | {seed} | {key.removesuffix(f' ({case})')} | {run['acc']:.3f} | "
+                    f"{run['nll']:.3f} | {run['ece']:.3f} | {run['ece_floor']:.3f} | "
+                    f"{run['confidence']:.3f} |"
+                )
+        if plain is None:
+            continue
+        base = {k: float(np.mean([run[k] for run in plain])) for k in ("acc", "nll", "ece")}
+        for key in dvi:
+            mean = {
+                k: float(np.mean([run[k] for run in results[key]]))
+                for k in ("acc", "nll", "ece", "ece_floor")
+            }
+            checks = (
+                mean["acc"] >= base["acc"] - 0.01,
+                mean["nll"] < base["nll"],
+                mean["ece"] <= base["ece"] or mean["ece"] <= mean["ece_floor"],
+            )
+            met = "yes" if all(checks) else "no (" + ", ".join(
+                name for name, ok in zip(("acc", "NLL", "ECE"), checks, strict=True) if not ok
+            ) + ")"  # fmt: skip
+            verdicts.append(
+                f"| {case} | {key.removesuffix(f' ({case})')} | {mean['acc'] - base['acc']:+.3f} | "
+                f"{mean['nll'] - base['nll']:+.3f} | {mean['ece'] - base['ece']:+.3f} | "
+                f"{mean['ece_floor']:.3f} | {met} |"
+            )
+    return "\n".join([*lines, "", *verdicts])
+
+
 def _row(name: str, arch: str, hidden: tuple[int, ...]) -> Row:
     """The named row on the protocol's architecture (the true defaults keep their own shape)."""
     row = ROWS[name]
     if name in FIXED_SHAPE:
         return row
     return Row(row.kind, arch, hidden, row.settings)  # type: ignore[arg-type]  # arch: a PROTOCOLS literal
+
+
+def _replay(path: str, sets: list[str], plots: str | None) -> None:
+    """Print the ``unseen`` tables of a saved run and, with ``plots``, redraw its diagrams."""
+    results = json.loads(Path(path).read_text())["results"]
+    print(markdown_table(results, UNSEEN_METRICS))
+    print(f"\n{unseen_report(results, sets)}")
+    for case in sets if plots else []:
+        runs = {k: v for k, v in results.items() if k.endswith(f" ({case})") and "bayes" not in k}
+        title = f"{UNSEEN_SETS[case]().name}: test reliability"
+        reliability_plot(runs, title, Path(plots) / f"classification_unseen_{case}.png")
 
 
 def main() -> None:
@@ -188,6 +246,11 @@ def main() -> None:
         help=f"unseen: comma-separated sets (default: {','.join(UNSEEN_SETS)})",
     )
     parser.add_argument("--plots", default=None, help="unseen: write reliability PNGs here")
+    parser.add_argument(
+        "--replay",
+        default=None,
+        help="unseen: print the tables (and with --plots draw the diagrams) of a saved --json run",
+    )
     parser.add_argument(
         "--dvi-settings",
         default=None,
@@ -219,6 +282,9 @@ def main() -> None:
         sets = args.sets.split(",") if args.sets else list(UNSEEN_SETS)
         if any(name not in UNSEEN_SETS for name in sets):
             parser.error(f"unknown sets in {sets} (known: {list(UNSEEN_SETS)})")
+        if args.replay:
+            _replay(args.replay, sets, args.plots)
+            return
         cases = [(name, UNSEEN_SETS[name], (100, 100), Budget(), "mlp") for name in sets]
         names = args.rows.split(",") if args.rows else UNSEEN_ROWS
     else:
@@ -270,6 +336,8 @@ def main() -> None:
     keys_ = UNSEEN_METRICS if args.protocol == "unseen" else METRICS
     table = markdown_table(results, POOLED_METRICS if args.folds else keys_)
     print(f"\n{title}: {args.seeds} seed(s)\n{table}")
+    if args.protocol == "unseen":
+        print(f"\n{unseen_report(results, [case for case, *_ in cases])}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=1, default=str)

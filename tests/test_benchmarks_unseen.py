@@ -155,6 +155,14 @@ def test_unseen_protocol_runs_end_to_end(tmp_path, monkeypatch, capsys) -> None:
         ece = (bins["count"] * np.abs(bins["accuracy"] - bins["confidence"])).sum() / 2000
         assert ece == pytest.approx(run["ece"], abs=1e-5)
         assert 0 < run["ece_floor"] < 0.1
+    # the per-seed rows and the acceptance lines, printed by the run and by a replay of its JSON
+    verdict = f"| teacher | {dvi.removesuffix(' (teacher)')} |"
+    assert "| teacher | 0 | plain_128 |" in stdout and verdict in stdout
+    replay = ["--protocol", "unseen", "--sets", "teacher", "--replay", str(out)]
+    monkeypatch.setattr(sys, "argv", ["bench", *replay, "--plots", str(tmp_path / "again")])
+    _benchmark_module().main()
+    assert verdict in capsys.readouterr().out
+    assert (tmp_path / "again" / png.name).read_bytes() == png.read_bytes()
     monkeypatch.setattr(sys, "argv", ["bench", "--protocol", "unseen", "--sets", "nope"])
     with pytest.raises(SystemExit):
         _benchmark_module().main()
