@@ -258,3 +258,44 @@ def test_a_real_lbfgs_fit_does_not_report_a_stall():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*did not move the parameters.*")
         _trainer(max_epochs=3).fit(model, train_dataloaders=_full_batch(x, y))
+
+
+def test_the_supervision_state_is_checkpointed_and_a_resumed_fit_continues_it(
+    monkeypatch, tmp_path
+):
+    """The supervisor's counters travel in the checkpoint as plain numbers, and come back.
+
+    With the stalled optimiser of the test above, the first fit warns at step 2. A fit resumed
+    from its last checkpoint continues the count (steps 4 and 5 stall again) and, having
+    warned already, stays silent; a supervisor that started afresh would count two new stalls
+    and warn again at step 5.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def stalled_step(self, closure):
+        with torch.enable_grad():
+            return closure()
+
+    monkeypatch.setattr(LBFGS, "step", stalled_step)
+    x, y = _diabetes()
+
+    def fit(epochs: int, ckpt_path: str | None = None) -> list[str]:
+        model = DVIRegressor(hidden=[8], optimizer="lbfgs", lbfgs_iterations=3)
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)
+        trainer = cpu_trainer(max_epochs=epochs, callbacks=[checkpoint])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, train_dataloaders=_full_batch(x, y), ckpt_path=ckpt_path)
+        return [str(w.message) for w in caught if "did not move" in str(w.message)]
+
+    first = fit(3)
+    assert len(first) == 1 and "L-BFGS step 2 did not move" in first[0]
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    state = saved["callbacks"]["LBFGSSupervisor"]
+    assert state["stalls"] == 3 and state["stall_warned"] is True and state["restarts"] == 0
+    assert state["kl_weight"] == 1.0 and math.isfinite(state["first_loss"])
+    assert fit(5, ckpt_path=str(tmp_path / "last.ckpt")) == []
+    resumed = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 5
+    assert resumed["callbacks"]["LBFGSSupervisor"]["stalls"] == 5
+    assert resumed["callbacks"]["LBFGSSupervisor"]["first_loss"] == state["first_loss"]

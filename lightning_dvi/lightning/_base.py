@@ -134,7 +134,9 @@ class DVIModule(LightningModule):
             for the deterministic objective of ``full``/``diag`` mode on full (or large, fixed)
             batches; one optimisation step runs up to ``lbfgs_iterations`` iterations. It takes
             no ``lr``, ``lr_schedule``, ``weight_decay`` or gradient clipping (see
-            :class:`~lightning_dvi.lightning._config.OptimiserConfig`).
+            :class:`~lightning_dvi.lightning._config.OptimiserConfig`). The module then adds
+            :class:`~lightning_dvi.lightning.lbfgs.LBFGSSupervisor` to the trainer's callbacks
+            (restarts, the non-finite undo, the stall check).
         lbfgs_iterations: L-BFGS iterations per optimisation step.
         lbfgs_history: curvature pairs L-BFGS keeps.
         convergence_tol: stop training once the epoch's mean training loss changes by at most
@@ -214,13 +216,7 @@ class DVIModule(LightningModule):
             lbfgs_iterations,
             lbfgs_history,
             scale_lr,
-        )
-        if optimizer == "lbfgs" and self.mode in _MC_MODES:
-            raise ValueError(
-                f"optimizer='lbfgs' needs a deterministic objective (mode='full' or 'diag'); "
-                f"mode={self.mode!r} draws new samples at every evaluation, which breaks its line "
-                "search. Use optimizer='adam' for Monte Carlo modes"
-            )
+        ).for_mode(self.mode)
         self.convergence = ObjectiveConvergence(convergence_tol)
         self.kl_config = KLScheduleConfig(
             kl_warmup_steps, kl_anneal_steps, kl_warmup_fraction, kl_anneal_fraction
@@ -228,7 +224,6 @@ class DVIModule(LightningModule):
         self.kl_schedule = self.kl_config.schedule()  # fractions become steps in on_train_start
         self.kl_weight = positive_float("kl_weight", kl_weight)
         self.prior = make_prior(prior, prior_alpha, prior_beta, prior_variance, eb_mode)
-        optional_positive_int("in_features", in_features, " (read from the data)")
         self.net_injected = net is not None
         self._net_config = primitive(net) if isinstance(net, Mapping) else None  # a CLI run's net
         self._mlp: MLPConfig | None = None  # the built-in MLP, unless a network is injected
@@ -240,8 +235,7 @@ class DVIModule(LightningModule):
         )
         self.calibration_curves: dict[str, dict[str, Tensor]] = {}
         self.converged = False
-        # Collects this frame's and the subclass's arguments.
-        self.save_hyperparameters(ignore=["net", "out_features"])
+        self.save_hyperparameters(ignore=["net", "out_features"])  # this and the subclass's frame
         self._finish_hparams()
 
     # ------------------------------------------------------------------ construction

@@ -16,6 +16,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
+from ..gaussian import MONTE_CARLO_MODES, Mode
 from ..nn import bayes_layers
 from ..objective import KLSchedule
 from ..optim import LBFGS
@@ -106,6 +107,20 @@ class OptimiserConfig:
                 f"each step length), nor scale_lr (got {self.scale_lr}); use optimizer='adam' "
                 "for it, or scale_lr=None",
             )
+
+    def for_mode(self, mode: Mode) -> OptimiserConfig:
+        """This configuration, checked against the propagation mode; L-BFGS needs ``full``/``diag``.
+
+        Raises:
+            ValueError: for ``optimizer="lbfgs"`` with a Monte Carlo mode (``sample``/``local``).
+        """
+        if self.optimizer == "lbfgs" and mode in MONTE_CARLO_MODES:
+            raise ValueError(
+                f"optimizer='lbfgs' needs a deterministic objective (mode='full' or 'diag'); "
+                f"mode={mode!r} draws new samples at every evaluation, which breaks its line "
+                "search. Use optimizer='adam' for Monte Carlo modes"
+            )
+        return self
 
     def configure(
         self,

@@ -25,6 +25,26 @@ from .temperature import temper_probs
 __all__ = ["DVIClassifier"]
 
 
+def _class_arguments(
+    likelihood: str, num_classes: int | None, method: str, mc_samples: int, ece_bins: int
+) -> tuple[bool, int | None, int | None]:
+    """Check the classification arguments; ``(binary, num_classes, network outputs)``.
+
+    ``bernoulli`` is 2 classes from 1 output; ``categorical`` has ``num_classes`` outputs.
+    """
+    one_of("likelihood", likelihood, ("categorical", "bernoulli"))
+    binary = likelihood == "bernoulli"
+    if binary and num_classes not in (None, 2):
+        raise ValueError(
+            "DVIClassifier: likelihood='bernoulli' is two classes from one logit; "
+            f"num_classes must be 2 or unset, got {num_classes!r}"
+        )
+    if num_classes is None and not binary:  # else _set_num_classes checks them, once
+        Categorical(2, method, mc_samples)
+    positive_int("ece_bins", ece_bins)
+    return (True, 2, 1) if binary else (False, num_classes, num_classes)
+
+
 class DVIClassifier(DVIModule):
     r"""Classification with a Bayesian MLP whose logits are Gaussian; predicts class probabilities.
 
@@ -102,6 +122,9 @@ class DVIClassifier(DVIModule):
     likelihood: Categorical | Bernoulli
     predictive_temperature: Tensor  # buffer
 
+    _probe: tuple[Tensor, Tensor] | None  # training rows the posterior-mean network is scored on
+    _collapsed_entropies: list[float]  # of the consecutive collapsed checks
+
     def __init__(
         self,
         in_features: int | None = None,
@@ -117,28 +140,11 @@ class DVIClassifier(DVIModule):
         lr: float = 3e-3,
         **kwargs: Any,
     ) -> None:
-        one_of("likelihood", likelihood, ("categorical", "bernoulli"))
-        self._binary = likelihood == "bernoulli"
-        if self._binary and num_classes not in (None, 2):
-            raise ValueError(
-                "DVIClassifier: likelihood='bernoulli' is two classes from one logit; "
-                f"num_classes must be 2 or unset, got {num_classes!r}"
-            )
-        if num_classes is None and not self._binary:  # else _set_num_classes checks them, once
-            Categorical(2, likelihood_method, likelihood_mc_samples)
-        positive_int("ece_bins", ece_bins)
-        num_classes = 2 if self._binary else num_classes
-        outputs = 1 if self._binary else num_classes
-        super().__init__(
-            in_features=in_features,
-            hidden=hidden,
-            out_features=outputs,
-            mode=mode,
-            prior=prior,
-            kl_weight=kl_weight,
-            lr=lr,
-            **kwargs,
+        self._binary, num_classes, outputs = _class_arguments(
+            likelihood, num_classes, likelihood_method, likelihood_mc_samples, ece_bins
         )
+        kwargs.update(mode=mode, prior=prior, kl_weight=kl_weight, lr=lr)  # this class's defaults
+        super().__init__(in_features=in_features, hidden=hidden, out_features=outputs, **kwargs)
         self.likelihood_method = likelihood_method
         self.likelihood_mc_samples = likelihood_mc_samples
         self.ece_bins = ece_bins
@@ -154,9 +160,7 @@ class DVIClassifier(DVIModule):
         # Collapse detection (lightning_dvi.lightning.collapse): the validation predictive's
         # mean entropy, and training rows on which the posterior-mean network is scored.
         self.val_entropy = MeanMetric()
-        self._probe: tuple[Tensor, Tensor] | None = None
-        self._collapsed_entropies: list[float] = []  # of the consecutive collapsed checks
-        self._collapse_warned = False
+        self._probe, self._collapsed_entropies, self._collapse_warned = None, [], False
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Checkpoints written before the temperature buffer existed load with temperature 1."""

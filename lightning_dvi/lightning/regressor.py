@@ -57,16 +57,41 @@ RegressionLikelihood = HeteroscedasticGaussian | HomoscedasticGaussian | Poisson
 
 
 def _regression_likelihood(
-    likelihood: str, init_log_noise: float, noise_bound: NoiseBound
-) -> RegressionLikelihood:
-    """The likelihood named ``likelihood``; a homoscedastic one starts at ``init_log_noise``."""
+    likelihood: str,
+    init_log_noise: float,
+    noise_bound: NoiseBound,
+    target_resolution: float | str | None,
+    standardize_targets: bool,
+) -> tuple[RegressionLikelihood, float | str | None]:
+    """The likelihood named ``likelihood`` and the checked target resolution.
+
+    A homoscedastic likelihood starts at ``init_log_noise``.
+
+    Raises:
+        ValueError: for an unknown name or ``noise_bound``, a bad ``target_resolution``, a
+            non-bool ``standardize_targets``, or the Poisson likelihood with a target
+            resolution or standardised targets.
+    """
     one_of("likelihood", likelihood, ("heteroscedastic", "homoscedastic", "poisson"))
     one_of("noise_bound", noise_bound, ("training_range", "none"))
+    resolution = _checked_target_resolution(target_resolution)
+    if not isinstance(standardize_targets, bool):
+        raise ValueError(f"standardize_targets must be a bool, got {standardize_targets!r}")
     if likelihood == "heteroscedastic":
-        return HeteroscedasticGaussian(noise_bound=noise_bound)
-    if likelihood == "poisson":
-        return Poisson()
-    return HomoscedasticGaussian(init_log_variance=init_log_noise)
+        return HeteroscedasticGaussian(noise_bound=noise_bound), resolution
+    if likelihood == "homoscedastic":
+        return HomoscedasticGaussian(init_log_variance=init_log_noise), resolution
+    if resolution is not None:
+        raise ValueError(
+            "DVIRegressor: target_resolution is for the Gaussian likelihoods; "
+            "likelihood='poisson' models the counts' grid itself"
+        )
+    if standardize_targets:
+        raise ValueError(
+            "DVIRegressor: likelihood='poisson' models counts in their own units; pass "
+            "standardize_targets=False"
+        )
+    return Poisson(), resolution
 
 
 _VAL_EXTRAS = ("elbo", "variance_split")  # val_metrics names beyond RegressionMetrics' members
@@ -260,21 +285,10 @@ class DVIRegressor(DVIModule):
         noise_bound: NoiseBound = "none",
         **kwargs: Any,
     ) -> None:
-        lik = _regression_likelihood(likelihood, init_log_noise, noise_bound)
-        resolution = _checked_target_resolution(target_resolution)
-        if resolution is not None and isinstance(lik, Poisson):
-            raise ValueError(
-                "DVIRegressor: target_resolution is for the Gaussian likelihoods; "
-                "likelihood='poisson' models the counts' grid itself"
-            )
+        lik, resolution = _regression_likelihood(
+            likelihood, init_log_noise, noise_bound, target_resolution, standardize_targets
+        )
         val_names = regression_metric_selection("val_metrics", val_metrics, _VAL_EXTRAS)
-        if not isinstance(standardize_targets, bool):
-            raise ValueError(f"standardize_targets must be a bool, got {standardize_targets!r}")
-        if isinstance(lik, Poisson) and standardize_targets:
-            raise ValueError(
-                "DVIRegressor: likelihood='poisson' models counts in their own units; pass "
-                "standardize_targets=False"
-            )
         super().__init__(
             in_features=in_features, hidden=hidden, out_features=lik.num_outputs, **kwargs
         )
@@ -283,13 +297,23 @@ class DVIRegressor(DVIModule):
         if self.network_built and not self.net_injected:
             self._after_build()
         self.standardize_targets = standardize_targets
-        loc, scale = _checked_target_statistics(target_loc, target_scale)
-        # Persistent float64 buffers: checkpoints carry the standardisation with the weights, and
-        # the map back to the original units keeps their precision (1e8 + 0.5 is not a float32).
-        self.register_buffer("target_loc", torch.tensor(loc, dtype=torch.float64))
-        self.register_buffer("target_scale", torch.tensor(scale, dtype=torch.float64))
+        self._register_target_statistics(target_loc, target_scale)
         self.target_resolution = resolution
         self._sync_target_resolution()
+        self._build_metrics(val_names)
+
+    def _register_target_statistics(self, loc: float | None, scale: float | None) -> None:
+        """The standardisation ``(m, s)`` as buffers ``target_loc``/``target_scale`` (``None``: 0, 1).
+
+        Persistent float64 buffers: checkpoints carry the standardisation with the weights, and
+        the map back to the original units keeps their precision (1e8 + 0.5 is not a float32).
+        """
+        loc_value, scale_value = _checked_target_statistics(loc, scale)
+        self.register_buffer("target_loc", torch.tensor(loc_value, dtype=torch.float64))
+        self.register_buffer("target_scale", torch.tensor(scale_value, dtype=torch.float64))
+
+    def _build_metrics(self, val_names: list[str]) -> None:
+        """The validation metrics ``val_names`` selects (and the ELBO's logging), and the test metrics."""
         members = [name for name in val_names if name not in _VAL_EXTRAS]
         self.val_metrics = (
             RegressionMetrics(prefix="val/", include=members)
