@@ -312,7 +312,7 @@ class DVIRegressor(DVIModule):
         self.register_buffer("target_loc", torch.tensor(loc_value, dtype=torch.float64))
         self.register_buffer("target_scale", torch.tensor(scale_value, dtype=torch.float64))
 
-    def _build_metrics(self, val_names: list[str]) -> None:
+    def _build_metrics(self, val_names: tuple[str, ...]) -> None:
         """The validation metrics ``val_names`` selects (and the ELBO's logging), and the test metrics."""
         members = [name for name in val_names if name not in _VAL_EXTRAS]
         self.val_metrics = (
