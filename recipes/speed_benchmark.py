@@ -5,11 +5,14 @@ One process, ``torch.set_num_threads(1)``; every number is the median CPU time o
 peak memory by ``torch.cuda.max_memory_allocated``). Sections (``--sections``): ``steps`` and
 ``layer`` (:mod:`lightning_dvi.benchmarks.speed`), ``frontends`` (needs ``--data-dir`` for the
 Lightning epoch), ``compile`` and ``net`` (:mod:`lightning_dvi.benchmarks.speed_net`), ``targets``
-(issue 28's table, CPU only: :mod:`lightning_dvi.benchmarks.speed_targets`); the harness is
+(issue 28's table, CPU only: :mod:`lightning_dvi.benchmarks.speed_targets`), ``cost`` (issue 39's
+step-cost table, interleaved, with aten ops and the fixed/arithmetic split:
+:mod:`lightning_dvi.benchmarks.speed_cost`); the harness is
 :mod:`lightning_dvi.benchmarks.timing`. Results and the machine: docs/benchmarks.md.
 
 Run:  python recipes/speed_benchmark.py [--quick] [--device cuda] [--json out.json]
-          [--sections steps,layer,frontends,compile,net,targets] [--widths 128,512] [--data-dir DIR]
+          [--sections steps,layer,frontends,compile,net,targets,cost] [--widths 128,512]
+          [--data-dir DIR]
           [--count-ops]   (net section: aten ops / non-view ops / host reads per step)
 """
 
@@ -41,6 +44,7 @@ from lightning_dvi.benchmarks.speed import (  # noqa: F401 - count_ops, peak_mem
     step_ratios,
     table,
 )
+from lightning_dvi.benchmarks.speed_cost import bench_cost, report_cost
 from lightning_dvi.benchmarks.speed_net import (  # noqa: F401 - net_step: tests use it from here
     NET_METHODS,
     bench_compile,
@@ -59,8 +63,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     p.add_argument("--repeats", type=int, default=None, help="timed samples per number")
-    p.add_argument("--sections", default="steps,layer,frontends,compile,net,targets")
-    p.add_argument("--rounds", type=int, default=31, help="targets section: interleaved rounds")
+    p.add_argument("--sections", default="steps,layer,frontends,compile,net,targets,cost")
+    p.add_argument(
+        "--rounds", type=int, default=31, help="targets and cost sections: interleaved rounds"
+    )
     p.add_argument("--data-dir", default=None, help="UCI data folder (frontends section)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--widths", default=None, help="net section widths, e.g. 128,512,1024,2048")
@@ -183,6 +189,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if "targets" in sections and S.DEVICE.type == "cpu":
         result["targets"] = bench_targets(3 if args.quick else args.rounds, args.quick)
         print(report_targets(result["targets"]))
+    if "cost" in sections:
+        rows = bench_cost(3 if args.quick else args.rounds, [(50, 32)] if args.quick else None)
+        result["cost"] = rows
+        print(report_cost(rows))
     result["load_after"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as fh:

@@ -71,13 +71,17 @@ def clip_eps(dtype: torch.dtype) -> float:
     return 1e-6 if dtype == torch.float64 else 1e-4
 
 
-def _square_error(x: Tensor, sq: Tensor, split: float) -> Tensor:
-    """The rounding error ``x*x - fl(x*x)``, exactly (Dekker's product; no FMA needed)."""
+def _neg_square_error(x: Tensor, sq: Tensor, split: float) -> Tensor:
+    """The rounding error ``fl(x*x) - x*x``, exactly (Dekker's product; no FMA needed).
+
+    ``x = hi + lo`` with ``hi`` of half the mantissa, so ``hi*hi`` is exact and so is
+    ``fl(x*x) - hi*hi`` (Sterbenz); then ``2 hi lo + lo^2`` are subtracted.
+    """
     hi = x * split
     hi.sub_(hi - x)
     lo = x - hi
-    err = (hi * hi).sub_(sq)
-    return err.addcmul_(hi, lo, value=2).addcmul_(lo, lo)
+    err = torch.addcmul(sq, hi, hi, value=-1)
+    return err.addcmul_(hi, lo, value=-2).addcmul_(lo, lo, value=-1)
 
 
 # ---------------------------------------------------------------------------- diagonal
@@ -97,12 +101,13 @@ class _ReluDiag(torch.autograd.Function):
         x = mu.abs().mul_(_SQRT_HALF).clamp_max_(math.sqrt(-math.log(e_min)))
         half = torch.special.erfc(x).mul_(0.5)  # Phi(-a), full relative precision in the tail
         sq = x * x
-        pdf = torch.exp(-sq).mul_(_INV_SQRT_2PI)  # phi(a), up to the rounding of x^2:
         # phi(a) = fl(pdf) (1 - err) with err = x^2 - fl(x^2), so M = Phi(-a) (1 + err) / pdf
-        mills = torch.addcmul(half, half, _square_error(x, sq, split)).div_(pdf)
-        a = x * math.sqrt(2.0)
+        mills = torch.addcmul(half, half, _neg_square_error(x, sq, split), value=-1)
+        pdf = sq.neg_().exp_().mul_(_INV_SQRT_2PI)  # phi(a), up to the rounding of x^2
+        mills.div_(pdf)
+        a = x.mul_(math.sqrt(2.0))  # in place: x is no longer needed
         u = 1 - a * mills  # 1 - a M
-        w = mills - a * u  # (1 + a^2) M - a
+        w = torch.addcmul(mills, a, u, value=-1)  # (1 + a^2) M - a
         pu = pdf * u
         relu = mu.clamp_min(0)
         # E[h]/sd = relu(mu) + phi u for either sign of mu; Var[h]/var = phi w - (phi u)^2 for
@@ -111,13 +116,13 @@ class _ReluDiag(torch.autograd.Function):
         # (torch.threshold_ directly: the same kernel without F.threshold's Python wrapper)
         cut = tail_cutoff(mean.dtype)
         out_mean = torch.threshold_((relu + pu).mul_(sd), cut, 0.0)
-        pw = pdf * w
-        pos = (mu * big(mu.dtype)).clamp_(0, 1)  # 1 for mu > 0, 0 for mu <= 0
+        pw = w.mul_(pdf)
+        pos = mu > 0
         # (phi u)^2 only matters where it is above ~eps * phi w: below, it would be subnormal
         pu_sq = torch.threshold(pu, 1e-18 if mean.dtype == torch.float32 else 1e-150, 0.0)
-        out_var = torch.lerp(pw, 1 - pw, pos).sub_(pu_sq * torch.add(pu, relu, alpha=2))
+        out_var = torch.where(pos, 1 - pw, pw).sub_(pu_sq * torch.add(pu, relu, alpha=2))
         out_var = torch.threshold_(out_var.mul_(var_c), cut, 0.0)
-        cdf = torch.threshold_(torch.lerp(half, 1 - half, pos), cut, 0.0)
+        cdf = torch.threshold_(torch.where(pos, 1 - half, half), cut, 0.0)
         ctx.save_for_backward(cdf, torch.threshold_(pdf.div_(sd), cut, 0.0), out_mean, var)
         return out_mean, out_var
 

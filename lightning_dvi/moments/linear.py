@@ -12,19 +12,28 @@ independent of the weights:
 Weights use the ``torch.nn.Linear`` layout ``[out_features, in_features]``. Everything is a
 batched matmul; no loops over units.
 
-**dDVI backward.** :func:`linear_diag` (the layer of every dDVI step) runs its forward formula
-in a custom autograd function whose backward is written out: with :math:`\bar m, \bar v` the
-output gradients, :math:`s = E[h^2] = m^2 + v`,
+**Fused backward.** Each layer kind of a dDVI or DVI step whose input is deterministic or
+independent runs its formula in one custom autograd function whose backward is written out
+(when :func:`.policy.use_fused` allows: eager mode, plain tensors, 2-D weights, 1-D biases).
+With :math:`\bar m, \bar v, \bar C` the output gradients and :math:`s = E[h^2] = m^2 + v`:
 
-.. math::
-    \partial_m = \bar m M + 2m \odot (\bar v V),\quad
-    \partial_v = \bar v (V + M^{\circ 2}),\quad
-    \partial_M = \bar m^\top m + 2M \odot (\bar v^\top v),\quad
-    \partial_V = \bar v^\top s,
+* dDVI (:func:`linear_diag`): :math:`\partial_m = \bar m M + 2m \odot (\bar v V)`,
+  :math:`\partial_v = \bar v (V + M^{\circ 2})`,
+  :math:`\partial_M = \bar m^\top m + 2M \odot (\bar v^\top v)`,
+  :math:`\partial_V = \bar v^\top s`;
+* deterministic input (:func:`linear_deterministic`): the same with :math:`v = 0`,
+  :math:`s = x^2`;
+* full output from a diagonal input (:func:`linear_full_from_diag`, narrow outputs):
+  :math:`C_{kl} = \sum_d v_d M_{kd} M_{ld} + \delta_{kl}(s V^\top + u)_k`, so with
+  :math:`g = \operatorname{diag}\bar C`: :math:`\partial_m = \bar m M + 2m \odot (gV)`,
+  :math:`\partial_{v_d} = (gV)_d + \sum_{kl}\bar C_{kl}M_{kd}M_{ld}`,
+  :math:`\partial_{M_{kd}} = (\bar m^\top m)_{kd} + \sum_l (H_{kld} + H_{lkd}) M_{ld}` with
+  :math:`H_{kld} = \sum_b \bar C_{bkl} v_{bd}`, and :math:`\partial_V = g^\top s`
+  (:math:`C` is symmetric by construction, so its symmetrisation changes no gradient);
 
-and the bias gradients are batch sums. That is ten kernels where autograd through the formula
-dispatches about thirty (a node per op, a transpose per matmul, gradient accumulations): the
-dDVI step is bound by that count on a GPU and ~2.5 us per op on a CPU.
+and the bias gradients are batch sums. That is about ten kernels per layer where autograd
+through the formula dispatches about thirty (a node per op, a transpose per matmul, gradient
+accumulations): an eager step at small sizes is bound by that count.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from . import policy
 from .special import flush
 
 __all__ = [
@@ -89,7 +99,38 @@ def linear_deterministic(
     Returns:
         ``(mean [..., Dout], var [..., Dout])``.
     """
-    return _affine(x, w_loc, b_loc), _affine(x * x, w_var, b_var)
+    if _plain_layout(x, x, w_loc, w_var, b_loc, b_var) and policy.use_fused(
+        x, w_loc, w_var, b_loc, b_var
+    ):
+        return _LinearDeterministic.apply(x, w_loc, w_var, b_loc, b_var)  # type: ignore[no-any-return]  # Function.apply returns Any
+    return _linear_deterministic_formula(x, w_loc, w_var, b_loc, b_var)[:2]
+
+
+def _linear_deterministic_formula(
+    x: Tensor, w_loc: Tensor, w_var: Tensor, b_loc: Tensor | None, b_var: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean, var)`` of :func:`linear_deterministic`, and the ``x^2`` the backward reuses."""
+    x_sq = x * x
+    return _affine(x, w_loc, b_loc), _affine(x_sq, w_var, b_var), x_sq
+
+
+def _plain_layout(
+    mean: Tensor,
+    var: Tensor,
+    w_loc: Tensor,
+    w_var: Tensor,
+    b_loc: Tensor | None,
+    b_var: Tensor | None,
+) -> bool:
+    """The layout the closed-form backward passes are written for: 2-D weights, 1-D biases."""
+    return (
+        w_loc.dim() == 2
+        and w_var.shape == w_loc.shape
+        and mean.shape == var.shape
+        and mean.dim() >= 1
+        and (b_loc is None or b_loc.dim() == 1)
+        and (b_var is None or b_var.dim() == 1)
+    )
 
 
 def linear_diag(
@@ -106,20 +147,13 @@ def linear_diag(
     + \operatorname{Var}(h)\,(M^{\circ 2})^\top + u`.
 
     With 2-D weights and 1-D biases (every declared layer) the backward is the closed form of
-    the module docstring (one autograd node); batched weights, broadcast inputs, ``torch.func``
-    transforms and export differentiate the same formula with autograd.
+    the module docstring (one autograd node) where :func:`.policy.use_fused` allows; batched
+    weights, broadcast inputs, ``torch.compile``, ``torch.func`` transforms and export
+    differentiate the same formula with autograd.
     """
-    closed_form = (
-        w_loc.dim() == 2
-        and w_var.shape == w_loc.shape
-        and mean.shape == var.shape
-        and mean.dim() >= 1
-        and (b_loc is None or b_loc.dim() == 1)
-        and (b_var is None or b_var.dim() == 1)
-        and not torch._C._are_functorch_transforms_active()
-        and not torch.compiler.is_exporting()
-    )
-    if closed_form:
+    if _plain_layout(mean, var, w_loc, w_var, b_loc, b_var) and policy.use_fused(
+        mean, var, w_loc, w_var, b_loc, b_var
+    ):
         return _LinearDiag.apply(mean, var, w_loc, w_var, b_loc, b_var)  # type: ignore[no-any-return]  # Function.apply returns Any
     return _linear_diag_formula(mean, var, w_loc, w_var, b_loc, b_var)[:2]
 
@@ -190,6 +224,41 @@ class _LinearDiag(torch.autograd.Function):
         return d_mean, d_var, d_w_loc, d_w_var, d_b_loc, d_b_var
 
 
+class _LinearDeterministic(torch.autograd.Function):
+    """:func:`_linear_deterministic_formula` with the closed-form backward (``v = 0``)."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: Tensor,
+        w_loc: Tensor,
+        w_var: Tensor,
+        b_loc: Tensor | None,
+        b_var: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        out_mean, out_var, x_sq = _linear_deterministic_formula(x, w_loc, w_var, b_loc, b_var)
+        ctx.save_for_backward(x, x_sq, w_loc, w_var)
+        return out_mean, out_var
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, g_mean: Tensor, g_var: Tensor) -> tuple[Tensor | None, ...]:
+        x, x_sq, w_loc, w_var = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
+        need = ctx.needs_input_grad  # type: ignore[attr-defined]  # FunctionCtx declares no needs_input_grad
+        d_x = d_w_loc = d_w_var = d_b_loc = d_b_var = None
+        if need[0]:
+            d_x = torch.addcmul(g_mean @ w_loc, x, g_var @ w_var, value=2)
+        if need[1]:
+            d_w_loc = flush(_rows(g_mean).t() @ _rows(x))
+        if need[2]:
+            d_w_var = flush(_rows(g_var).t() @ _rows(x_sq))
+        if need[3]:
+            d_b_loc = _rows(g_mean).sum(0)
+        if need[4]:
+            d_b_var = _rows(g_var).sum(0)
+        return d_x, d_w_loc, d_w_var, d_b_loc, d_b_var
+
+
 def linear_full(
     mean: Tensor,
     cov: Tensor,
@@ -227,8 +296,32 @@ def linear_full_from_diag(
     example instead of two ``Din``-square ones. This is the second layer of every network: a
     deterministic input makes the first layer's covariance, and its activation's, diagonal.
     """
-    diag = _affine(torch.addcmul(var, mean, mean), w_var, b_var)
+    narrow = w_loc.dim() == 2 and w_loc.shape[-2] <= NARROW_OUTPUTS
+    if (
+        narrow
+        and _plain_layout(mean, var, w_loc, w_var, b_loc, b_var)
+        and policy.use_fused(mean, var, w_loc, w_var, b_loc, b_var)
+    ):
+        return _LinearFullFromDiag.apply(mean, var, w_loc, w_var, b_loc, b_var)  # type: ignore[no-any-return]  # Function.apply returns Any
+    return _linear_full_from_diag_formula(mean, var, w_loc, w_var, b_loc, b_var)[:2]
+
+
+def _linear_full_from_diag_formula(
+    mean: Tensor,
+    var: Tensor,
+    w_loc: Tensor,
+    w_var: Tensor,
+    b_loc: Tensor | None,
+    b_var: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(mean, cov)`` of :func:`linear_full_from_diag`, then what the backward reuses.
+
+    That is ``E[h^2]`` and the ``[D, K^2]`` weight products (``None`` for wide outputs).
+    """
+    second = torch.addcmul(var, mean, mean)  # E[h^2]
+    diag = _affine(second, w_var, b_var)
     k, d = w_loc.shape[-2:]
+    pairs = None
     if w_loc.dim() == 2 and k <= NARROW_OUTPUTS:
         # the [D, K^2] products M_kd M_ld once, then one [..., D] x [D, K^2] matmul: 1.2-3.5x
         # faster forward+backward than the per-example [K, D] x [D, K] products for a K = 10
@@ -238,4 +331,54 @@ def linear_full_from_diag(
     else:
         out_cov = (w_loc * var.unsqueeze(-2)) @ w_loc.transpose(-1, -2)
     out_cov = symmetrize(out_cov)
-    return _affine(mean, w_loc, b_loc), _plus_diagonal(out_cov, diag)
+    return _affine(mean, w_loc, b_loc), _plus_diagonal(out_cov, diag), second, pairs
+
+
+class _LinearFullFromDiag(torch.autograd.Function):
+    """:func:`_linear_full_from_diag_formula` (narrow outputs) with the closed-form backward."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        mean: Tensor,
+        var: Tensor,
+        w_loc: Tensor,
+        w_var: Tensor,
+        b_loc: Tensor | None,
+        b_var: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        out_mean, out_cov, second, pairs = _linear_full_from_diag_formula(
+            mean, var, w_loc, w_var, b_loc, b_var
+        )
+        ctx.save_for_backward(mean, var, w_loc, w_var, second, pairs)
+        return out_mean, out_cov
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, g_mean: Tensor, g_cov: Tensor) -> tuple[Tensor | None, ...]:
+        mean, var, w_loc, w_var, second, pairs = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
+        need = ctx.needs_input_grad  # type: ignore[attr-defined]  # FunctionCtx declares no needs_input_grad
+        k = w_loc.shape[0]
+        g_mean = _rows(g_mean)
+        g_flat = g_cov.reshape(-1, k * k)  # [rows, K^2], the layout of the pairs' columns
+        g_diag = g_flat[:, :: k + 1]  # the diagonal of each [K, K] gradient
+        d_mean = d_var = d_w_loc = d_w_var = d_b_loc = d_b_var = None
+        if need[0] or need[1]:
+            through_v = g_diag @ w_var  # dC_kk/ds
+            if need[0]:
+                d_mean = torch.addcmul(g_mean @ w_loc, _rows(mean), through_v, value=2)
+                d_mean = d_mean.view(mean.shape)
+            if need[1]:
+                d_var = torch.addmm(through_v, g_flat, pairs.t()).view(var.shape)
+        if need[2]:
+            # sum_l (H_kld + H_lkd) M_ld with H = g_flat^T v: the cov term, then the mean term
+            h = (g_flat.t() @ _rows(var)).view(k, k, -1)
+            d_w_loc = ((h + h.transpose(0, 1)) * w_loc).sum(1)
+            d_w_loc = flush(d_w_loc.addmm_(g_mean.t(), _rows(mean)))
+        if need[3]:
+            d_w_var = flush(g_diag.t() @ _rows(second))
+        if need[4]:
+            d_b_loc = g_mean.sum(0)
+        if need[5]:
+            d_b_var = g_diag.sum(0)
+        return d_mean, d_var, d_w_loc, d_w_var, d_b_loc, d_b_var

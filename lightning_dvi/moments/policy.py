@@ -1,4 +1,4 @@
-r"""Execution policy of the full-covariance moment kernels: which implementation runs where.
+r"""Execution policy of the moment formulas: which implementation runs where.
 
 The formulas of :mod:`lightning_dvi.moments` are written once: the ReLU covariance and its
 closed-form backward elementwise over broadcastable row/column operands with a pluggable scratch
@@ -23,8 +23,19 @@ importable (``"whole"`` otherwise) and ``"whole"`` on any other device. While an
 ``"whole"``: the outer compiler fuses the formula into its own graph, and a Python loop over
 blocks would be unrolled into it.
 
+**Fused Functions or autograd.** A linear formula with a closed-form backward (the dDVI and
+deterministic-input layers, the narrow full-covariance head fed a diagonal input:
+:mod:`.linear`) runs in eager mode as one ``torch.autograd.Function`` whose forward calls the
+formula and whose backward evaluates its derivatives; :func:`use_fused` decides per call, and
+falls back to autograd through the same formula under ``torch.compile``, export, ``torch.func``
+transforms and tensor subclasses. (The ReLU moments are always a Function, :mod:`._relu`:
+their tail-safe forward selects branches with steep 0/1 weights that autograd must not
+differentiate.)
+
 Knobs (each also read once from an environment variable at import):
 
+* :func:`set_fused` / :func:`fused_functions` (context manager), env
+  ``LIGHTNING_DVI_FUSED`` = ``0`` to differentiate every formula by autograd;
 * :func:`set_kernel_backend` / :func:`kernel_backend` (context manager), env
   ``LIGHTNING_DVI_KERNELS`` = ``auto|blocked|whole|compiled``;
 * :func:`set_compile_options`: the :func:`torch.compile` arguments of the ``"compiled"`` path;
@@ -61,6 +72,8 @@ __all__ = [
     "chunk_size",
     "chunks",
     "compiled",
+    "fused_functions",
+    "get_fused",
     "get_kernel_backend",
     "get_memory_budget",
     "kernel_backend",
@@ -69,8 +82,10 @@ __all__ = [
     "resolve",
     "select_backend",
     "set_compile_options",
+    "set_fused",
     "set_kernel_backend",
     "set_memory_budget",
+    "use_fused",
 ]
 
 Backend = Literal["auto", "blocked", "whole", "compiled"]
@@ -115,6 +130,7 @@ def _check_budget(budget: object) -> int:
 
 
 _state: dict[str, Any] = {
+    "fused": os.environ.get("LIGHTNING_DVI_FUSED", "1").strip() != "0",
     "backend": _env_backend(),
     "budget": _env_budget(),
     "compile_options": {"dynamic": None},
@@ -181,6 +197,62 @@ def memory_budget(budget: int) -> Iterator[None]:
         yield
     finally:
         _state["budget"] = previous
+
+
+# ---------------------------------------------------------------------------- fused
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def set_fused(enabled: bool) -> None:
+    """Run the moment formulas that have one as fused autograd Functions (default ``True``).
+
+    With ``False`` every formula is differentiated by autograd op by op: the reference the
+    tests compare the fused Functions with, and an A/B switch for benchmarks.
+    """
+    _state["fused"] = bool(enabled)
+
+
+def get_fused() -> bool:
+    """Whether fused autograd Functions are enabled (:func:`set_fused`)."""
+    return bool(_state["fused"])
+
+
+@contextlib.contextmanager
+def fused_functions(enabled: bool) -> Iterator[None]:
+    """Within the block, enable or disable the fused Functions (see :func:`set_fused`)."""
+    previous = _state["fused"]
+    set_fused(enabled)
+    try:
+        yield
+    finally:
+        _state["fused"] = previous
+
+
+def use_fused(*tensors: torch.Tensor | None) -> bool:
+    """Whether this call of a moment formula runs as its fused autograd Function.
+
+    A fused Function computes the formula's outputs in one node with no graph inside and
+    evaluates its closed-form derivatives in the backward: a few whole-tensor kernels where
+    autograd would dispatch a node, a saved tensor and a gradient accumulation per op. It is
+    the eager path. The formula itself is differentiated by autograd instead
+
+    * while ``torch.compile`` traces (the compiler fuses the formula and derives its backward
+      itself) or an exporter does (the exported graph needs plain aten ops);
+    * under ``torch.func`` transforms (``vmap``, ``grad``, ``jvp``: the Functions define no
+      ``vmap``/``jvp`` rule and their backward is not differentiable again);
+    * for tensor subclasses (a front-end's tensor that carries its own dispatch);
+    * when :func:`set_fused` turned the Functions off.
+
+    Args:
+        tensors: the call's tensor arguments (``None`` for an absent bias is allowed).
+    """
+    if not _state["fused"]:
+        return False
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return all(t is None or type(t) in _PLAIN for t in tensors)
 
 
 # ---------------------------------------------------------------------------- selection

@@ -1,0 +1,221 @@
+"""Fused moment Functions (closed-form backward) against autograd through the same formula.
+
+:func:`lightning_dvi.moments.policy.use_fused` picks, per call, between a custom autograd
+Function whose backward is written out and autograd through the formula it calls. Both must
+give the same values and gradients (float64, to round-off), the Function's backward must pass
+``gradcheck`` (finite differences of its forward), and a whole training step must not change.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from lightning_dvi.likelihoods import HeteroscedasticGaussian
+from lightning_dvi.moments import (
+    linear_deterministic,
+    linear_diag,
+    linear_full_from_diag,
+    policy,
+    relu_diag,
+)
+from lightning_dvi.nn import mlp
+from lightning_dvi.objective import elbo
+from lightning_dvi.priors import EmpiricalBayes
+
+F64 = torch.float64
+FUSED_NODES = {
+    "deterministic": "_LinearDeterministicBackward",
+    "diag": "_LinearDiagBackward",
+    "full_from_diag": "_LinearFullFromDiagBackward",
+}
+
+
+def _layer_args(kind: str, lead: tuple[int, ...], k: int, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    d = 5
+    mean = torch.randn(*lead, d, dtype=F64, generator=gen)
+    var = torch.rand(*lead, d, dtype=F64, generator=gen) + 0.1
+    w_loc = torch.randn(k, d, dtype=F64, generator=gen)
+    w_var = torch.rand(k, d, dtype=F64, generator=gen) + 0.05
+    b_loc = torch.randn(k, dtype=F64, generator=gen) if bias else None
+    b_var = torch.rand(k, dtype=F64, generator=gen) + 0.05 if bias else None
+    inputs = (mean,) if kind == "deterministic" else (mean, var)
+    return [
+        t.requires_grad_() if t is not None else None for t in (*inputs, w_loc, w_var, b_loc, b_var)
+    ]
+
+
+_FNS = {
+    "deterministic": linear_deterministic,
+    "diag": linear_diag,
+    "full_from_diag": linear_full_from_diag,
+}
+_CASES = [
+    (kind, lead, bias) for kind in _FNS for lead in ((), (4,), (3, 4)) for bias in (True, False)
+]
+
+
+@pytest.mark.parametrize(("kind", "lead", "bias"), _CASES)
+def test_fused_values_and_gradients_match_autograd_through_the_formula(kind, lead, bias):
+    fn, args = _FNS[kind], _layer_args(kind, lead, k=3, bias=bias)
+    fused = fn(*args)
+    assert type(fused[0].grad_fn).__name__ == FUSED_NODES[kind]  # the policy chose the Function
+    with policy.fused_functions(False):
+        reference = fn(*args)
+    assert "Linear" not in type(reference[0].grad_fn).__name__
+    gen = torch.Generator().manual_seed(1)
+    cotangents = [torch.randn(o.shape, dtype=F64, generator=gen) for o in fused]
+    wrt = [t for t in args if t is not None]
+    got = torch.autograd.grad(fused, wrt, cotangents)
+    want = torch.autograd.grad(reference, wrt, cotangents)
+    for a, b in zip(fused, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("kind", "lead", "bias"), [c for c in _CASES if c[2]])
+def test_fused_backward_passes_gradcheck(kind, lead, bias):
+    args = _layer_args(kind, lead, k=3, bias=bias)
+    assert torch.autograd.gradcheck(_FNS[kind], tuple(args))
+
+
+@pytest.mark.parametrize("kind", list(_FNS))
+def test_fused_backward_with_some_inputs_constant(kind):
+    """Only the weights need gradients (a first layer's data input): the rest are skipped."""
+    args = _layer_args(kind, (4,), k=2, bias=True)
+    n_inputs = 1 if kind == "deterministic" else 2
+    args = [t.detach() if i < n_inputs else t for i, t in enumerate(args)]
+    out = _FNS[kind](*args)
+    assert type(out[0].grad_fn).__name__ == FUSED_NODES[kind]
+    got = torch.autograd.grad(out, args[n_inputs:], [torch.ones_like(o) for o in out])
+    with policy.fused_functions(False):
+        ref = _FNS[kind](*args)
+    want = torch.autograd.grad(ref, args[n_inputs:], [torch.ones_like(o) for o in ref])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_wide_head_and_batched_weights_take_autograd():
+    """Outside the written-out layouts the formula is differentiated by autograd."""
+    args = _layer_args("full_from_diag", (4,), k=20, bias=True)
+    assert "Linear" not in type(linear_full_from_diag(*args)[1].grad_fn).__name__
+    mean, var, w_loc, w_var, b_loc, b_var = _layer_args("diag", (4,), k=3, bias=True)
+    batched = linear_diag(mean, var, w_loc.expand(2, 3, 5), w_var.expand(2, 3, 5), b_loc, b_var)
+    assert "Linear" not in type(batched[0].grad_fn).__name__
+
+
+def test_policy_refuses_transforms_compile_and_subclasses():
+    x = torch.randn(3, 2)
+    assert policy.use_fused(x, None)
+    with policy.fused_functions(False):
+        assert not policy.use_fused(x)
+    assert policy.use_fused(x)  # restored
+    seen = []
+    torch.func.vmap(lambda t: seen.append(policy.use_fused(t)) or t)(x)
+    assert seen == [False]
+
+    class Tagged(torch.Tensor):
+        pass
+
+    assert not policy.use_fused(x.as_subclass(Tagged))
+    compiled = torch.compile(lambda t: t + float(policy.use_fused(t)), backend="eager")
+    assert torch.equal(compiled(x), x)  # traced: the formula path (+ 0.0)
+
+
+def test_fused_formula_under_vmap_matches_the_loop():
+    """``torch.func`` transforms take the formula path; results agree with per-example calls."""
+    args = [t.detach() for t in _layer_args("full_from_diag", (4,), k=2, bias=True)]
+    mean, var, *params = args
+    batched = torch.func.vmap(lambda m, v: linear_full_from_diag(m, v, *params))(mean, var)
+    for i in range(4):
+        single = linear_full_from_diag(mean[i], var[i], *params)
+        for a, b in zip(batched, single, strict=True):
+            torch.testing.assert_close(a[i], b, rtol=1e-13, atol=1e-13)
+
+
+# --------------------------------------------------------------------------------- ReLU
+def _relu_moments_reference(mean: torch.Tensor, var: torch.Tensor):
+    """Textbook ReLU moments (no tail care), fine in float64 for |mu| <= 6."""
+    sd = var.sqrt()
+    mu = mean / sd
+    cdf = 0.5 * torch.erfc(-mu / math.sqrt(2))
+    pdf = torch.exp(-0.5 * mu * mu) / math.sqrt(2 * math.pi)
+    first = mean * cdf + sd * pdf
+    second = (mean * mean + var) * cdf + mean * sd * pdf
+    return first, second - first * first
+
+
+def test_relu_values_and_backward_match_the_textbook_formula_under_autograd():
+    gen = torch.Generator().manual_seed(0)
+    mu = torch.linspace(-6, 6, 61, dtype=F64)
+    var = (torch.rand(61, dtype=F64, generator=gen) * 3 + 0.01).requires_grad_()
+    mean = (mu * var.detach().sqrt()).requires_grad_()
+    got = relu_diag(mean, var)
+    want = _relu_moments_reference(mean, var)
+    cot = [torch.randn(61, dtype=F64, generator=gen) for _ in range(2)]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+    g_got = torch.autograd.grad(got, (mean, var), cot)
+    g_want = torch.autograd.grad(want, (mean, var), cot)
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-13)
+
+
+def test_relu_values_against_scipy_in_the_tail():
+    """The Mills-ratio branch far in the lower tail, against scipy's truncated normal."""
+    mu = torch.tensor([-3.0, -8.0, -15.0, -25.0], dtype=F64)
+    mean, var = relu_diag(mu, torch.ones_like(mu))
+    for m, out_m, out_v in zip(mu.tolist(), mean.tolist(), var.tolist(), strict=True):
+        p = stats.norm.sf(-m)  # P(a > 0)
+        tail = stats.truncnorm(-m, math.inf, loc=m, scale=1.0)
+        e1, e2 = p * tail.mean(), p * (tail.var() + tail.mean() ** 2)
+        assert out_m == pytest.approx(e1, rel=1e-9)
+        assert out_v == pytest.approx(e2 - e1 * e1, rel=1e-6)
+
+
+def test_relu_backward_passes_gradcheck():
+    mu = torch.tensor([-30.0, -9.0, -3.0, -0.5, 0.3, 2.0, 7.0, 40.0], dtype=F64)
+    var = torch.tensor([0.5, 2.0, 1.0, 1e-3, 3.0, 0.2, 1.0, 4.0], dtype=F64, requires_grad=True)
+    mean = (mu * var.detach().sqrt()).requires_grad_()
+    assert torch.autograd.gradcheck(relu_diag, (mean, var))
+
+
+# ------------------------------------------------------------------------ whole steps
+def _step_gradients(mode: str, hidden: list[int], fused: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    net = mlp(6, hidden, 2).double()
+    gen = torch.Generator().manual_seed(seed + 1)
+    x, y = torch.randn(9, 6, dtype=F64, generator=gen), torch.randn(9, dtype=F64, generator=gen)
+    with policy.fused_functions(fused):
+        torch.manual_seed(seed + 2)  # the local mode's draws
+        terms = elbo(net, HeteroscedasticGaussian(), EmpiricalBayes(), x, y, 100, mode=mode)
+        grads = torch.autograd.grad(terms.loss, list(net.parameters()))
+    return terms.loss.detach(), grads, net
+
+
+@pytest.mark.parametrize("mode", ["diag", "full", "local"])
+@pytest.mark.parametrize("hidden", [[7], [20, 20]])
+def test_training_step_is_unchanged_by_the_fused_functions(mode, hidden):
+    loss, grads, _ = _step_gradients(mode, hidden, fused=True)
+    ref_loss, ref_grads, _ = _step_gradients(mode, hidden, fused=False)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=0)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-14)
+
+
+def test_optimizer_step_is_unchanged_by_the_fused_functions():
+    nets = []
+    for fused in (True, False):
+        _, grads, net = _step_gradients("diag", [20, 20], fused)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        for p, g in zip(net.parameters(), grads, strict=True):
+            p.grad = g
+        opt.step()
+        nets.append(net)
+    for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
