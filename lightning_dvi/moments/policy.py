@@ -23,9 +23,8 @@ importable (``"whole"`` otherwise) and ``"whole"`` on any other device. While an
 ``"whole"``: the outer compiler fuses the formula into its own graph, and a Python loop over
 blocks would be unrolled into it.
 
-**Fused Functions or autograd.** A linear formula with a closed-form backward (the dDVI and
-deterministic-input layers, the narrow full-covariance head fed a diagonal input:
-:mod:`.linear`) runs in eager mode as one ``torch.autograd.Function`` whose forward calls the
+**Fused Functions or autograd.** A linear formula with a closed-form backward (the dDVI
+layer, the narrow full-covariance head fed a diagonal input: :mod:`.linear`) runs in eager mode as one ``torch.autograd.Function`` whose forward calls the
 formula and whose backward evaluates its derivatives; :func:`use_fused` decides per call, and
 falls back to autograd through the same formula under ``torch.compile``, export, ``torch.func``
 transforms and tensor subclasses. (The ReLU moments are always a Function, :mod:`._relu`:
