@@ -28,7 +28,7 @@ def _toy(**kwargs):
     ("kwargs", "match"),
     [
         ({"mode": "exact"}, "mode"),
-        ({"activation": "tanh"}, "activation"),
+        ({"activation": "swish"}, "activation"),
         ({"likelihood": "laplace"}, "likelihood"),
         ({"prior": "horseshoe"}, "prior"),
         ({"eb_mode": "sometimes"}, "mode"),
