@@ -93,7 +93,7 @@ class DVIModule(LightningModule):
             ``data.in_features``).
         hidden: hidden-layer widths of the MLP.
         out_features: network outputs (set by the subclass).
-        activation: ``"relu"`` or ``"heaviside"``.
+        activation: the name of a registered activation (``"relu"``, ``"gelu"``, ``"tanh"``, ...).
         residual: skip connections between equal-width hidden layers.
         mode: ``"full"`` (DVI), ``"diag"`` (dDVI), ``"sample"`` (MCVI) or ``"local"`` (local
             reparameterisation).
