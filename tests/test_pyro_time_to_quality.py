@@ -1,0 +1,84 @@
+"""recipes/pyro_time_to_quality.py: the documented L-BFGS loop and the recipe's report (issue 39)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide
+
+pytestmark = pytest.mark.usefixtures("pyro_state")
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "pyro_time_to_quality.py"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("pyro_time_to_quality", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)  # it puts recipes/ on sys.path for its sibling
+    finally:
+        sys.path[:] = path
+    return module
+
+
+def test_lbfgs_loop_lowers_the_deterministic_loss_and_moves_every_guide_parameter(recipe):
+    x, y, _, _ = recipe.load("cancer", 0)
+    x, y = x[:120], y[:120]
+    model = recipe.Classifier(x.shape[1], 2, "categorical", hidden=8)
+    guide = DeterministicGuide(model)
+    elbo = DeterministicELBO()
+    before = elbo.loss(model, guide, x, y)
+    start = {name: p.detach().clone() for name, p in guide.named_parameters()}
+    run = recipe.lbfgs_loop(model, guide, x, y)
+    run(5)
+    middle = elbo.loss(model, guide, x, y)
+    run(5)
+    after = elbo.loss(model, guide, x, y)
+    assert after < middle < before  # a line search never accepts a step that raises the loss
+    assert len(start) == 8  # loc and scale of four weight sites
+    for name, p in guide.named_parameters():
+        assert not torch.equal(p.detach(), start[name]), name
+    # the loop trains the guide's own parameters: the posterior medians moved with them
+    median = guide.median(x)["fc1.weight"]
+    assert torch.equal(median, guide.locs.fc1.weight.detach())
+    assert not torch.equal(median, start["locs.fc1.weight_unconstrained"])
+
+
+def test_recipe_reports_when_each_run_reaches_the_reference_nll(recipe, capsys):
+    results = recipe.main(
+        ["--data", "cancer", "--steps", "30", "--rounds", "2", "--lbfgs-iterations", "10",
+         "--adam-steps", "50", "--adam-lr", "0.05", "--predictive", "20"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    target = results["autonormal"]["nll"]
+    assert math.isfinite(target) and "(the target)" in out
+    for key, iterations in (("lbfgs", (5, 10)), ("adam", (25, 50))):
+        run = results[key]
+        rows = [run["last"]] if run["reached"] is None else [run["reached"], run["last"]]
+        assert run["last"][0] == iterations[-1]
+        assert all(math.isfinite(r[3]) and r[1] > 0 for r in rows)
+        if run["reached"] is not None:  # the first evaluation at or below the target
+            assert run["reached"][3] <= target and run["reached"][0] in iterations
+    assert out.count("| lbfgs |") == 1 and out.count("| adam |") == 1
+
+
+def test_step_cost_splits_the_deterministic_step_into_its_parts(recipe):
+    parts = recipe.main(["--data", "cancer", "--step-cost", "2"])
+    assert set(parts) == {
+        "dvi step",
+        "autonormal step",
+        "guide trace",
+        "loss forward",
+        "loss forward + backward",
+        "objective (tight) forward",  # the Pyro Categorical site's default objective
+        "objective (tight) forward + backward",
+    }
+    assert all(value > 0 for value in parts.values())
