@@ -82,3 +82,25 @@ def test_step_cost_splits_the_deterministic_step_into_its_parts(recipe):
         "objective (tight) forward + backward",
     }
     assert all(value > 0 for value in parts.values())
+
+
+def test_parity_trajectory_deterministic_guide_does_not_depend_on_the_evaluations():
+    spec = importlib.util.spec_from_file_location(
+        "pyro_parity_trajectory", RECIPE.parent / "pyro_parity_trajectory.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    base = ["--steps", "20", "--predictive", "10"]
+    often = module.main([*base, "--every", "5"])
+    once = module.main([*base, "--every", "20"])
+    assert [r["step"] for r in often] == [5, 10, 15, 20] and [r["step"] for r in once] == [20]
+    assert often[-1]["loss"] == once[-1]["loss"]  # no random numbers in its training
+    assert often[0]["loss"] > often[-1]["loss"]
+    small = module.main(
+        [*base, "--every", "20", "--init-scale", "0.1", "--init-means", "normal:0.1"]
+    )
+    assert small[-1]["loss"] != once[-1]["loss"]  # the options reach the guide
