@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -220,3 +222,51 @@ def test_validate_every_step_and_validation_off(monkeypatch):
     y_nan[2] = float("nan")
     with pytest.raises(ValueError, match=r"site 'obs'.*NaN"):
         elbo.loss(model, guide, x, y_nan)
+
+
+def _independent_loss(guide, x, y, noise):
+    """The one-hidden-layer DVI loss written out (ReLU moments, linear moments, KL, E log N)."""
+    normal = torch.distributions.Normal(0.0, 1.0)
+    site = {
+        n: guide._get_loc_and_scale(n) for n in ("l1.weight", "l1.bias", "l2.weight", "l2.bias")
+    }
+    (w1, s1), (b1, t1), (w2, s2), (b2, t2) = (site[n] for n in site)
+    m1 = x @ w1.T + b1
+    v1 = (x * x) @ (s1 * s1).T + t1 * t1
+    sd = v1.sqrt()
+    a = m1 / sd
+    cdf, pdf = normal.cdf(a), normal.log_prob(a).exp()
+    mean_h = m1 * cdf + sd * pdf
+    var_h = (m1 * m1 + v1) * cdf + m1 * sd * pdf - mean_h * mean_h
+    m2 = (mean_h @ w2.T + b2).squeeze(-1)
+    v2 = ((mean_h * mean_h + var_h) @ (s2 * s2).T + var_h @ (w2 * w2).T + t2 * t2).squeeze(-1)
+    ell = -0.5 * math.log(2 * math.pi * noise**2) - ((y - m2) ** 2 + v2) / (2 * noise**2)
+    kl = sum((0.5 * (s * s + m * m - 1) - s.log()).sum() for m, s in site.values())
+    return kl - ell.sum()
+
+
+def test_remembered_shape_checks_leave_loss_and_gradients_unchanged():
+    model = regression(Net())
+    guide = DeterministicGuide(model, init_scale=0.3)
+    x, y = torch.randn(16, 2), torch.randn(16)
+    elbo = DeterministicELBO()
+    elbo.loss(model, guide, x, y)  # first call: builds the guide, checks the site shapes
+    params = list(guide.parameters())
+
+    def loss_and_grads(loss_fn):
+        loss = loss_fn()
+        grads = torch.autograd.grad(loss, params)
+        return loss.detach(), grads
+
+    cached = loss_and_grads(lambda: elbo.differentiable_loss(model, guide, x, y))
+    every = DeterministicELBO(validate_every_step=True)
+    checked = loss_and_grads(lambda: every.differentiable_loss(model, guide, x, y))
+    with pyro.validation_enabled(False):
+        unchecked = loss_and_grads(
+            lambda: DeterministicELBO().differentiable_loss(model, guide, x, y)
+        )
+    written_out = loss_and_grads(lambda: _independent_loss(guide, x, y, 0.5))
+    for other in (checked, unchecked, written_out):
+        assert other[0] == pytest.approx(cached[0].item(), rel=1e-5)
+        for g, h in zip(cached[1], other[1], strict=True):
+            torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-5)
