@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -369,10 +370,8 @@ def teacher_split(
     name = f"teacher ({num_features} features, {num_classes} classes, scale {scale:g}, {num_train}/{num_val}/{num_test})"
     split = _tensors(name, x, y, (train, val, test))
     test_probs = torch.tensor(probs[test], dtype=torch.float32)
-    return ClassificationSplit(*(getattr(split, f) for f in _FIELDS), test_probs=test_probs)
+    return dataclasses.replace(split, test_probs=test_probs)
 
-
-_FIELDS = ("name", "x_train", "y_train", "x_val", "y_val", "x_test", "y_test", "num_classes")
 
 #: The classification sets of issue 41 item 4, nobody's defaults tuned on them: name to maker
 #: (keyword arguments only, ``split_seed`` among them).
