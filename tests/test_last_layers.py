@@ -339,15 +339,19 @@ def test_token_ids_go_to_the_plain_torch_backbone(build):
             var = out.var if mode == "diag" else out.cov.diagonal(dim1=-2, dim2=-1)
             assert bool((var > 0).all())
         assert net(ids, mode="sample", num_samples=3).shape == (3, 4, 3)
-    # the whole-network conversion refuses the embedding (and the LSTM) and names the way out
-    with pytest.raises(NotImplementedError, match=r"from_torch\(model, last_layers=k\)"):
-        from_torch(model)
+    if build is _RecurrentClassifier:  # the whole-network conversion refuses the LSTM
+        with pytest.raises(NotImplementedError, match=r"from_torch\(model, last_layers=k\)"):
+            from_torch(model)
+    else:  # an embedding converts (a Bayesian table): at zero scale it is the torch model
+        with torch.no_grad():
+            whole = from_torch(model, scale_fraction=0.0)(ids, mode="diag")
+        torch.testing.assert_close(whole.mean, logits, rtol=0, atol=1e-6)
 
 
 def test_unsupported_layers_suggest_last_layers():
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), nn.Flatten(), nn.Linear(32, 2)
+    model = nn.Sequential(  # batch_first=False: converted encoder layers take [B, T, D]
+        nn.TransformerEncoderLayer(8, 2, 16, batch_first=False), nn.Flatten(), nn.Linear(32, 2)
     ).eval()
     with pytest.raises(NotImplementedError, match=r"last_layers=k"):
         from_torch(model)

@@ -152,8 +152,8 @@ def test_bad_inputs_name_the_layer_and_the_shapes():
         GroupNorm(2, 4)(torch.randn(3, 3, 2), mode="diag")
     with pytest.raises(ValueError, match="full-covariance"):
         GroupNorm(2, 4)(Gaussian(torch.zeros(3, 4), cov=torch.eye(4).expand(3, 4, 4)), mode="full")
-    with pytest.raises(ValueError, match="full-covariance input must be flat"):
-        LayerNorm(4)(
+    with pytest.raises(ValueError, match="normalized over D"):
+        LayerNorm((2, 4))(
             Gaussian(torch.zeros(3, 2, 4), cov=torch.eye(4).expand(3, 2, 4, 4)), mode="full"
         )
     with pytest.raises(ValueError, match="multiple of num_groups"):

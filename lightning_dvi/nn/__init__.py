@@ -8,6 +8,7 @@ from typing import cast
 from torch import nn
 
 from .activations import ELU, GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
+from .attention import MultiheadAttention, TransformerEncoderLayer, key_padding
 from .base import BayesModule, Moments
 from .builders import CNN, cnn, mlp
 from .container import Residual, Sequential
@@ -38,6 +39,7 @@ from .registry import (
     register_activation,
     register_layer,
 )
+from .sequence import Embedding, FixedEmbedding, MeanTokens, PositionalEncoding, RMSNorm
 from .torch_file import TorchNetwork, describe_torch, save_torch_network
 
 __all__ = [
@@ -53,7 +55,9 @@ __all__ = [
     "BayesLinear",
     "BayesLinearFullCov",
     "BayesModule",
+    "Embedding",
     "FactorisedLayer",
+    "FixedEmbedding",
     "Flatten",
     "GraphNetwork",
     "GroupNorm",
@@ -64,10 +68,14 @@ __all__ = [
     "LayerSpec",
     "LeakyReLU",
     "MaxPool2d",
+    "MeanTokens",
     "Moments",
+    "MultiheadAttention",
     "ParameterGroup",
+    "PositionalEncoding",
     "PosteriorContext",
     "PredictiveModule",
+    "RMSNorm",
     "ReLU",
     "Residual",
     "Sequential",
@@ -76,6 +84,7 @@ __all__ = [
     "Softplus",
     "Tanh",
     "TorchNetwork",
+    "TransformerEncoderLayer",
     "activation_specs",
     "bayes_layers",
     "cnn",
@@ -84,6 +93,7 @@ __all__ = [
     "from_torch",
     "given_weights",
     "has_posterior",
+    "key_padding",
     "layer_specs",
     "mlp",
     "named_parameter_groups",

@@ -42,6 +42,10 @@ class BayesModule(nn.Module):
         """
         return False
 
+    accepts_integer_input: bool = False
+    """Whether the module's input may be integer ids (a network whose first layer is an
+    embedding table); integer inputs are refused otherwise."""
+
     def forward(self, x: Moments, mode: Mode = "full", num_samples: int | None = None) -> Moments:
         """Propagate ``x`` through the module.
 
@@ -56,7 +60,8 @@ class BayesModule(nn.Module):
                 mode, or a non-positive ``num_samples``.
         """
         validate_mode(mode)
-        out = self.propagate(prepare_input(x, mode, num_samples), mode)
+        integer_ok = self.accepts_integer_input
+        out = self.propagate(prepare_input(x, mode, num_samples, integer_ok), mode)
         return out if mode in ("sample", "local") else finish(out, mode, self)
 
     def propagate(self, x: Moments, mode: Mode) -> Moments:  # pragma: no cover - abstract

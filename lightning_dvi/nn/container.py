@@ -54,6 +54,11 @@ class Sequential(BayesModule):
                 return layer.image_output
         return None
 
+    @property
+    def accepts_integer_input(self) -> bool:  # type: ignore[override]  # a property here
+        """Whether the first layer takes integer ids (an embedding table)."""
+        return bool(self[0].accepts_integer_input)
+
     def __iter__(self) -> Iterator[BayesModule]:
         return cast(Iterator[BayesModule], iter(self.layers))  # _check_modules admits no other
 

@@ -169,7 +169,8 @@ def _leaves(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
 
 _SUPPORTED = (
     "Linear, Conv2d, AvgPool2d, MaxPool2d, Flatten, Dropout (dropped), Identity (dropped), "
-    "nested Sequential, and the registered activations"
+    "MultiheadAttention and TransformerEncoderLayer (batch_first), Embedding, LayerNorm, "
+    "RMSNorm, nested Sequential, and the registered activations"
 )
 
 

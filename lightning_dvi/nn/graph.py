@@ -222,6 +222,17 @@ class GraphNetwork(BayesModule):
             node = by_name[next(v for v in node["inputs"] if isinstance(v, str))]
         return False
 
+    @property
+    def accepts_integer_input(self) -> bool:  # type: ignore[override]  # a property here
+        """Whether an input node feeds a layer that takes integer ids (an embedding table)."""
+        inputs = {n["name"] for n in self.nodes if n["op"] == "input"}
+        return any(
+            n["op"] == "call"
+            and n["inputs"][0] in inputs
+            and self._layer(n["module"]).accepts_integer_input
+            for n in self.nodes
+        )
+
     def _layer(self, key: str) -> BayesModule:
         layer = self.layers[key]
         assert isinstance(layer, BayesModule)  # built from the registry's declared kinds
@@ -252,7 +263,10 @@ class GraphNetwork(BayesModule):
             return super().forward(x, mode, num_samples)
         validate_mode(mode)
         values = self._inputs(x)
-        out = self.propagate([prepare_input(v, mode, num_samples) for v in values], mode)
+        integer_ok = self.accepts_integer_input
+        out = self.propagate(
+            [prepare_input(v, mode, num_samples, integer_ok) for v in values], mode
+        )
         return out if mode in _MC else finish(out, mode, self)
 
     def _inputs(self, x: Moments | Sequence[Moments]) -> list[Moments]:

@@ -120,6 +120,9 @@ def split(model: nn.Module, last_layers: int) -> Cut:
     for node in nodes:  # topological order: inputs come first
         if node in bayesian or any(a in head_nodes for a in node.all_input_nodes):
             head_nodes.add(node)
+    for node in nodes:  # a parameter or buffer read only by the head (a positional table)
+        if node.op == "get_attr" and node.users and all(u in head_nodes for u in node.users):
+            head_nodes.add(node)
     output = nodes[-1]
     result = output.args[0]
     if not isinstance(result, fx.Node) or result not in head_nodes:

@@ -149,9 +149,9 @@ class LayerNorm(BayesModule):
                 f"LayerNorm{self.normalized_shape} expects input of shape [B, ..., "
                 f"{', '.join(map(str, self.normalized_shape))}], got shape {user}"
             )
-        if isinstance(x, Gaussian) and x.is_full and (len(user) != 2 or k != 1):
+        if isinstance(x, Gaussian) and x.is_full and (len(user) < 2 or k != 1):
             raise ValueError(
-                f"LayerNorm: a full-covariance input must be flat [B, D] normalized over D, got "
+                f"LayerNorm: a full-covariance input must be [B, ..., D] normalized over D, got "
                 f"shape {user} with normalized_shape {self.normalized_shape}"
             )
         _check_dtype("LayerNorm", x, self.weight)
@@ -170,7 +170,7 @@ class LayerNorm(BayesModule):
         if isinstance(x, Tensor):
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         k = len(self.normalized_shape)
-        if mode == "full" and len(user) == 2 and k == 1:
+        if mode == "full" and (len(user) == 2 or x.is_full) and k == 1:
             g = x.to_full()
             mean, cov = L.normalize_full(g.mean, cast(Tensor, g.cov), self.eps)
             scale, shift = self._flat_affine()
@@ -186,9 +186,9 @@ class LayerNorm(BayesModule):
 
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
         r""":math:`\operatorname{Cov}(r, y) = \operatorname{Cov}(r, a)E[\nabla y]^\top\operatorname{diag}(\gamma)`."""
-        user = self._check(x, mode)
-        if len(user) != 2 or len(self.normalized_shape) != 1:
-            raise ValueError("LayerNorm inside a Residual block needs a flat [B, D] input")
+        self._check(x, mode)
+        if len(self.normalized_shape) != 1:
+            raise ValueError("LayerNorm inside a Residual block normalizes over one dimension")
         cov = x.cov if x.cov is not None else torch.diag_embed(x.var)
         jac = L.normalize_jacobian(x.mean, cov, self.eps)
         out = cross @ jac.transpose(-1, -2)

@@ -91,6 +91,10 @@ class LayerSpec:
             ``negative_slope``).
         from_call: builds the declared module from the extra arguments of a torch function call
             (everything after the input tensor); defaults to ``cls()`` and rejects arguments.
+        describe: the keyword arguments of :attr:`from_call` that rebuild a converted
+            (declared) module, as plain data; a converted graph stores a module this way when
+            its torch layer's constructor arguments cannot describe it (``None``: store the
+            torch layer's arguments).
     """
 
     name: str
@@ -101,6 +105,7 @@ class LayerSpec:
     convert: Converter | None = field(default=None, compare=False)
     from_module: Callable[[nn.Module], BayesModule] | None = field(default=None, compare=False)
     from_call: Callable[..., BayesModule] | None = field(default=None, compare=False)
+    describe: Callable[[BayesModule], dict[str, Any]] | None = field(default=None, compare=False)
 
     def convert_module(self, module: nn.Module, options: ConversionOptions) -> BayesModule | None:
         """The declared module equivalent to the torch ``module`` (``None``: drop it)."""
@@ -148,6 +153,7 @@ def register_layer(
     convert: Converter | None = None,
     from_module: Callable[[nn.Module], BayesModule] | None = None,
     from_call: Callable[..., BayesModule] | None = None,
+    describe: Callable[[BayesModule], dict[str, Any]] | None = None,
 ) -> Callable[[_M], _M]:
     """Class decorator: declare a layer kind under ``name`` (see :class:`LayerSpec`).
 
@@ -167,6 +173,7 @@ def register_layer(
                 convert,
                 from_module,
                 from_call,
+                describe,
             )
         )
         return cls

@@ -47,7 +47,10 @@ SUPPORTED_GRAPH_OPS = (
     "torch.flatten, x.flatten, F.adaptive_avg_pool2d, ...) and their in-place forms (x.relu_(), "
     "inplace=True), x.view/x.reshape(x.size(0), -1) or (-1, N), "
     "operator.add / torch.add / x.add_ / += of two values or of a number, torch.cat along a feature "
-    "dimension, x.contiguous()"
+    "dimension, x.contiguous(); transformers: nn.MultiheadAttention as self-attention "
+    "(attn(h, h, h, attn_mask=causal buffer, need_weights=False)[0]), "
+    "nn.TransformerEncoderLayer (batch_first), nn.Embedding, nn.RMSNorm, x + a [T, D] "
+    "parameter or buffer (positional table), x.mean(dim=1)"
 )
 
 _ADD = (operator.add, operator.iadd, torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__)
@@ -174,6 +177,8 @@ class _Builder:
         self.helpers: set[str] = set()  # x.size(0) / x.shape nodes, read by a flattening view
         self.called: dict[str, str] = {}  # torch module path -> key
         self.viewed: set[str] = set()  # values that share memory with a view of them
+        self.constants: dict[str, Tensor] = {}  # get_attr nodes: parameters/buffers read directly
+        self.pairs: set[str] = set()  # nodes whose value is (output, weights): attention calls
 
     def ref(self, arg: Any, node: fx.Node) -> str:
         if not isinstance(arg, fx.Node) or arg.name in self.helpers:
@@ -235,12 +240,72 @@ class _Builder:
             self.visit_module(node)
         elif node.op in ("call_function", "call_method"):
             self.visit_function(node)
+        elif node.op == "get_attr":  # read where it is used: a positional table, a mask
+            value = self.root
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            if not isinstance(value, Tensor):
+                raise _unsupported(node, "reads an attribute that is not a tensor")
+            self.constants[node.name] = value.detach()
         else:
             raise _unsupported(node, "(a parameter or buffer read directly) is not supported")
+
+    def attention_call(self, node: fx.Node, module: nn.MultiheadAttention) -> bool:
+        """``attn(h, h, h, attn_mask=causal, need_weights=False)``: self-attention; its causal flag.
+
+        Returns whether the call is causal. Self-attention only (query, key and value the same
+        value); ``attn_mask`` a constant causal mask (a buffer: bool ``True`` above the
+        diagonal, or ``-inf`` there) or ``is_causal=True`` with it; ``key_padding_mask`` is a
+        run-time input: pass it with :func:`lightning_dvi.nn.key_padding` instead.
+        """
+        names = ("query", "key", "value")
+        given = list(node.args) + [
+            node.kwargs[n] for n in names[len(node.args) :] if n in node.kwargs
+        ]
+        if len(given) != 3 or not (given[0] is given[1] is given[2]):
+            raise _unsupported(
+                node, "is not self-attention (query, key and value must be one value)"
+            )
+        extra = {k: v for k, v in node.kwargs.items() if k not in names}
+        for key in extra:
+            if key not in ("attn_mask", "need_weights", "is_causal", "average_attn_weights"):
+                raise _unsupported(
+                    node,
+                    f"passes {key}=; a key padding mask is given at run time with "
+                    "lightning_dvi.nn.key_padding(mask)",
+                )
+        mask = extra.get("attn_mask")
+        if mask is None:
+            if extra.get("is_causal"):
+                raise _unsupported(node, "sets is_causal=True without an attn_mask")
+            return False
+        if not isinstance(mask, fx.Node) or mask.name not in self.constants:
+            raise _unsupported(node, "passes an attn_mask that is not a constant (a buffer)")
+        value = self.constants[mask.name]
+        t = value.shape[-1]
+        upper = torch.ones(t, t, dtype=torch.bool, device=value.device).triu(1)
+        causal = (
+            value.dim() == 2
+            and value.shape[0] == t
+            and (
+                bool(torch.equal(value, upper))
+                if value.dtype == torch.bool
+                else bool(torch.equal(torch.isneginf(value), upper))
+                and bool((value[~upper] == 0).all())
+            )
+        )
+        if not causal:
+            raise _unsupported(node, "passes an attn_mask other than the causal mask")
+        return True
 
     def visit_module(self, node: fx.Node) -> None:
         path = str(node.target)
         module = self.root.get_submodule(path)
+        causal = None
+        if isinstance(module, nn.MultiheadAttention):
+            causal = self.attention_call(node, module)
+            node.args, node.kwargs = (node.args[0],), {}
+            self.pairs.add(node.name)
         if len(node.args) != 1 or node.kwargs:
             raise _unsupported(node, "is called with more than one argument")
         if isinstance(module, BayesModule):
@@ -264,10 +329,16 @@ class _Builder:
         if converted is None:
             self.alias[node.name] = self.ref(node.args[0], node)
             return
-        try:
-            description: dict[str, Any] = {"kind": spec.name, "torch": describe_layer(module, path)}
-        except ValueError as err:
-            description = {"kind": spec.name, "unstorable": str(err)}
+        if causal is not None:
+            converted.causal = causal  # type: ignore[assignment]  # a MultiheadAttention
+        description: dict[str, Any]
+        if spec.describe is not None:
+            description = {"kind": spec.name, "kwargs": spec.describe(converted)}
+        else:
+            try:
+                description = {"kind": spec.name, "torch": describe_layer(module, path)}
+            except ValueError as err:
+                description = {"kind": spec.name, "unstorable": str(err)}
         self.called[path] = self.add_module(path, converted, description)
         self.call(node, self.called[path], node.args[0])
         if spec.kind == "shape":
@@ -295,6 +366,10 @@ class _Builder:
             fn is operator.getitem and isinstance(args[0], fx.Node) and args[0].name in self.helpers
         ):
             self.helpers.add(node.name)
+        elif fn is operator.getitem and isinstance(args[0], fx.Node) and args[0].name in self.pairs:
+            if args[1] != 0:
+                raise _unsupported(node, "reads the attention weights; only the output [0] is kept")
+            self.alias[node.name] = self.ref(args[0], node)
         elif fn in _ADD:
             self.visit_add(node, args, kwargs)
         elif fn in _CAT:
@@ -337,9 +412,38 @@ class _Builder:
         )
         self.call(node, key, source)
 
+    def positional(self, node: fx.Node, table_node: fx.Node, source: Any) -> None:
+        """``x + table`` with a parameter or buffer ``[T, D]`` (or ``[1, T, D]``)."""
+        from .sequence import PositionalEncoding
+
+        table = self.constants[table_node.name]
+        if table.dim() == 3 and table.shape[0] == 1:
+            table = table[0]
+        if table.dim() != 2:
+            raise _unsupported(node, "adds a tensor that is not a [T, D] positional table")
+        learned = str(table_node.target) in dict(self.root.named_parameters())
+        module = PositionalEncoding(table.shape[0], table.shape[1], learned=learned)
+        module = module.to(device=table.device, dtype=table.dtype)
+        with torch.no_grad():
+            module.table.copy_(table)
+        description = {
+            "kind": "positional_encoding",
+            "kwargs": {
+                "num_positions": table.shape[0],
+                "embedding_dim": table.shape[1],
+                "learned": learned,
+            },
+        }
+        key = self.add_module(str(table_node.target), module, description)
+        self.call(node, key, source)
+
     def visit_add(self, node: fx.Node, args: list[Any], kwargs: dict[str, Any]) -> None:
         if kwargs or len(args) != 2:
             raise _unsupported(node, "is an add with alpha or other keyword arguments")
+        constant = [a for a in args if isinstance(a, fx.Node) and a.name in self.constants]
+        if len(constant) == 1:  # x + table: a positional encoding
+            self.positional(node, constant[0], next(a for a in args if a is not constant[0]))
+            return
         operands: list[Any] = []
         for a in args:
             if isinstance(a, fx.Node):

@@ -1,0 +1,153 @@
+r"""Attention-weight rules against Monte Carlo over weights and inputs (``docs/transformers.md``).
+
+``python -m lightning_dvi.benchmarks.attention`` prints the table.
+
+One multi-head self-attention layer (:func:`lightning_dvi.moments.attention.self_attention_moments`)
+with ``T = 6`` tokens of width ``D = 8``, ``H = 2`` heads, causal; projection weight means
+:math:`\mathcal N(0, 1/D)` and bias means :math:`\mathcal N(0, 0.1^2)` (scores of order one, as
+after a LayerNorm); every weight and bias has posterior standard deviation ``weight_std``;
+token means standard normal, token variances ``input_var`` (independent tokens and units).
+Monte Carlo draws whole weights and inputs (:func:`~lightning_dvi.moments.attention.attention_sample`,
+``draws`` draws, float64) and each rule's ``diag`` moments are compared output by output:
+
+* the mean error in Monte Carlo standard deviations, :math:`|\mu - \hat\mu|/\hat\sigma`;
+* the relative error of the standard deviation, :math:`|\sigma/\hat\sigma - 1|`;
+
+as the mean and the largest over the ``batch x T x D`` outputs, averaged over ``seeds``
+independent layers. (With 20,000 draws the Monte Carlo standard errors are 0.007 in the mean
+and 0.5 % in the standard deviation.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+
+from ..moments import attention as A
+
+__all__ = ["AttentionCell", "attention_cell", "main"]
+
+
+@dataclass(frozen=True)
+class AttentionCell:
+    """One rule on one grid cell (errors averaged over seeds)."""
+
+    rule: str
+    storage: str
+    weight_std: float
+    input_var: float
+    mean_error: float
+    max_mean_error: float
+    std_error: float
+    max_std_error: float
+
+
+def _layer(width: int, std: float, gen: torch.Generator) -> A.ProjectionMoments:
+    dt = torch.float64
+    w = torch.randn(width, width, generator=gen, dtype=dt) / math.sqrt(width)
+    b = 0.1 * torch.randn(width, generator=gen, dtype=dt)
+    return A.ProjectionMoments(w, torch.full_like(w, std**2), b, torch.full_like(b, std**2))
+
+
+def attention_cell(
+    weight_std: float,
+    input_var: float,
+    rules: tuple[str, ...] = A.ATTENTION_RULES,
+    *,
+    draws: int = 20_000,
+    seeds: int = 3,
+    batch: int = 4,
+    tokens: int = 6,
+    width: int = 8,
+    heads: int = 2,
+    causal: bool = True,
+    storage: str = "diag",
+) -> list[AttentionCell]:
+    """The errors of each rule on one cell of the grid (module docstring).
+
+    ``storage``: the input as per-unit variances (``"diag"``) or per-token covariances
+    (``"full"``, the same diagonal), which selects the moments' storage.
+    """
+    sums: dict[str, list[float]] = {r: [0.0, 0.0, 0.0, 0.0] for r in rules}
+    for seed in range(seeds):
+        gen = torch.Generator().manual_seed(seed)
+        projections = [_layer(width, weight_std, gen) for _ in range(4)]
+        mean = torch.randn(batch, tokens, width, generator=gen, dtype=torch.float64)
+        var = torch.full_like(mean, input_var)
+        total = torch.zeros_like(mean)
+        outer = torch.zeros_like(mean)
+        done = 0
+        while done < draws:  # chunks keep the memory small
+            s = min(2_000, draws - done)
+            x = mean + var.sqrt() * torch.randn(s, *mean.shape, generator=gen, dtype=mean.dtype)
+            weights = []
+            for p in projections:
+                assert p.w_var is not None and p.b_loc is not None and p.b_var is not None
+                eps = torch.randn(s, *p.w_loc.shape, generator=gen, dtype=mean.dtype)
+                b_eps = torch.randn(s, *p.b_loc.shape, generator=gen, dtype=mean.dtype)
+                weights.append((p.w_loc + p.w_var.sqrt() * eps, p.b_loc + p.b_var.sqrt() * b_eps))
+            y = A.attention_sample(x, *weights, heads=heads, causal=causal)
+            total, outer, done = total + y.sum(0), outer + (y * y).sum(0), done + s
+        mc_mean = total / draws
+        mc_std = ((outer - draws * mc_mean**2) / (draws - 1)).clamp_min(1e-300).sqrt()
+        for rule in rules:
+            second = var if storage == "diag" else torch.diag_embed(var)
+            got_mean, got_var = A.self_attention_moments(
+                mean,
+                second,
+                *projections,
+                heads=heads,
+                rule=cast(A.AttentionRule, rule),
+                causal=causal,
+            )
+            if storage == "full":
+                got_var = got_var.diagonal(0, -2, -1)
+            mean_err = (got_mean - mc_mean).abs() / mc_std
+            std_err = (got_var.sqrt() / mc_std - 1).abs()
+            acc = sums[rule]
+            acc[0] += mean_err.mean().item()
+            acc[1] += mean_err.max().item()
+            acc[2] += std_err.mean().item()
+            acc[3] += std_err.max().item()
+    return [
+        AttentionCell(rule, storage, weight_std, input_var, *(v / seeds for v in sums[rule]))
+        for rule in rules
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the grid as a markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draws", type=int, default=20_000)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--weight-std", type=float, nargs="+", default=[0.0, 0.02, 0.05, 0.1, 0.2])
+    parser.add_argument("--input-var", type=float, nargs="+", default=[0.0, 0.01, 0.1, 1.0])
+    parser.add_argument("--storage", nargs="+", default=["diag", "full"], choices=["diag", "full"])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(
+        "| weight std | input var | rule | storage | mean err (mean / max) "
+        "| std rel err (mean / max) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for std in args.weight_std:
+        for var in args.input_var:
+            if std == 0 and var == 0:
+                continue
+            for storage in args.storage:
+                for c in attention_cell(
+                    std, var, draws=args.draws, seeds=args.seeds, storage=storage
+                ):
+                    print(
+                        f"| {std:g} | {var:g} | {c.rule} | {storage} "
+                        f"| {c.mean_error:.3f} / {c.max_mean_error:.3f} "
+                        f"| {c.std_error:.3f} / {c.max_std_error:.3f} |"
+                    )
+
+
+if __name__ == "__main__":
+    main()
