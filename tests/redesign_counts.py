@@ -6,6 +6,10 @@
 - ``L-BFGS mentions in _base.py``: lines of ``lightning/_base.py`` that name L-BFGS (``lbfgs``,
   ``L-BFGS``, any case).
 - ``hidden _lbfgs_ attributes``: distinct ``self._lbfgs_*`` names in ``lightning/``.
+- ``isinstance on likelihood classes outside likelihoods/``: ``isinstance`` calls anywhere in
+  the package outside ``likelihoods/`` whose class argument names one of the likelihood
+  classes (:class:`~lightning_dvi.likelihoods.Likelihood` and its subclasses in
+  ``lightning_dvi.likelihoods``); the issue's target is 0.
 
 Not collected by pytest (no ``test_`` prefix); prints one ``name: value`` line per count.
 """
@@ -32,10 +36,67 @@ def constructor_lines(path: Path, cls: str) -> int:
     assert init.end_lineno is not None
     lines = set(range(init.lineno, init.end_lineno + 1))
     first = init.body[0]
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-        if isinstance(first.value.value, str) and first.end_lineno is not None:
-            lines -= set(range(first.lineno, first.end_lineno + 1))
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+        and first.end_lineno is not None
+    ):
+        lines -= set(range(first.lineno, first.end_lineno + 1))
     return len(lines)
+
+
+def _likelihood_class_names() -> set[str]:
+    """Names of the classes defined in ``likelihoods/`` that derive from ``Likelihood`` (by ``ast``)."""
+    bases: dict[str, set[str]] = {}
+    for path in (PACKAGE / "likelihoods").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {ast.unparse(b).rpartition(".")[2] for b in node.bases}
+    found = {"Likelihood"}
+    while True:
+        more = {name for name, parents in bases.items() if parents & found} - found
+        if not more:
+            return found
+        found |= more
+
+
+def likelihood_isinstance(package: Path = PACKAGE) -> list[str]:
+    """``path:line`` of each ``isinstance(x, C)`` outside ``likelihoods/`` with ``C`` a likelihood class.
+
+    ``C`` counts when it is a name imported from a ``likelihoods`` module or an attribute path
+    through ``likelihoods.`` (``torch.distributions.Categorical`` is not one of ours).
+    """
+    names = _likelihood_class_names()
+    hits = []
+    for path in sorted(package.rglob("*.py")):
+        if (package / "likelihoods") in path.parents:
+            continue
+        tree = ast.parse(path.read_text())
+        imported = {  # names bound by `from ...likelihoods... import C`
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and "likelihoods" in (node.module or "")
+            for alias in node.names
+        }
+
+        def ours(c: ast.expr, imported: set[str] = imported) -> bool:
+            text = ast.unparse(c)  # a bare imported name, or likelihoods.C / lightning_dvi...C
+            short = text.rpartition(".")[2]
+            return short in names and (text in imported or "likelihoods." in text)
+
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "isinstance"
+                and len(node.args) == 2
+            ):
+                continue
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(ours(c) for c in classes):
+                hits.append(f"{path.relative_to(package)}:{node.lineno}")
+    return hits
 
 
 def counts() -> dict[str, int]:
@@ -55,6 +116,9 @@ def counts() -> dict[str, int]:
         for name in re.findall(r"self\._lbfgs_\w+", path.read_text())
     }
     result["hidden _lbfgs_ attributes"] = len(hidden)
+    result["isinstance on likelihood classes outside likelihoods/ (target 0)"] = len(
+        likelihood_isinstance()
+    )
     return result
 
 

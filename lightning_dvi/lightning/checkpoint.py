@@ -27,6 +27,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from ..likelihoods.config import check_likelihood_config
 from ..nn.torch_file import load_weights_only
 from ._network import check_net_config
 
@@ -264,7 +265,9 @@ def vet_hyperparameters(
     ``_class_path`` (LightningCLI's record of the model class) must name ``base`` or an
     **already imported** subclass of it (looked up, never imported); the ``net`` configuration
     must pass the network allow-list (:func:`~lightning_dvi.lightning._network.instantiate_net`),
-    unless its class path is one of ``trusted_net_paths`` (named by the user's own config).
+    unless its class path is one of ``trusted_net_paths`` (named by the user's own config); a
+    ``likelihood`` configuration must name an allowed likelihood class
+    (:func:`~lightning_dvi.likelihoods.register_likelihood`).
 
     Returns:
         The model class ``_class_path`` names, or ``None`` when there is none.
@@ -286,6 +289,7 @@ def vet_hyperparameters(
     net = hparams.get("net")
     if not (isinstance(net, Mapping) and str(net.get("class_path")) in trusted_net_paths):
         check_net_config(net, f"the net hyper-parameter of {where}")
+    check_likelihood_config(hparams.get("likelihood"), f"the likelihood hyper-parameter of {where}")
     return model_class
 
 

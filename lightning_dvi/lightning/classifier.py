@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal, cast
 
 import torch
@@ -12,7 +14,8 @@ from torch import Tensor
 from torchmetrics import MeanMetric, MetricCollection
 
 from ..gaussian import Mode
-from ..likelihoods import Bernoulli, Categorical
+from ..likelihoods import SHORTHANDS, Likelihood, resolve_likelihood
+from ..likelihoods.config import shorthands
 from ..metrics import ClassificationMetrics
 from ..metrics.classification import ExpectedCalibrationError
 from ..priors import EmpiricalBayes
@@ -26,23 +29,53 @@ __all__ = ["DVIClassifier"]
 
 
 def _class_arguments(
-    likelihood: str, num_classes: int | None, method: str, mc_samples: int, ece_bins: int
-) -> tuple[bool, int | None, int | None]:
-    """Check the classification arguments; ``(binary, num_classes, network outputs)``.
+    likelihood: str | Likelihood | dict[str, Any],
+    num_classes: int | None,
+    method: str,
+    mc_samples: int,
+    ece_bins: int,
+) -> tuple[Callable[[int], Likelihood], str | dict[str, Any], int | None, int | None]:
+    """Check the classification arguments: ``(make, record, num_classes, network outputs)``.
 
-    ``bernoulli`` is 2 classes from 1 output; ``categorical`` has ``num_classes`` outputs.
+    ``make(num_classes)`` gives the likelihood once the number of classes is known; ``record``
+    is what the hyper-parameters hold of it (the shorthand, or plain data for an object). A
+    likelihood that fixes its classes (``bernoulli``: 2 classes from 1 output; a
+    ``Categorical`` object) gives ``num_classes``; ``categorical`` has ``num_classes`` outputs.
     """
-    one_of("likelihood", likelihood, ("categorical", "bernoulli"))
-    binary = likelihood == "bernoulli"
-    if binary and num_classes not in (None, 2):
+    options = {"method": method, "mc_samples": mc_samples}
+    fixed: int | None = None
+    if isinstance(likelihood, str):
+        one_of("likelihood", likelihood, shorthands("classification"))
+        fixed = SHORTHANDS[likelihood].cls.num_classes
+    resolved = None
+    if not isinstance(likelihood, str) or fixed is not None:
+        resolved = resolve_likelihood(likelihood, "classification", options, "DVIClassifier")
+        fixed = resolved.likelihood.num_classes
+    outputs = num_classes if resolved is None else resolved.likelihood.num_outputs
+    if fixed is not None and num_classes not in (None, fixed):
+        name = likelihood if isinstance(likelihood, str) else type(likelihood).__name__
         raise ValueError(
-            "DVIClassifier: likelihood='bernoulli' is two classes from one logit; "
-            f"num_classes must be 2 or unset, got {num_classes!r}"
+            f"DVIClassifier: likelihood={name!r} is {fixed} classes from {outputs} network "
+            f"output(s); num_classes must be {fixed} or unset, got {num_classes!r}"
         )
-    if num_classes is None and not binary:  # else _set_num_classes checks them, once
-        Categorical(2, method, mc_samples)
+    if resolved is None:
+        if num_classes is None:  # else _set_num_classes checks them, once
+            _shorthand_likelihood(str(likelihood), options, 2)
+        make = partial(_shorthand_likelihood, str(likelihood), options)
+        record: str | dict[str, Any] = str(likelihood)
+    else:
+        make, record = partial(_given_likelihood, resolved.likelihood), resolved.record
     positive_int("ece_bins", ece_bins)
-    return (True, 2, 1) if binary else (False, num_classes, num_classes)
+    return make, record, num_classes if fixed is None else fixed, outputs
+
+
+def _shorthand_likelihood(name: str, options: dict[str, Any], num_classes: int) -> Likelihood:
+    options = {**options, "num_classes": num_classes}
+    return resolve_likelihood(name, "classification", options, "DVIClassifier").likelihood
+
+
+def _given_likelihood(likelihood: Likelihood, num_classes: int) -> Likelihood:
+    return likelihood
 
 
 class DVIClassifier(DVIModule):
@@ -93,7 +126,10 @@ class DVIClassifier(DVIModule):
             (two classes from a single logit, :class:`~lightning_dvi.likelihoods.Bernoulli`:
             the network has one output; ``num_classes`` must be 2 or unset, labels 0/1;
             ``likelihood_method`` does not apply). Predictions and metrics are the same
-            ``[B, 2]`` class probabilities either way.
+            ``[B, 2]`` class probabilities either way. Or a
+            :class:`~lightning_dvi.likelihoods.Likelihood` object of the classification task
+            (``Categorical(3, "clark")``, ...), recorded in the hyper-parameters as its class
+            path and constructor arguments.
         ece_bins: confidence bins of the expected calibration error and reliability diagram.
         mode: ``"diag"`` (default, dDVI), ``"full"``, ``"sample"`` or ``"local"``. dDVI is as
             well calibrated as DVI on the benchmarks at a fraction of the cost, whose full
@@ -119,7 +155,7 @@ class DVIClassifier(DVIModule):
         True
     """
 
-    likelihood: Categorical | Bernoulli
+    likelihood: Likelihood
     predictive_temperature: Tensor  # buffer
 
     _probe: tuple[Tensor, Tensor] | None  # training rows the posterior-mean network is scored on
@@ -136,13 +172,14 @@ class DVIClassifier(DVIModule):
         mode: Mode = "diag",
         prior: PriorName = "gaussian",
         kl_weight: float = 0.1,
-        likelihood: Literal["categorical", "bernoulli"] = "categorical",
+        likelihood: Literal["categorical", "bernoulli"] | Likelihood = "categorical",
         lr: float = 3e-3,
         **kwargs: Any,
     ) -> None:
-        self._binary, num_classes, outputs = _class_arguments(
+        make, likelihood, num_classes, outputs = _class_arguments(  # type: ignore[assignment]  # plain record
             likelihood, num_classes, likelihood_method, likelihood_mc_samples, ece_bins
         )
+        self._make_likelihood = make  # the likelihood for num_classes classes
         kwargs.update(mode=mode, prior=prior, kl_weight=kl_weight, lr=lr)  # this class's defaults
         super().__init__(in_features=in_features, hidden=hidden, out_features=outputs, **kwargs)
         self.likelihood_method = likelihood_method
@@ -171,12 +208,7 @@ class DVIClassifier(DVIModule):
 
     def _set_num_classes(self, num_classes: int) -> None:
         """Create the likelihood and metrics for ``num_classes`` classes."""
-        if self._binary:
-            self.likelihood = Bernoulli()
-        else:
-            self.likelihood = Categorical(
-                num_classes, self.likelihood_method, self.likelihood_mc_samples
-            )
+        self.likelihood = self._make_likelihood(num_classes)
         self.num_classes = num_classes
         self.out_features = self.likelihood.num_outputs
         self.val_metrics = ClassificationMetrics(num_classes, prefix="val/", n_bins=self.ece_bins)

@@ -12,7 +12,8 @@ from torch.utils.data import TensorDataset
 from torchmetrics import Metric, MetricCollection
 
 from ..gaussian import Gaussian
-from ..likelihoods import HeteroscedasticGaussian, HomoscedasticGaussian, Poisson
+from ..likelihoods import Likelihood, resolve_likelihood
+from ..likelihoods.config import shorthands
 from ..likelihoods.gaussian import NoiseBound
 from ..metrics import RegressionMetrics
 from ..metrics.regression import RegressionCalibrationError, regression_metric_selection
@@ -53,45 +54,48 @@ class VarianceSplit(Metric):
         return (self.aleatoric / n).sqrt(), (self.epistemic / n).sqrt()
 
 
-RegressionLikelihood = HeteroscedasticGaussian | HomoscedasticGaussian | Poisson
+RegressionName = Literal["heteroscedastic", "homoscedastic", "poisson"]  # SHORTHANDS' names
 
 
 def _regression_likelihood(
-    likelihood: str,
+    likelihood: str | Likelihood | dict[str, Any],
     init_log_noise: float,
     noise_bound: NoiseBound,
     target_resolution: float | str | None,
     standardize_targets: bool,
-) -> tuple[RegressionLikelihood, float | str | None]:
-    """The likelihood named ``likelihood`` and the checked target resolution.
+) -> tuple[Likelihood, str | dict[str, Any], float | str | None]:
+    """The likelihood (given as an object, a shorthand or a configuration), its record, the checked target resolution.
 
-    A homoscedastic likelihood starts at ``init_log_noise``.
+    A shorthand reads ``noise_bound`` and ``init_log_noise`` (the likelihoods' one table,
+    :data:`~lightning_dvi.likelihoods.SHORTHANDS`).
 
     Raises:
-        ValueError: for an unknown name or ``noise_bound``, a bad ``target_resolution``, a
-            non-bool ``standardize_targets``, or the Poisson likelihood with a target
-            resolution or standardised targets.
+        ValueError: for an unknown name, a classification likelihood or a bad ``noise_bound``,
+            a bad ``target_resolution``, a non-bool ``standardize_targets``, or a likelihood of
+            targets in their own units (Poisson) with a target resolution or standardised
+            targets.
     """
-    one_of("likelihood", likelihood, ("heteroscedastic", "homoscedastic", "poisson"))
+    options = {"noise_bound": noise_bound, "init_log_noise": init_log_noise}
+    if isinstance(likelihood, str):  # the name before the options it reads
+        one_of("likelihood", likelihood, shorthands("regression"))
     one_of("noise_bound", noise_bound, ("training_range", "none"))
+    resolved = resolve_likelihood(likelihood, "regression", options, "DVIRegressor")
     resolution = _checked_target_resolution(target_resolution)
     if not isinstance(standardize_targets, bool):
         raise ValueError(f"standardize_targets must be a bool, got {standardize_targets!r}")
-    if likelihood == "heteroscedastic":
-        return HeteroscedasticGaussian(noise_bound=noise_bound), resolution
-    if likelihood == "homoscedastic":
-        return HomoscedasticGaussian(init_log_variance=init_log_noise), resolution
-    if resolution is not None:
+    lik, name = resolved.likelihood, resolved.shorthand or type(resolved.likelihood).__name__
+    if resolution is not None and not lik.accepts_resolution:
+        units = lik.target_units
         raise ValueError(
             "DVIRegressor: target_resolution is for the Gaussian likelihoods; "
-            "likelihood='poisson' models the counts' grid itself"
+            f"likelihood={name!r} models the {units}' grid itself"
         )
-    if standardize_targets:
+    if standardize_targets and not lik.standardizes_targets:
         raise ValueError(
-            "DVIRegressor: likelihood='poisson' models counts in their own units; pass "
-            "standardize_targets=False"
+            f"DVIRegressor: likelihood={name!r} models {lik.target_units} in their own units; "
+            "pass standardize_targets=False"
         )
-    return Poisson(), resolution
+    return lik, resolved.record, resolution
 
 
 _VAL_EXTRAS = ("elbo", "variance_split")  # val_metrics names beyond RegressionMetrics' members
@@ -202,7 +206,11 @@ class DVIRegressor(DVIModule):
             (e^f)`, :class:`~lightning_dvi.likelihoods.Poisson`; targets are counts in their own
             units, so it needs ``standardize_targets=False``; the predictive mean and variance
             are the exact Poisson log-normal ones, and ``val/``/``test/`` NLL is that of the
-            Gaussian with those moments, :meth:`predictive_log_prob` the exact one).
+            Gaussian with those moments, :meth:`predictive_log_prob` the exact one); or a
+            :class:`~lightning_dvi.likelihoods.Likelihood` object (a built-in one, or a class of
+            your own: docs/adding_a_likelihood.md), which the hyper-parameters record as its
+            class path and constructor arguments. The strings are shorthands from one table,
+            :data:`~lightning_dvi.likelihoods.SHORTHANDS`.
         init_log_noise: initial log noise variance: the bias of the :math:`\ell` output
             (heteroscedastic) or :math:`\lambda` (homoscedastic). Starting low lets the mean fit
             before the noise explains the data away.
@@ -267,7 +275,7 @@ class DVIRegressor(DVIModule):
         (torch.Size([4]), False)
     """
 
-    likelihood: RegressionLikelihood
+    likelihood: Likelihood
     target_loc: Tensor  # buffers
     target_scale: Tensor
 
@@ -275,7 +283,7 @@ class DVIRegressor(DVIModule):
         self,
         in_features: int | None = None,
         hidden: list[int] = [128, 128],  # noqa: B006 (jsonargparse and the CLI help show it)
-        likelihood: Literal["heteroscedastic", "homoscedastic", "poisson"] = "heteroscedastic",
+        likelihood: RegressionName | Likelihood = "heteroscedastic",
         init_log_noise: float = -3.0,
         target_loc: float | None = None,
         target_scale: float | None = None,
@@ -285,7 +293,7 @@ class DVIRegressor(DVIModule):
         noise_bound: NoiseBound = "none",
         **kwargs: Any,
     ) -> None:
-        lik, resolution = _regression_likelihood(
+        lik, likelihood, resolution = _regression_likelihood(  # type: ignore[assignment]  # plain record
             likelihood, init_log_noise, noise_bound, target_resolution, standardize_targets
         )
         val_names = regression_metric_selection("val_metrics", val_metrics, _VAL_EXTRAS)
@@ -327,16 +335,18 @@ class DVIRegressor(DVIModule):
         self.test_split = VarianceSplit()
 
     def _after_build(self) -> None:
-        if self.hparams.get("likelihood") == "heteroscedastic":
+        biases = self.likelihood.initial_output_bias(self.init_log_noise)
+        if biases:
             with torch.no_grad():
                 groups = {g.name: g.loc for g in self._last_layer().parameter_groups()}
-                groups["bias"][1] = self.init_log_noise  # the built-in MLP's head has a bias
+                for index, value in biases.items():
+                    groups["bias"][index] = value  # the built-in MLP's head has a bias
 
     def _resolve_from_data(self, view: DataView) -> None:
         """Also resolve the target standardisation: arguments, datamodule, or training data."""
         super()._resolve_from_data(view)
         flag = view.attribute("targets_standardized")
-        counts = isinstance(self.likelihood, Poisson)  # never standardised
+        counts = not self.likelihood.standardizes_targets  # never standardised
         if flag is not None and bool(flag) == self.standardize_targets and not counts:
             # The datamodule knows what its batches hold.
             self.standardize_targets = not bool(flag)
@@ -396,7 +406,7 @@ class DVIRegressor(DVIModule):
         on equal targets (UCI wine: 1 against 0.8).
         """
         dataset = view.dataset()
-        if isinstance(self.likelihood, Poisson) or not isinstance(dataset, TensorDataset):
+        if not self.likelihood.accepts_resolution or not isinstance(dataset, TensorDataset):
             return
         if len(dataset.tensors) < 2:
             return
@@ -415,10 +425,10 @@ class DVIRegressor(DVIModule):
 
     def _sync_target_resolution(self) -> None:
         r"""Give the likelihood the grid step in the units it sees, :math:`\Delta / s`."""
-        if isinstance(self.likelihood, Poisson):
+        if not self.likelihood.accepts_resolution:
             return
         step = self.target_resolution
-        self.likelihood.resolution = (
+        self.likelihood.set_target_resolution(
             step / float(self.target_scale) if isinstance(step, float) else 0.0
         )
 
@@ -459,17 +469,15 @@ class DVIRegressor(DVIModule):
     def on_fit_start(self) -> None:
         """Also forget a recorded noise range: validation during ``fit`` is never bounded."""
         super().on_fit_start()
-        if isinstance(self.likelihood, HeteroscedasticGaussian):
-            self.likelihood.forget_noise_range()
+        self.likelihood.forget_noise_range()
 
     def on_fit_end(self) -> None:
         """Record the noise range on the training inputs with the final weights (see ``noise_bound``)."""
         super().on_fit_end()
-        lik = self.likelihood
-        if isinstance(lik, HeteroscedasticGaussian) and self._bounds_noise():
+        if self._bounds_noise():
             found = self._training_noise_range()
             if found is not None:
-                lik.noise_range.copy_(found.to(lik.noise_range))
+                self.likelihood.set_noise_range(found)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint written during ``fit`` holds the noise range of the weights it holds."""
@@ -487,8 +495,7 @@ class DVIRegressor(DVIModule):
 
     def _bounds_noise(self) -> bool:
         """Whether the predictive bounds the noise, so the training range must be recorded."""
-        lik = self.likelihood
-        return isinstance(lik, HeteroscedasticGaussian) and lik.noise_bound != "none"
+        return self.likelihood.bounds_noise
 
     def _training_noise_range(self) -> Tensor | None:
         """The range of the log-variance moments on the training inputs, or ``None`` without them.
@@ -519,7 +526,7 @@ class DVIRegressor(DVIModule):
                     outs.append(self.net(x, mode=mode))
                 if not outs:
                     return None
-                ranges = HeteroscedasticGaussian.noise_range_of(outs)
+                ranges = self.likelihood.noise_range_of(outs)
         finally:
             for module, training in modes.items():
                 module.train(training)
@@ -541,10 +548,8 @@ class DVIRegressor(DVIModule):
         f = self._weight_draws(x, num_samples)
         # One Gaussian per weight draw (zero output variance), then the mixture's moments.
         per_sample = self.likelihood.conditional(f)
-        means, variances = per_sample.mean, per_sample.variance
-        if isinstance(self.likelihood, HeteroscedasticGaussian):  # finite far from the data
-            # float64: the mean of S capped draws would overflow float32 again
-            variances = self.likelihood.sampled_noise_variance(f[..., 1]).double()
+        means = per_sample.mean
+        variances = self.likelihood.sampled_variance(f, per_sample)  # finite far from the data
         epistemic = means.var(0, correction=0)
         # the mean of capped draws is at most the cap: back in the network's dtype, finite
         return means.mean(0), variances.mean(0).to(means.dtype) + epistemic, epistemic
@@ -596,11 +601,12 @@ class DVIRegressor(DVIModule):
         Gaussian; the usual MCVI test log-likelihood). Per point, in the original units of ``y``.
         """
         y = self.targets_in_original_units(y.reshape(x.shape[0]))
-        if resolve_method(self.mode, method) == "closed_form" and isinstance(
-            self.likelihood, Poisson
+        if (
+            resolve_method(self.mode, method) == "closed_form"
+            and not self.likelihood.standardizes_targets
         ):
             out = self.net(x, mode=self.mode if self.mode in ("full", "diag") else "full")
-            return self.likelihood.predictive(out).log_prob(y)  # counts: never rescaled
+            return self.likelihood.predictive(out).log_prob(y)  # own units: never rescaled
         if resolve_method(self.mode, method) == "closed_form":
             mean, var = self.predictive(x, "closed_form")
             return cast(Tensor, torch.distributions.Normal(mean, var.sqrt()).log_prob(y))

@@ -8,10 +8,12 @@ from . import functional, logistic_normal, predictive
 from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 from .bernoulli import Bernoulli
 from .categorical import Categorical
+from .config import SHORTHANDS, likelihood_config, register_likelihood, resolve_likelihood
 from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian, NoiseBoundWarning
 from .poisson import Poisson, PoissonLogNormal
 
 __all__ = [
+    "SHORTHANDS",
     "Bernoulli",
     "Categorical",
     "ExportOptions",
@@ -24,6 +26,9 @@ __all__ = [
     "PredictiveHead",
     "RegressionHead",
     "functional",
+    "likelihood_config",
     "logistic_normal",
     "predictive",
+    "register_likelihood",
+    "resolve_likelihood",
 ]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -98,18 +101,131 @@ class Likelihood(nn.Module):
     Args:
         mc_samples: samples of the output Gaussian used by the Monte Carlo estimates.
 
+    Front ends (:class:`~lightning_dvi.DVIRegressor`, :class:`~lightning_dvi.DVIClassifier`)
+    take a likelihood object and ask it, never its type, what differs between likelihoods:
+    the class attributes below, :attr:`bounds_noise` and its noise-range methods,
+    :meth:`set_target_resolution`, :meth:`initial_output_bias`, :meth:`sampled_variance`,
+    :meth:`epistemic_variance` and :meth:`export_head` (docs/adding_a_likelihood.md).
+
     Attributes:
         num_outputs: how many network outputs the likelihood consumes (the size of ``D``).
         mc_samples: default Monte Carlo sample count.
+        task: ``"regression"`` (taken by ``DVIRegressor``) or ``"classification"``
+            (``DVIClassifier``).
+        standardizes_targets: whether the regressor may standardise the targets,
+            :math:`(y - m)/s`; ``False`` for targets in their own units (Poisson counts), whose
+            closed-form predictive log-density is then ``predictive(out).log_prob(y)``.
+        accepts_resolution: whether :meth:`set_target_resolution` takes the targets' grid step.
+        target_units: what the targets are called in messages (``"counts"``).
+        num_classes: the classes a classification likelihood fixes (``None``: from the data).
+        init_args: the arguments the constructor was called with (recorded for every
+            subclass), what a checkpoint stores of the object.
     """
 
     num_outputs: int = 1
+    task: ClassVar[Literal["regression", "classification"]] = "regression"
+    standardizes_targets: ClassVar[bool] = True
+    accepts_resolution: ClassVar[bool] = False
+    target_units: ClassVar[str] = "targets"
+    init_args: dict[str, Any]
+    num_classes: int | None = None
 
     def __init__(self, mc_samples: int = 256) -> None:
         super().__init__()
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
             raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
         self.mc_samples = mc_samples
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Record the arguments each subclass's constructor was called with (:attr:`init_args`)."""
+        super().__init_subclass__(**kwargs)
+        cls.__init__ = _recording(cls.__init__)  # type: ignore[method-assign]  # wraps the constructor
+
+    # ------------------------------------------------------------------ what front ends ask
+    @property
+    def bounds_noise(self) -> bool:
+        """Whether the predictive bounds the noise by a range recorded on the training inputs.
+
+        ``True`` makes :class:`~lightning_dvi.DVIRegressor` record that range at the end of
+        ``fit`` (:meth:`noise_range_of`, :meth:`set_noise_range`) and forget it at the start
+        (:meth:`forget_noise_range`). The base class: ``False``.
+        """
+        return False
+
+    def forget_noise_range(self) -> None:
+        """Drop a recorded noise range (the base class has none: nothing to do)."""
+
+    def noise_range_of(self, outs: Iterable[Gaussian]) -> Tensor:
+        """The noise range to record from the outputs on the training inputs (see :attr:`bounds_noise`).
+
+        Raises:
+            NotImplementedError: in the base class, which bounds nothing.
+        """
+        raise NotImplementedError(f"{type(self).__name__} records no noise range")
+
+    def set_noise_range(self, found: Tensor) -> None:
+        """Store a range from :meth:`noise_range_of` (see :attr:`bounds_noise`).
+
+        Raises:
+            NotImplementedError: in the base class, which bounds nothing.
+        """
+        raise NotImplementedError(f"{type(self).__name__} records no noise range")
+
+    def set_target_resolution(self, step: float) -> None:
+        r"""The targets' grid step :math:`\Delta` in the units this likelihood sees (0: none).
+
+        Only likelihoods with :attr:`accepts_resolution` take one.
+
+        Raises:
+            ValueError: for a likelihood that does not.
+        """
+        raise ValueError(f"{type(self).__name__} takes no target resolution")
+
+    def initial_output_bias(self, init_log_noise: float) -> dict[int, float]:
+        """Biases to give the built-in MLP's head, by output index, from the regressor's ``init_log_noise``.
+
+        The base class: none. :class:`~lightning_dvi.likelihoods.HeteroscedasticGaussian`
+        starts its log-variance output (index 1) at ``init_log_noise``.
+        """
+        return {}
+
+    def epistemic_variance(self, out: Gaussian) -> Tensor:
+        r"""The part of the predictive variance due to the weights, :math:`\operatorname{Var}_q[\mathbb E[y\mid f]]`, ``[B]``.
+
+        Regression likelihoods implement it (the regressor's variance decomposition).
+
+        Raises:
+            NotImplementedError: in the base class.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement epistemic_variance")
+
+    def class_probs(self, f: Tensor) -> Tensor:
+        """Class probabilities ``[..., B, K]`` at network outputs ``f`` (classification likelihoods).
+
+        Raises:
+            NotImplementedError: in the base class.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement class_probs")
+
+    def predictive_probs(self, out: Gaussian) -> Tensor:
+        """Predictive class probabilities ``[B, K]`` of the output Gaussian (classification likelihoods).
+
+        Raises:
+            NotImplementedError: in the base class.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement predictive_probs")
+
+    def sampled_variance(self, f: Tensor, conditional: torch.distributions.Distribution) -> Tensor:
+        r"""The variance of :math:`p(y\mid f_s)` per weight draw, ``[S, B]``, for the Monte Carlo predictive.
+
+        Args:
+            f: network outputs under ``S`` weight draws, ``[S, B, D]``.
+            conditional: :meth:`conditional` at ``f``.
+
+        Returns:
+            The base class: ``conditional.variance``.
+        """
+        return conditional.variance
 
     # ------------------------------------------------------------------ interface
     def log_prob(self, f: Tensor, y: Tensor) -> Tensor:
@@ -297,3 +413,24 @@ class Likelihood(nn.Module):
         if y.numel() and not bool(valid(y).all()):
             raise ValueError(f"{type(self).__name__}: {what}")
         return y
+
+
+def _recording(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` that also records its arguments as ``self.init_args`` (the outermost call's last)."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def recording_init(self: Likelihood, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        recorded: dict[str, Any] = {}
+        for name, value in list(bound.arguments.items())[1:]:
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                recorded.update(value)
+            elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                recorded[name] = value
+        self.__dict__["init_args"] = recorded
+
+    return recording_init

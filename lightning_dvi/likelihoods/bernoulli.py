@@ -40,6 +40,8 @@ class Bernoulli(Likelihood):
     """
 
     num_outputs = 1
+    task = "classification"
+    num_classes = 2  # from one logit
 
     def _check_values(self, y: Tensor) -> Tensor:
         return self._check_discrete(y, lambda t: (t == 0) | (t == 1), "labels must be 0 or 1")

@@ -76,6 +76,9 @@ class Categorical(Likelihood):
 
     _accepts_trailing_one = False
 
+    task = "classification"
+    num_classes: int  # set by the constructor
+
     def __init__(self, num_classes: int, method: str = "tight", mc_samples: int = 32) -> None:
         super().__init__(mc_samples)
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:

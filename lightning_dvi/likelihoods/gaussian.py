@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -79,6 +79,11 @@ class _DequantisedTargets:
 
     _resolution: float = 0.0
     _extra_variance: float = 0.0
+    accepts_resolution: ClassVar[bool] = True
+
+    def set_target_resolution(self, step: float) -> None:
+        r"""Set :attr:`resolution`, the grid step :math:`\Delta` in the units the likelihood sees."""
+        self.resolution = step
 
     @property
     def resolution(self) -> float:
@@ -162,6 +167,24 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         self.register_buffer("noise_range", _unrecorded_range())
 
     # ------------------------------------------------------------------ the noise bound
+    @property
+    def bounds_noise(self) -> bool:
+        """Whether the predictive bounds the noise (``noise_bound`` is not ``"none"``)."""
+        return self.noise_bound != "none"
+
+    def set_noise_range(self, found: Tensor) -> None:
+        """Store a range from :meth:`noise_range_of` in the :attr:`noise_range` buffer."""
+        self.noise_range.copy_(found.to(self.noise_range))
+
+    def initial_output_bias(self, init_log_noise: float) -> dict[int, float]:
+        r"""The log-variance output :math:`\ell` (index 1) starts at ``init_log_noise``."""
+        return {1: float(init_log_noise)}
+
+    def sampled_variance(self, f: Tensor, conditional: torch.distributions.Distribution) -> Tensor:
+        """:meth:`sampled_noise_variance` of the draws, float64: finite far from the data."""
+        # float64: the mean of S capped draws would overflow float32 again
+        return self.sampled_noise_variance(f[..., 1]).double()
+
     @property
     def noise_range_recorded(self) -> bool:
         """Whether :attr:`noise_range` holds a recorded range (until then nothing is bounded)."""

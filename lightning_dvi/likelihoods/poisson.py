@@ -145,6 +145,8 @@ class Poisson(Likelihood):
     """
 
     num_outputs = 1
+    standardizes_targets = False  # counts, in their own units
+    target_units = "counts"
 
     def _check_values(self, y: Tensor) -> Tensor:
         what = (
