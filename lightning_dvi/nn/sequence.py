@@ -397,12 +397,9 @@ def _mean_tokens_call(dim: int = 1, keepdim: bool = False, **kwargs: Any) -> Bay
     return MeanTokens()
 
 
-@register_layer(
-    "mean_tokens",
-    kind="pooling",
-    torch_functions=(torch.mean, Tensor.mean),
-    from_call=_mean_tokens_call,
-)
+# Not a torch_functions entry: the Pyro moment pass keeps its own handling of torch.mean;
+# graph conversion maps x.mean(dim=1) here by name (nn/trace.py).
+@register_layer("mean_tokens", kind="pooling", from_call=_mean_tokens_call)
 class MeanTokens(BayesModule):
     r"""The mean over tokens, ``[B, T, D] -> [B, D]`` (``x.mean(dim=1)``; tokens independent).
 

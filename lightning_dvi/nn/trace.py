@@ -58,6 +58,13 @@ _IN_PLACE = (operator.iadd,)  # besides the `name_` methods and functions and `i
 _CAT = (torch.cat, torch.concat, torch.concatenate)
 _RESHAPE = (Tensor.view, Tensor.reshape, torch.reshape)
 _NO_OP = (Tensor.contiguous,)
+_MEAN = (torch.mean, Tensor.mean)
+
+
+def _spec_named(name: str) -> Any:
+    from .registry import layer_specs
+
+    return next(s for s in layer_specs() if s.name == name)
 
 
 def _target(node: fx.Node) -> Callable[..., Any] | None:
@@ -390,6 +397,8 @@ class _Builder:
             self.view(node, args[0])
         elif fn in _NO_OP:
             self.alias[node.name] = self.ref(args[0], node)
+        elif fn in _MEAN:  # x.mean(dim=1) of a sequence: the tokens' mean
+            self.function(node, _spec_named("mean_tokens"), args[0], args[1:], kwargs)
         else:
             spec = None if fn is None else spec_for_function(fn)
             if spec is None or not args:
