@@ -153,3 +153,41 @@ def test_an_unregistered_likelihood_is_refused_at_load(tmp_path) -> None:
 def test_a_likelihood_argument_that_is_not_plain_data_is_refused() -> None:
     with pytest.raises(ValueError, match="plain values"):
         DVIRegressor(in_features=1, likelihood=LaplaceMean(scale=torch.tensor(0.5)))  # type: ignore[arg-type]
+
+
+def test_classifier_takes_a_likelihood_object_and_reloads_it(tmp_path) -> None:
+    from lightning_dvi import DVIClassifier
+    from lightning_dvi.likelihoods import Categorical
+
+    torch.manual_seed(0)
+    model = DVIClassifier(in_features=2, hidden=[4], likelihood=Categorical(3, "clark"))
+    assert model.num_classes == 3 and model.likelihood.method == "clark"
+    assert model.hparams["likelihood"] == {
+        "class_path": "lightning_dvi.likelihoods.Categorical",
+        "init_args": {"num_classes": 3, "method": "clark", "mc_samples": 32},
+    }
+    with pytest.raises(ValueError, match="num_classes must be 3 or unset"):
+        DVIClassifier(in_features=2, num_classes=4, likelihood=Categorical(3))
+    with pytest.raises(ValueError, match="is a regression likelihood"):
+        DVIClassifier(in_features=2, likelihood=LaplaceMean())
+    trainer = Trainer(max_epochs=1, logger=False, enable_progress_bar=False)
+    trainer.strategy.connect(model)
+    path = tmp_path / "classifier.ckpt"
+    trainer.save_checkpoint(path)
+    reloaded = DVIClassifier.load_from_checkpoint(path)
+    x = torch.randn(5, 2)
+    assert reloaded.likelihood.method == "clark"
+    torch.testing.assert_close(reloaded.predictive(x), model.predictive(x))
+
+
+def test_a_checkpoint_naming_another_class_as_likelihood_is_refused(tmp_path) -> None:
+    model = DVIRegressor(in_features=1, hidden=[4], num_data=8)
+    trainer = Trainer(max_epochs=1, logger=False, enable_progress_bar=False)
+    trainer.strategy.connect(model)
+    path = tmp_path / "forged.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["hyper_parameters"]["likelihood"] = {"class_path": "os.system", "init_args": {}}
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match=r"refusing to build the likelihood 'os\.system'"):
+        DVIRegressor.load_from_checkpoint(path)
