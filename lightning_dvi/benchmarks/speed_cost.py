@@ -7,9 +7,9 @@ one process, so machine load hits every cell alike; a ratio is the median of per
 
 Each row also splits a step's time into a fixed part and arithmetic: the op sequence of a step
 does not depend on the sizes (the aten op count is the same at every row), so the same step at
-width 1 and batch 1, where the arithmetic is negligible, measures what the step costs in
+width 2 and batch 2, where the arithmetic is negligible, measures what the step costs in
 dispatch, autograd bookkeeping and Python; the rest of the step at the row's size is arithmetic
-(and memory traffic).
+(and memory traffic). (Width or batch 1 would not do: size-1 dimensions change a few ops.)
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from typing import Any
 from . import timing as T
 from .speed import make_step
 
-__all__ = ["COST_METHODS", "COST_ROWS", "bench_cost", "report_cost"]
+__all__ = ["COST_METHODS", "COST_ROWS", "FIXED_SIZE", "bench_cost", "report_cost"]
 
 COST_ROWS: tuple[tuple[int, int], ...] = ((50, 32), (50, 512), (128, 32), (128, 512))
 """``(width, batch)`` of issue 39's table."""
 
 COST_METHODS: tuple[str, ...] = ("plain MLP", "dDVI", "DVI", "MCVI S=10")
+
+FIXED_SIZE = (2, 2)
+"""``(width, batch)`` of the step that measures the fixed cost."""
 
 
 def bench_cost(
@@ -47,12 +50,12 @@ def bench_cost(
         cells: dict[str, Callable[[], None]] = {}
         for method in methods:
             cells[method] = make_step(method, width, batch)
-            cells[f"{method} @1x1"] = make_step(method, 1, 1)
+            cells[f"{method} @2x2"] = make_step(method, *FIXED_SIZE)
         samples = T.interleaved(cells, rounds)
         row: dict[str, Any] = {"width": width, "batch": batch}
         for method in methods:
             step_ms = 1e3 * statistics.median(samples[method])
-            fixed_ms = 1e3 * statistics.median(samples[f"{method} @1x1"])
+            fixed_ms = 1e3 * statistics.median(samples[f"{method} @2x2"])
             counts = T.count_dispatch(cells[method])
             row[method] = step_ms
             row[f"{method} fixed ms"] = fixed_ms
@@ -85,7 +88,7 @@ def report_cost(rows: list[dict[str, Any]]) -> str:
     return "\n".join([
         "\n## Step cost (issue 39): ms per step, median of interleaved rounds, 1 thread\n",
         T.markdown_table(times, ["width", "batch", *methods, *ratios], "{:.3f}"),
-        "\n## Aten ops / non-view ops per step; fixed ms (the step at width 1, batch 1) "
+        "\n## Aten ops / non-view ops per step; fixed ms (the step at width 2, batch 2) "
         "+ arithmetic ms\n",
         T.markdown_table(split, ["width", "batch", *methods]),
     ])  # fmt: skip

@@ -306,6 +306,7 @@ class _LinearFullFromDiag(torch.autograd.Function):
         out_mean, out_cov, second, pairs = _linear_full_from_diag_formula(
             mean, var, w_loc, w_var, b_loc, b_var
         )
+        assert pairs is not None  # narrow outputs only (linear_full_from_diag's condition)
         ctx.save_for_backward(mean, var, w_loc, w_var, second, pairs)
         return out_mean, out_cov
 
@@ -323,9 +324,10 @@ class _LinearFullFromDiag(torch.autograd.Function):
             through_v = g_diag @ w_var  # dC_kk/ds
             if need[0]:
                 d_mean = torch.addcmul(g_mean @ w_loc, _rows(mean), through_v, value=2)
-                d_mean = d_mean.view(mean.shape)
+                d_mean = d_mean if mean.dim() == 2 else d_mean.view(mean.shape)
             if need[1]:
-                d_var = torch.addmm(through_v, g_flat, pairs.t()).view(var.shape)
+                d_var = torch.addmm(through_v, g_flat, pairs.t())
+                d_var = d_var if var.dim() == 2 else d_var.view(var.shape)
         if need[2]:
             # sum_l (H_kld + H_lkd) M_ld with H = g_flat^T v: the cov term, then the mean term
             h = (g_flat.t() @ _rows(var)).view(k, k, -1)
