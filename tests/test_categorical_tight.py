@@ -191,3 +191,77 @@ def test_categorical_method_tight_and_errors() -> None:
         Categorical(3, method="tighter")
     with pytest.raises(ValueError, match="fits neither"):
         tight(out_mean, torch.ones(4, 2), y)
+
+
+def _frozen_bouchard_shift(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """The shift as computed before the early stop (16 safeguarded Newton steps, always)."""
+    with torch.no_grad():
+        kappa = torch.rsqrt(1 + logistic_normal._PROBIT * var)
+        hi = (mean + math.log(mean.shape[-1]) / kappa).amax(-1, keepdim=True)
+        lo = mean.topk(2, dim=-1).values[..., 1:]
+        c = hi
+        for _ in range(16):
+            z = (mean - c) * kappa
+            log_sig = torch.nn.functional.logsigmoid(z)
+            h = torch.logsumexp(log_sig, -1, keepdim=True)
+            slope = -(torch.softmax(log_sig, -1) * kappa * torch.sigmoid(-z)).sum(-1, keepdim=True)
+            hi = torch.where(h <= 0, c, hi)
+            lo = torch.where(h > 0, c, lo)
+            step = c - h / slope.clamp_max(-torch.finfo(mean.dtype).tiny)
+            c = torch.where((step >= lo) & (step <= hi), step, 0.5 * (lo + hi))
+        z = (mean - c) * kappa
+        weight = torch.softmax(
+            kappa.log() + torch.nn.functional.logsigmoid(z) + torch.nn.functional.logsigmoid(-z),
+            -1,
+        )
+        var_coef = (-0.5 * logistic_normal._PROBIT) * kappa.square() * (mean - c)
+    moved = (mean - mean.detach()) + var_coef * (var - var.detach())
+    return c + (weight * moved).sum(-1, keepdim=True)
+
+
+def _digits_like(seed: int, rows: int = 256) -> tuple[torch.Tensor, ...]:
+    """Logits like the digits classifier's head in training: K = 10, variances 1 to 70, full."""
+    gen = torch.Generator().manual_seed(seed)
+    mean = 3 * torch.randn(rows, 10, generator=gen, dtype=F64)
+    scale = torch.logspace(0, math.log10(70), rows, dtype=F64)[:, None, None]
+    root = torch.randn(rows, 10, 10, generator=gen, dtype=F64) * (scale / 10).sqrt()
+    return mean, root @ root.mT, torch.randint(10, (rows,), generator=gen)
+
+
+def _value_and_grads(mean, cov, y) -> tuple[torch.Tensor, ...]:
+    m, c = mean.clone().requires_grad_(), cov.clone().requires_grad_()
+    value = tight(m, c, y)
+    return (value, *torch.autograd.grad(value.sum(), (m, c)))
+
+
+def test_early_stopped_shift_equals_the_fixed_count(monkeypatch) -> None:
+    """The early stop of the shift's Newton steps changes values and gradients by round-off only."""
+    from lightning_dvi.benchmarks import softmax_grid as G
+
+    cases = list(G.objective_grid(torch.Generator().manual_seed(0), rows=64).values())
+    cases += [_digits_like(seed) for seed in (1, 2)]
+    mean, cov, y = _digits_like(3)
+    cases.append((mean, cov.diagonal(dim1=-2, dim2=-1).contiguous(), y))
+    for mean, cov, y in cases:
+        with monkeypatch.context() as patch:
+            patch.setattr(logistic_normal, "_bouchard_shift", _frozen_bouchard_shift)
+            frozen = _value_and_grads(mean, cov, y)
+        with monkeypatch.context() as patch:  # the fixed-count path (as under torch.compile)
+            patch.setattr(logistic_normal, "_tracing", lambda: True)
+            fixed = _value_and_grads(mean, cov, y)
+        for old, traced, new in zip(frozen, fixed, _value_and_grads(mean, cov, y), strict=True):
+            torch.testing.assert_close(new, old, rtol=0, atol=1e-10)
+            torch.testing.assert_close(traced, old, rtol=0, atol=1e-10)
+    # the shift itself, with its implicit gradient, over the documented range of scales
+    gen = torch.Generator().manual_seed(6)
+    scale = torch.logspace(-1, 3, 200, dtype=F64)[:, None]
+    for dtype, tol in ((F64, 1e-10), (torch.float32, 1e-3)):
+        mean = (torch.randn(200, 10, generator=gen, dtype=F64) * scale.sqrt() * 3).to(dtype)
+        var = (torch.rand(200, 10, generator=gen, dtype=F64) * scale).to(dtype)
+        got, want = [], []
+        for fn, out in ((logistic_normal._bouchard_shift, got), (_frozen_bouchard_shift, want)):
+            m, v = mean.clone().requires_grad_(), var.clone().requires_grad_()
+            c = fn(m, v)
+            out.extend((c, *torch.autograd.grad(c.sum(), (m, v))))
+        for new, old in zip(got, want, strict=True):
+            torch.testing.assert_close(new, old, rtol=0, atol=tol * (1 + old.abs().max().item()))
