@@ -262,3 +262,22 @@ def test_the_lightning_modules_take_a_registered_activation_by_name():
     assert type(model.net[1]).__name__ == "GELU"
     with pytest.raises(ValueError, match="registered activation"):
         DVIRegressor(hidden=[4], activation="swish", in_features=2, num_data=10)
+
+
+def test_sample_mode_draws_one_weight_matrix_per_sample_for_token_inputs():
+    """A sequence ``x [B, T, in]``: every token of sample s goes through sample s's draw, the
+    same map as the flattened ``[B*T, in]`` with the same random stream."""
+    from lightning_dvi.nn.linear import _affine_values
+
+    layer = BayesLinear(3, 2, init_scale=0.5)
+    x = torch.randn(5, 7, 3)
+    torch.manual_seed(1)
+    tokens = layer(x, mode="sample", num_samples=6)
+    torch.manual_seed(1)
+    flat = layer(x.reshape(35, 3), mode="sample", num_samples=6)
+    assert tokens.shape == (6, 5, 7, 2)
+    torch.testing.assert_close(tokens.reshape(6, 35, 2), flat)
+    # the given-weights path (a Pyro-style sampled weight [S, out, in]) does the same
+    w, b, xs = torch.randn(6, 2, 3), torch.randn(6, 2), x.expand(6, -1, -1, -1)
+    expected = torch.einsum("sbti,soi->sbto", xs, w) + b[:, None, None]
+    torch.testing.assert_close(_affine_values(xs, w, b), expected)

@@ -37,6 +37,13 @@ ScaleTransform = Literal["softplus", "exp"]
 def _affine_values(x: Moments, weight: Tensor, bias: Tensor | None) -> Tensor:
     if isinstance(x, Gaussian):
         raise ValueError("weight values (not moments) need a tensor input, got a Gaussian")
+    if weight.dim() > 2 and x.dim() > weight.dim():
+        # one weight draw per leading sample index [S, out, in], shared by every further batch
+        # dimension of x [S, B, ..., in] (tokens of a sequence): [S, 1, ..., out, in]
+        ones = (1,) * (x.dim() - weight.dim())
+        weight = weight.reshape(*weight.shape[:-2], *ones, *weight.shape[-2:])
+        if bias is not None:
+            bias = bias.reshape(*bias.shape[:-1], *ones, bias.shape[-1])
     out = x @ weight.transpose(-1, -2)  # batched weights [..., out, in] broadcast too
     return out if bias is None else out + bias.unsqueeze(-2)
 
@@ -286,14 +293,15 @@ class BayesLinear(FactorisedLayer):
         return M.linear_moments(x, w_loc, w_var, b_loc, b_var, mode=mode)
 
     def _sample(self, x: Tensor) -> Tensor:
-        # One whole weight matrix per sample: x [S, B, in] -> [S, B, out] in one bmm.
-        s = x.shape[0]
-        eps = torch.randn(s, *self.weight_loc.shape, dtype=x.dtype, device=x.device)
+        # One whole weight matrix per sample: x [S, B, in] -> [S, B, out] in one bmm; further
+        # batch dimensions (x [S, B, T, in], tokens) share their sample's draw.
+        s, ones = x.shape[0], (1,) * (x.dim() - 3)
+        eps = torch.randn(s, *ones, *self.weight_loc.shape, dtype=x.dtype, device=x.device)
         weight = self.weight_loc + self.weight_scale * eps
         out = x @ weight.transpose(-1, -2)
         b_scale = self.bias_scale
         if self.bias_loc is not None and b_scale is not None:
-            b_eps = torch.randn(s, 1, self.out_features, dtype=x.dtype, device=x.device)
+            b_eps = torch.randn(s, 1, *ones, self.out_features, dtype=x.dtype, device=x.device)
             out = out + self.bias_loc + b_scale * b_eps
         return out
 
