@@ -445,7 +445,7 @@ class TransformerEncoderLayer(Sequential):
     def _part(self, pre: tuple[int, ...], post: tuple[int, ...]) -> BayesModule:
         module: nn.Module = self
         for i in pre if self.options["norm_first"] else post:
-            module = module.branch[i] if isinstance(module, Residual) else module[i]  # type: ignore[index]
+            module = module.branch[i] if isinstance(module, Residual) else module[i]  # type: ignore[index]  # a Sequential of the parts
         return cast(BayesModule, module)
 
     @property
