@@ -191,3 +191,16 @@ def test_a_checkpoint_naming_another_class_as_likelihood_is_refused(tmp_path) ->
     torch.save(checkpoint, path)
     with pytest.raises(ValueError, match=r"refusing to build the likelihood 'os\.system'"):
         DVIRegressor.load_from_checkpoint(path)
+
+
+def test_the_buildable_library_classes_are_the_exported_likelihoods():
+    import lightning_dvi.likelihoods as package
+    from lightning_dvi.likelihoods import Likelihood
+    from lightning_dvi.likelihoods.config import _LIBRARY
+
+    exported = {
+        obj
+        for name in package.__all__
+        if isinstance(obj := getattr(package, name), type) and issubclass(obj, Likelihood)
+    }
+    assert set(_LIBRARY) == exported

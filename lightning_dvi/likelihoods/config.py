@@ -98,6 +98,18 @@ def register_likelihood(cls: _L) -> _L:
     return cls
 
 
+#: The library's likelihood classes (those ``lightning_dvi.likelihoods`` exports), buildable from a
+#: configuration without registration; ``tests/test_user_likelihood.py`` checks the list.
+_LIBRARY: tuple[type[Likelihood], ...] = (
+    Bernoulli,
+    Categorical,
+    HeteroscedasticGaussian,
+    HomoscedasticGaussian,
+    Likelihood,
+    Poisson,
+)
+
+
 def likelihood_class(class_path: object, where: str) -> type[Likelihood]:
     """The allowed likelihood class named ``class_path``, looked up by name (nothing is imported).
 
@@ -105,14 +117,7 @@ def likelihood_class(class_path: object, where: str) -> type[Likelihood]:
         ValueError: naming ``class_path`` when it is not one of this library's likelihoods or a
             class registered with :func:`register_likelihood`.
     """
-    from .. import likelihoods as package
-
-    library = {
-        path: obj
-        for name in package.__all__
-        if isinstance(obj := getattr(package, name), type) and issubclass(obj, Likelihood)
-        for path in _paths(obj)
-    }
+    library = {path: obj for obj in _LIBRARY for path in _paths(obj)}
     cls = {**library, **_REGISTERED}.get(str(class_path))
     if cls is None:
         raise ValueError(
