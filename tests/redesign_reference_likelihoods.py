@@ -28,7 +28,7 @@ from lightning_dvi import DVIClassifier, DVIRegressor
 from lightning_dvi.nn import export_predictive
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from redesign_reference_supervision import _differences, _trainer
+from redesign_reference_supervision import _trainer, main
 
 F64 = torch.float64
 
@@ -102,22 +102,5 @@ def capture() -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[1] not in ("capture", "compare"):
-        print(__doc__)
-        return 2
-    result = capture()
-    if argv[1] == "capture":
-        torch.save(result, argv[2])
-        print(f"captured {len(result)} entries into {argv[2]}")
-        return 0
-    reference = torch.load(argv[2], weights_only=True)
-    diffs = _differences(reference, result, "")
-    for line in diffs:
-        print(line)
-    print(f"{len(reference)} entries compared, {len(diffs)} differences")
-    return 1 if diffs else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main(sys.argv, capture, __doc__ or ""))

@@ -22,9 +22,11 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from helpers import cpu_trainer
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -36,16 +38,8 @@ F64 = torch.float64
 
 
 def _trainer(**kwargs: Any) -> Trainer:
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-    )
-    return Trainer(**{**defaults, **kwargs})
+    """``helpers.cpu_trainer`` without checkpoints or the sanity validation pass."""
+    return cpu_trainer(enable_checkpointing=False, num_sanity_val_steps=0, **kwargs)
 
 
 def _data(classes: int | None, n: int = 48, dtype: torch.dtype = F64) -> tuple[Any, Any]:
@@ -268,11 +262,12 @@ def _differences(a: Any, b: Any, where: str) -> list[str]:
     return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], capture_fn: Callable[[], dict] | None = None, doc: str = "") -> int:
+    """``capture FILE`` or ``compare FILE`` with ``capture_fn`` (this module's :func:`capture`)."""
     if len(argv) != 3 or argv[1] not in ("capture", "compare"):
-        print(__doc__)
+        print(doc or __doc__)
         return 2
-    result = capture()
+    result = (capture_fn or capture)()
     if argv[1] == "capture":
         torch.save(result, argv[2])
         print(f"captured {len(result)} entries into {argv[2]}")
