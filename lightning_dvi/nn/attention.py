@@ -145,16 +145,11 @@ def _describe_mha(layer: BayesModule) -> dict[str, Any]:
     }
 
 
-def _mha_from_call(**kwargs: Any) -> BayesModule:
-    return MultiheadAttention(**kwargs)
-
-
 @register_layer(
     "multihead_attention",
     kind="weight",
     torch_modules=(nn.MultiheadAttention,),
     convert=_from_torch_mha,
-    from_call=_mha_from_call,
     describe=_describe_mha,
 )
 class MultiheadAttention(BayesModule):
@@ -360,16 +355,11 @@ def _describe_encoder_layer(layer: BayesModule) -> dict[str, Any]:
     return dict(layer.options)
 
 
-def _encoder_layer_from_call(**kwargs: Any) -> BayesModule:
-    return TransformerEncoderLayer(**kwargs)
-
-
 @register_layer(
     "transformer_encoder_layer",
     kind="weight",
     torch_modules=(nn.TransformerEncoderLayer,),
     convert=_from_torch_encoder_layer,
-    from_call=_encoder_layer_from_call,
     describe=_describe_encoder_layer,
 )
 class TransformerEncoderLayer(Sequential):

@@ -90,11 +90,12 @@ class LayerSpec:
         from_module: builds the declared module from a torch module alone (reads e.g.
             ``negative_slope``).
         from_call: builds the declared module from the extra arguments of a torch function call
-            (everything after the input tensor); defaults to ``cls()`` and rejects arguments.
-        describe: the keyword arguments of :attr:`from_call` that rebuild a converted
-            (declared) module, as plain data; a converted graph stores a module this way when
-            its torch layer's constructor arguments cannot describe it (``None``: store the
-            torch layer's arguments).
+            (everything after the input tensor); defaults to ``cls(**kwargs)`` for a kind with
+            :attr:`describe`, else to ``cls()`` rejecting arguments.
+        describe: the keyword arguments of :attr:`from_call` (by default: of ``cls``) that
+            rebuild a converted (declared) module, as plain data; a converted graph stores a
+            module this way when its torch layer's constructor arguments cannot describe it
+            (``None``: store the torch layer's arguments).
     """
 
     name: str
@@ -125,6 +126,8 @@ class LayerSpec:
         """The declared module equivalent to ``func(x, *args, **kwargs)``."""
         if self.from_call is not None:
             return self.from_call(*args, **kwargs)
+        if self.describe is not None and self.cls is not None and not args:
+            return self.cls(**kwargs)  # the constructor arguments describe() recorded
         if args or kwargs or self.cls is None:
             raise NotImplementedError(
                 f"{self.name}: extra arguments {args!r} {kwargs!r} are not supported"

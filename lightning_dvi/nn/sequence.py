@@ -87,16 +87,11 @@ def _describe_embedding(layer: BayesModule) -> dict[str, Any]:
     }
 
 
-def _embedding_from_call(**kwargs: Any) -> BayesModule:
-    return Embedding(**kwargs)
-
-
 @register_layer(
     "embedding",
     kind="weight",
     torch_modules=(nn.Embedding,),
     convert=_from_torch_embedding,
-    from_call=_embedding_from_call,
     describe=_describe_embedding,
 )
 class Embedding(FactorisedLayer, _TokenInput):
@@ -317,10 +312,6 @@ def sinusoidal_table(num_positions: int, dim: int) -> Tensor:
     return table.float()
 
 
-def _positional_from_call(**kwargs: Any) -> BayesModule:
-    return PositionalEncoding(**kwargs)
-
-
 def _describe_positional(layer: BayesModule) -> dict[str, Any]:
     assert isinstance(layer, PositionalEncoding)
     return {
@@ -333,7 +324,6 @@ def _describe_positional(layer: BayesModule) -> dict[str, Any]:
 @register_layer(
     "positional_encoding",
     kind="shape",
-    from_call=_positional_from_call,
     describe=_describe_positional,
 )
 class PositionalEncoding(BayesModule):
