@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 
 from lightning_dvi.nn import BayesLinear, mlp
 
@@ -20,6 +21,19 @@ def cpu_trainer(**overrides: Any) -> Trainer:
         enable_model_summary=False,
     )
     return Trainer(**{**defaults, **overrides})
+
+
+class PoisonWeight(Callback):
+    """Sets a weight to NaN after the given steps (a user's callbacks run before the
+    ``LBFGSSupervisor`` the module adds, which then sees the non-finite weights)."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step in self.steps:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] = math.nan
 
 
 def posterior_net(dtype: torch.dtype = torch.float64) -> torch.nn.Module:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from helpers import cpu_trainer
+from helpers import PoisonWeight, cpu_trainer
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -119,18 +119,6 @@ class _Record(Callback):
         self.losses.append(outputs["loss"].detach().clone())
 
 
-class _Poison(Callback):
-    """Sets a weight to NaN after the given steps (callbacks run before the module's hook)."""
-
-    def __init__(self, steps: set[int]) -> None:
-        self.steps = steps
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step in self.steps:
-            with torch.no_grad():
-                next(pl_module.parameters()).view(-1)[0] = math.nan
-
-
 def _fit(model: Any, loader: DataLoader, epochs: int, callbacks: list[Any]) -> dict[str, Any]:
     record = _Record()
     trainer = _trainer(max_epochs=epochs, callbacks=[record, *callbacks], precision="64-true")
@@ -166,8 +154,10 @@ def fits(out: dict[str, Any]) -> None:
     out["lbfgs/regressor/kl_warmup"] = _fit(
         _model("regressor", kl_warmup_steps=1, **lbfgs), full, 3, []
     )
-    out["lbfgs/regressor/undo"] = _fit(_model("regressor", **lbfgs), full, 3, [_Poison({2})])
-    out["lbfgs/regressor/error"] = _fit(_model("regressor", **lbfgs), full, 3, [_Poison({1, 2})])
+    out["lbfgs/regressor/undo"] = _fit(_model("regressor", **lbfgs), full, 3, [PoisonWeight({2})])
+    out["lbfgs/regressor/error"] = _fit(
+        _model("regressor", **lbfgs), full, 3, [PoisonWeight({1, 2})]
+    )
     xc, yc = _data(3)
     out["lbfgs/classifier"] = _fit(
         _model("classifier", "diag", **lbfgs),
