@@ -32,6 +32,7 @@ from ..likelihoods import Likelihood
 from ..nn import BayesModule, HasPosterior, bayes_layers
 from ..nn.builders import Activation
 from ..objective import ELBOTerms, elbo
+from ..priors import Prior, prior_config
 from ._config import (
     KLScheduleConfig,
     LRSchedule,
@@ -64,6 +65,15 @@ def resolve_method(mode: Mode, method: str | None) -> str:
     if method is None:
         return "mc" if mode in _MC_MODES else "closed_form"
     return one_of("method", method, ("closed_form", "mc"))
+
+
+def _unrecorded(prior: object) -> list[str]:
+    """The constructor arguments ``save_hyperparameters`` skips.
+
+    The network, the output width, and a prior that is not a shorthand (an object is recorded as
+    its configuration afterwards, by ``_finish_hparams``).
+    """
+    return ["net", "out_features", *(() if isinstance(prior, str) else ("prior",))]
 
 
 def logs_this_step(trainer: Trainer) -> bool:
@@ -99,14 +109,20 @@ class DVIModule(LightningModule):
             reparameterisation).
         num_samples: network samples per step in ``sample``/``local`` mode (default 1; also used
             for the validation/test predictive); must be unset otherwise.
-        prior: ``"empirical_bayes"`` (inverse-gamma hyper-prior, per-group optimum) or
-            ``"gaussian"`` (fixed variance).
-        prior_alpha: inverse-gamma shape :math:`\alpha`.
-        prior_beta: inverse-gamma scale :math:`\beta`.
+        prior: a :class:`~lightning_dvi.priors.Prior` object (a built-in one, or a class of your
+            own, registered with :func:`~lightning_dvi.priors.register_prior` to reload from a
+            checkpoint), recorded in the hyper-parameters as its configuration; or a shorthand
+            (:data:`~lightning_dvi.priors.SHORTHANDS`): ``"empirical_bayes"`` (inverse-gamma
+            hyper-prior, per-group optimum) or ``"gaussian"`` (fixed variance).
+        prior_alpha: inverse-gamma shape :math:`\alpha` (the ``"empirical_bayes"`` shorthand).
+        prior_beta: inverse-gamma scale :math:`\beta` (the ``"empirical_bayes"`` shorthand).
         prior_variance: the fixed prior variance (``"gaussian"``), or the initial value of the
-            empirical-Bayes buffers until the first refresh (``eb_mode="buffer"``).
+            empirical-Bayes buffers until the first refresh (``eb_mode="buffer"``); with a prior
+            object, leave it unset (the layers start at the prior's
+            :meth:`~lightning_dvi.priors.Prior.initial_variance`).
         eb_mode: ``"in_graph"`` (optimum inside the loss, the authors' choice) or ``"buffer"``
-            (set by the :class:`~lightning_dvi.callbacks.EmpiricalBayesRefresh` callback).
+            (set by the :class:`~lightning_dvi.callbacks.EmpiricalBayesRefresh` callback); the
+            ``"empirical_bayes"`` shorthand only.
         num_data: training-set size :math:`N`; ``None`` takes ``trainer.datamodule.num_train``
             or the length of the training dataset.
         kl_warmup_steps: optimisation steps with the KL switched off (an error if the run ends
@@ -160,6 +176,8 @@ class DVIModule(LightningModule):
         prior: the weight prior (its variances live in the layers' persistent buffers).
         calibration_curves: per stage (``"val"``/``"test"``), the data of the last epoch's
             calibration plot, synced across processes (read by the plot callbacks).
+        converged: whether the run stopped because the objective converged
+            (``convergence_tol``); ``False`` until then.
     """
 
     likelihood: Likelihood
@@ -167,6 +185,7 @@ class DVIModule(LightningModule):
     val_metrics: MetricCollection
     test_metrics: MetricCollection
     logs_val_elbo: bool = True  # a subclass may log fewer validation values (val_metrics)
+    converged: bool = False  # set per instance by the convergence check
 
     def __init__(
         self,
@@ -178,7 +197,7 @@ class DVIModule(LightningModule):
         residual: bool = False,
         mode: Mode = "full",
         num_samples: int | None = None,
-        prior: PriorName = "empirical_bayes",
+        prior: PriorName | Prior = "empirical_bayes",
         prior_alpha: float = 1.0,
         prior_beta: float = 10.0,
         prior_variance: float = 1.0,
@@ -205,7 +224,6 @@ class DVIModule(LightningModule):
         super().__init__()
         self._compile = compile_options(compile)  # validated here; applied in _elbo
         self.mode, self.num_samples = sampling(mode, num_samples)
-        num_samples = self.num_samples  # the hyper-parameters record it resolved
         self.num_data = optional_positive_int("num_data (the training-set size N)", num_data)
         self.optimiser_config = OptimiserConfig(
             lr,
@@ -223,7 +241,9 @@ class DVIModule(LightningModule):
         )
         self.kl_schedule = self.kl_config.schedule()  # fractions become steps in on_train_start
         self.kl_weight = positive_float("kl_weight", kl_weight)
-        self.prior = make_prior(prior, prior_alpha, prior_beta, prior_variance, eb_mode)
+        self.prior, prior_variance = make_prior(  # the layers start at the prior's variance
+            prior, prior_alpha, prior_beta, prior_variance, eb_mode
+        )
         self.net_injected = net is not None
         self._net_config = primitive(net) if isinstance(net, Mapping) else None  # a CLI run's net
         self._mlp: MLPConfig | None = None  # the built-in MLP, unless a network is injected
@@ -234,13 +254,18 @@ class DVIModule(LightningModule):
             type(self).__name__, net, self._mlp, in_features, out_features
         )
         self.calibration_curves: dict[str, dict[str, Tensor]] = {}
-        self.converged = False
-        self.save_hyperparameters(ignore=["net", "out_features"])  # this and the subclass's frame
+        self.save_hyperparameters(ignore=_unrecorded(prior))  # this and the subclass's frame
         self._finish_hparams()
 
     # ------------------------------------------------------------------ construction
     def _finish_hparams(self) -> None:
-        """After ``save_hyperparameters``: an injected network records no MLP arguments."""
+        """After ``save_hyperparameters``: the resolved ``num_samples``, a prior object's configuration.
+
+        An injected network records no MLP arguments.
+        """
+        self.hparams["num_samples"] = self.num_samples
+        if "prior" not in self.hparams:  # an object or a configuration: its plain record
+            self.hparams["prior"] = prior_config(self.prior)
         if not self.net_injected:
             return
         for key in MLP_ARGUMENTS:

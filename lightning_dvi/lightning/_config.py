@@ -9,7 +9,7 @@ constructor's arguments as given and raise ``ValueError`` naming the argument.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -20,7 +20,9 @@ from ..gaussian import MONTE_CARLO_MODES, Mode
 from ..nn import bayes_layers
 from ..objective import KLSchedule
 from ..optim import LBFGS
-from ..priors import EmpiricalBayes, GaussianPrior, Prior
+from ..priors import Prior
+from ..priors.config import SHORTHANDS as PRIOR_SHORTHANDS
+from ..priors.config import resolve_prior
 from ._validation import check, fraction, one_of, positive_float, positive_int
 
 __all__ = [
@@ -268,10 +270,51 @@ class KLScheduleConfig:
         )
 
 
-def make_prior(prior: str, alpha: float, beta: float, variance: float, eb_mode: str) -> Prior:
-    """The weight prior named ``prior``; ``variance`` is checked for either (the layers use it)."""
+#: The front ends' defaults of the arguments that only the prior shorthands read.
+_SHORTHAND_DEFAULTS = {"prior_alpha": 1.0, "prior_beta": 10.0, "eb_mode": "in_graph"}
+
+
+def make_prior(
+    prior: str | Prior | Mapping[str, Any],
+    alpha: float,
+    beta: float,
+    variance: float,
+    eb_mode: str,
+) -> tuple[Prior, float]:
+    """The weight prior a front end was given, and the variance the built-in MLP's layers start at.
+
+    The prior is a shorthand, an object or a recorded configuration.
+
+    A shorthand (:data:`~lightning_dvi.priors.SHORTHANDS`) is built from ``alpha``, ``beta``,
+    ``eb_mode`` and ``variance``; an object or a configuration
+    (:func:`~lightning_dvi.priors.resolve_prior`) carries its own settings, so those arguments
+    must keep their defaults, and ``variance`` (which the built-in MLP's layers start from) must
+    agree with the prior's :meth:`~lightning_dvi.priors.Prior.initial_variance`. ``variance``
+    is checked for every kind.
+
+    Raises:
+        ValueError: for a bad shorthand or configuration, or arguments that contradict an object.
+    """
     positive_float("prior_variance", variance)
-    one_of("prior", prior, ("empirical_bayes", "gaussian"))
-    if prior == "empirical_bayes":
-        return EmpiricalBayes(alpha=alpha, beta=beta, mode=eb_mode)
-    return GaussianPrior(variance)
+    if isinstance(prior, str):
+        one_of("prior", prior, tuple(PRIOR_SHORTHANDS))
+    options = {"prior_alpha": alpha, "prior_beta": beta, "eb_mode": eb_mode}
+    resolved = resolve_prior(prior, {**options, "prior_variance": variance}, "prior=")
+    if resolved.shorthand is not None:
+        return resolved.prior, variance
+    name = type(resolved.prior).__name__
+    changed = sorted(k for k, default in _SHORTHAND_DEFAULTS.items() if options[k] != default)
+    if changed:
+        raise ValueError(
+            f"{', '.join(changed)} configure the prior shorthands; the {name} object given as "
+            "prior= carries its own settings (set them on the object)"
+        )
+    initial = positive_float(
+        f"the {name} prior's initial_variance", resolved.prior.initial_variance(variance)
+    )
+    if variance != 1.0 and initial != variance:
+        raise ValueError(
+            f"prior_variance={variance} contradicts the {name} prior's variance {initial}; "
+            "leave prior_variance unset with a prior object"
+        )
+    return resolved.prior, initial

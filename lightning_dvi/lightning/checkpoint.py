@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ..likelihoods.config import check_likelihood_config
 from ..nn.torch_file import load_weights_only
+from ..priors.config import check_prior_config
 from ._network import check_net_config
 
 __all__ = [
@@ -290,6 +291,7 @@ def vet_hyperparameters(
     if not (isinstance(net, Mapping) and str(net.get("class_path")) in trusted_net_paths):
         check_net_config(net, f"the net hyper-parameter of {where}")
     check_likelihood_config(hparams.get("likelihood"), f"the likelihood hyper-parameter of {where}")
+    check_prior_config(hparams.get("prior"), f"the prior hyper-parameter of {where}")
     return model_class
 
 

@@ -18,7 +18,7 @@ from ..likelihoods import SHORTHANDS, Likelihood, resolve_likelihood
 from ..likelihoods.config import shorthands
 from ..metrics import ClassificationMetrics
 from ..metrics.classification import ExpectedCalibrationError
-from ..priors import EmpiricalBayes
+from ..priors import EmpiricalBayes, Prior
 from ._base import DVIModule, PredictiveMethod, PriorName, resolve_method
 from ._data import DataView
 from ._validation import one_of, positive_int
@@ -137,7 +137,9 @@ class DVIClassifier(DVIModule):
         prior: ``"gaussian"`` (default: a fixed :math:`\mathcal N(0, s)`, ``prior_variance``
             :math:`s = 1`) or ``"empirical_bayes"``. The empirical-Bayes prior variance follows
             the weights' mean square down, and its KL then shrinks the weights until the
-            predictive collapses toward uniform (measured in docs/calibration.md).
+            predictive collapses toward uniform (measured in docs/calibration.md). Or a
+            :class:`~lightning_dvi.priors.Prior` object, as for
+            :class:`~lightning_dvi.lightning._base.DVIModule`.
         kl_weight: the constant :math:`\lambda` on the KL of the training loss; default 0.1,
             a tempered posterior: the untempered ELBO (``kl_weight=1``) is under-confident by
             1-4 points of confidence on every data set measured (docs/calibration.md).
@@ -170,7 +172,7 @@ class DVIClassifier(DVIModule):
         likelihood_mc_samples: int = 32,
         ece_bins: int = 15,
         mode: Mode = "diag",
-        prior: PriorName = "gaussian",
+        prior: PriorName | Prior = "gaussian",
         kl_weight: float = 0.1,
         likelihood: Literal["categorical", "bernoulli"] | Likelihood = "categorical",
         lr: float = 3e-3,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -12,6 +10,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
+from ..configurable import RecordsInitArgs
 from ..gaussian import Gaussian
 from ..gaussian import all_finite as _all_finite
 
@@ -85,7 +84,7 @@ class RegressionHead(PredictiveHead):
         return mean * self.target_scale + self.target_loc, var * self.target_scale.square()
 
 
-class Likelihood(nn.Module):
+class Likelihood(RecordsInitArgs, nn.Module):
     r"""Base class for observation models :math:`p(y\mid a^L)` on the network's last activations.
 
     In the style of GPyTorch likelihoods: a subclass states the conditional
@@ -135,11 +134,6 @@ class Likelihood(nn.Module):
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
             raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
         self.mc_samples = mc_samples
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Record the arguments each subclass's constructor was called with (:attr:`init_args`)."""
-        super().__init_subclass__(**kwargs)
-        cls.__init__ = _recording(cls.__init__)  # type: ignore[method-assign]  # wraps the constructor
 
     # ------------------------------------------------------------------ what front ends ask
     @property
@@ -413,24 +407,3 @@ class Likelihood(nn.Module):
         if y.numel() and not bool(valid(y).all()):
             raise ValueError(f"{type(self).__name__}: {what}")
         return y
-
-
-def _recording(init: Callable[..., None]) -> Callable[..., None]:
-    """``init`` that also records its arguments as ``self.init_args`` (the outermost call's last)."""
-    signature = inspect.signature(init)
-
-    @functools.wraps(init)
-    def recording_init(self: Likelihood, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        recorded: dict[str, Any] = {}
-        for name, value in list(bound.arguments.items())[1:]:
-            kind = signature.parameters[name].kind
-            if kind is inspect.Parameter.VAR_KEYWORD:
-                recorded.update(value)
-            elif kind is not inspect.Parameter.VAR_POSITIONAL:
-                recorded[name] = value
-        self.__dict__["init_args"] = recorded
-
-    return recording_init

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypeVar
 
+from ..configurable import AllowList
 from .base import Likelihood
 from .bernoulli import Bernoulli
 from .categorical import Categorical
@@ -65,14 +66,24 @@ def shorthands(task: str) -> tuple[str, ...]:
     return tuple(name for name, entry in SHORTHANDS.items() if entry.cls.task == task)
 
 
-_REGISTERED: dict[str, type[Likelihood]] = {}
+def _library() -> tuple[type[Likelihood], ...]:
+    return _LIBRARY
 
 
-def _paths(cls: type) -> tuple[str, ...]:
-    paths = [f"{cls.__module__}.{cls.__qualname__}"]
-    if cls.__module__.startswith("lightning_dvi.likelihoods.") and "." not in cls.__qualname__:
-        paths.append(f"lightning_dvi.likelihoods.{cls.__qualname__}")
-    return tuple(paths)
+#: The library's likelihood classes (those ``lightning_dvi.likelihoods`` exports), buildable from a
+#: configuration without registration; ``tests/test_user_likelihood.py`` checks the list.
+_LIBRARY: tuple[type[Likelihood], ...] = (
+    Bernoulli,
+    Categorical,
+    HeteroscedasticGaussian,
+    HomoscedasticGaussian,
+    Likelihood,
+    Poisson,
+)
+
+_ALLOWED: AllowList[Likelihood] = AllowList(
+    "likelihood", Likelihood, _library, "lightning_dvi.likelihoods", "register_likelihood"
+)
 
 
 def register_likelihood(cls: _L) -> _L:
@@ -91,23 +102,7 @@ def register_likelihood(cls: _L) -> _L:
     Raises:
         ValueError: if ``cls`` is not a ``Likelihood`` subclass.
     """
-    if not (isinstance(cls, type) and issubclass(cls, Likelihood)):
-        raise ValueError(f"register_likelihood takes a Likelihood subclass, got {cls!r}")
-    for path in _paths(cls):
-        _REGISTERED[path] = cls
-    return cls
-
-
-#: The library's likelihood classes (those ``lightning_dvi.likelihoods`` exports), buildable from a
-#: configuration without registration; ``tests/test_user_likelihood.py`` checks the list.
-_LIBRARY: tuple[type[Likelihood], ...] = (
-    Bernoulli,
-    Categorical,
-    HeteroscedasticGaussian,
-    HomoscedasticGaussian,
-    Likelihood,
-    Poisson,
-)
+    return _ALLOWED.register(cls)
 
 
 def likelihood_class(class_path: object, where: str) -> type[Likelihood]:
@@ -117,32 +112,7 @@ def likelihood_class(class_path: object, where: str) -> type[Likelihood]:
         ValueError: naming ``class_path`` when it is not one of this library's likelihoods or a
             class registered with :func:`register_likelihood`.
     """
-    library = {path: obj for obj in _LIBRARY for path in _paths(obj)}
-    cls = {**library, **_REGISTERED}.get(str(class_path))
-    if cls is None:
-        raise ValueError(
-            f"refusing to build the likelihood {class_path!r} named by {where}: only "
-            "lightning_dvi's likelihoods and classes registered with "
-            "lightning_dvi.likelihoods.register_likelihood are built from a configuration "
-            "(nothing it names is imported or called)"
-        )
-    return cls
-
-
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _plain(value: Any, where: str) -> Any:
-    if isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, where) for v in value]
-    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
-        return {k: _plain(v, where) for k, v in value.items()}
-    raise ValueError(
-        f"{where}: arguments must be plain values (numbers, strings, booleans, None, and lists "
-        f"or dicts of them) to be recorded in a checkpoint, got a {type(value).__name__}"
-    )
+    return _ALLOWED.lookup(class_path, where)
 
 
 def likelihood_config(likelihood: Likelihood) -> dict[str, Any]:
@@ -154,30 +124,7 @@ def likelihood_config(likelihood: Likelihood) -> dict[str, Any]:
     Raises:
         ValueError: for an argument that is not plain data.
     """
-    cls = type(likelihood)
-    where = f"the likelihood {cls.__name__}"
-    init_args = getattr(likelihood, "init_args", {})
-    return {
-        "class_path": _paths(cls)[-1],
-        "init_args": {str(k): _plain(v, f"{where} ({k})") for k, v in init_args.items()},
-    }
-
-
-def _built(config: Mapping[str, Any], where: str) -> Likelihood:
-    extra = set(config) - {"class_path", "init_args", "dict_kwargs"}
-    if extra:
-        raise ValueError(f"{where} has unexpected keys {sorted(extra)} next to class_path")
-    cls = likelihood_class(config.get("class_path"), where)
-    arguments: dict[str, Any] = {}
-    for key in ("init_args", "dict_kwargs"):
-        given = config.get(key) or {}
-        if not isinstance(given, Mapping):
-            raise ValueError(f"{where}: {key} must be a mapping, got {type(given).__name__}")
-        arguments.update({str(k): _plain(v, f"{where} ({k})") for k, v in given.items()})
-    try:
-        return cls(**arguments)
-    except TypeError as err:
-        raise ValueError(f"{where}: cannot build {config.get('class_path')}: {err}") from err
+    return _ALLOWED.record(likelihood)
 
 
 def check_likelihood_config(config: object, where: str) -> None:
@@ -188,8 +135,7 @@ def check_likelihood_config(config: object, where: str) -> None:
     Raises:
         ValueError: as :func:`likelihood_class`.
     """
-    if isinstance(config, Mapping):
-        likelihood_class(config.get("class_path"), where)
+    _ALLOWED.check(config, where)
 
 
 class Resolved(NamedTuple):
@@ -229,7 +175,7 @@ def resolve_likelihood(
             raise ValueError(f"likelihood must be {' or '.join(map(repr, names))}, got {value!r}")
         return Resolved(SHORTHANDS[value].build(options), value, value)
     if isinstance(value, Mapping):
-        likelihood = _built(value, f"{owner}'s likelihood configuration")
+        likelihood = _ALLOWED.build(value, f"{owner}'s likelihood configuration")
     elif isinstance(value, Likelihood):
         likelihood = value
     else:

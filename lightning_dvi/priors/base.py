@@ -7,19 +7,32 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..configurable import RecordsInitArgs
 from ..nn import ParameterGroup, named_parameter_groups, parameter_groups
 from .functional import gaussian_kl, grouped_gaussian_kl
 
 __all__ = ["GaussianPrior", "Prior", "named_parameter_groups"]
 
 
-class Prior(nn.Module):
+class Prior(RecordsInitArgs, nn.Module):
     r"""A factorised zero-mean Gaussian prior, one variance per parameter group.
 
     A group is a weight matrix or a bias vector of a :class:`~lightning_dvi.nn.BayesLinear`
     (see :func:`lightning_dvi.nn.parameter_groups`). Subclasses choose the variance of each
     group via :meth:`variance`; the KL against the factorised posterior is analytic.
+
+    Every subclass records the arguments its constructor was called with (``init_args``), which
+    is what a checkpoint stores of a prior given to a front end as an object
+    (:func:`~lightning_dvi.priors.register_prior` allows a class of your own to be rebuilt).
     """
+
+    def initial_variance(self, default: float) -> float:
+        """The prior variance the front ends' built-in MLP starts its layers from.
+
+        The layers' prior-variance buffers and their initial posterior scales follow it. The
+        base class: ``default`` (the front end's ``prior_variance``).
+        """
+        return default
 
     def variance(self, group: ParameterGroup) -> Tensor:
         """The prior variance :math:`s` used for ``group`` (0-dim tensor)."""
@@ -114,6 +127,10 @@ class GaussianPrior(Prior):
         s = torch.full((len(groups),), self.prior_variance, dtype=loc.dtype, device=loc.device)
         kl, _ = grouped_gaussian_kl([g.loc for g in groups], [g.scale for g in groups], s)
         return kl
+
+    def initial_variance(self, default: float) -> float:
+        """The fixed :math:`s` (the layers start where the prior is)."""
+        return self.prior_variance
 
     def extra_repr(self) -> str:
         """The fixed variance."""
