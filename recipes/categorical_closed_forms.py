@@ -38,9 +38,9 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from lightning_dvi.benchmarks import softmax_grid as G
 from lightning_dvi.likelihoods import functional as F
 from lightning_dvi.likelihoods import predictive as P
+from lightning_dvi_benchmarks import softmax_grid as G
 
 SCALES, CLASSES = G.SCALES, G.CLASSES
 OBJECTIVE_SCALES = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3)

@@ -2,7 +2,7 @@ r"""Lower bounds on E log softmax(a)_y against Monte Carlo on issue 41's grid, w
 
 Logits :math:`a\sim\mathcal N(\mu, C)`, 10 classes, float64; per logit variance v in 1e-3 ...
 1e2, 64 rows with means :math:`2\,\mathcal N(0, I)`, correlated covariances of trace
-:math:`Kv` and a random label (``lightning_dvi.benchmarks.softmax_grid.objective_grid``). The
+:math:`Kv` and a random label (``lightning_dvi_benchmarks.softmax_grid.objective_grid``). The
 oracle is ``--draws`` Monte Carlo draws per row. For each method: the mean gap Monte Carlo -
 method per v (positive = pessimistic), the largest gap over the grid, the rows above Monte
 Carlo by more than 3 of its standard errors (optimistic: a bound must have none), and the time
@@ -26,8 +26,8 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from lightning_dvi.benchmarks import softmax_grid as G
 from lightning_dvi.likelihoods import functional as F
+from lightning_dvi_benchmarks import softmax_grid as G
 
 Method = Callable[[Tensor, Tensor, Tensor], Tensor]
 

@@ -10,7 +10,7 @@ batch 128, epochs; the weights of the epoch with the lowest validation NLL) and 
 standard deviation over seeds (initialisation and batch order; the split is fixed) of test
 accuracy, NLL, ECE (15 bins), Brier score, OOD AUROC of the predictive entropy (and of the
 mutual information for rows with samples) against feature-permuted test digits, and the CPU
-seconds of training. The machinery is :mod:`lightning_dvi.benchmarks.classification`.
+seconds of training. The machinery is :mod:`lightning_dvi_benchmarks.classification`.
 
 Protocols (``--protocol``):
 
@@ -20,11 +20,11 @@ Protocols (``--protocol``):
 * ``cnn``: digits images standardised globally, :class:`lightning_dvi.nn.CNN` (conv 16, 32,
   dense 64) and its plain twin, Adam 3e-3, 60 epochs;
 * ``defaults``: the defaults against a plain network and the old defaults over widths 50-400,
-  depths 1-3, 200 training rows and a 50 000-row synthetic problem (``lightning_dvi.benchmarks``
+  depths 1-3, 200 training rows and a 50 000-row synthetic problem (``lightning_dvi_benchmarks``
   ``.data.synthetic_split``, 10 epochs);
 * ``unseen`` (issue 41, item 4): ``DVIClassifier()``'s defaults (``true_defaults``, 128-128)
   against a plain 128-128 MLP (``plain_128``) on the sets of
-  ``lightning_dvi.benchmarks.data.UNSEEN_SETS`` (``--sets``, default all: ten overlapping
+  ``lightning_dvi_benchmarks.data.UNSEEN_SETS`` (``--sets``, default all: ten overlapping
   classes with label noise, heavily corrupted digits, labels from a random teacher network),
   Adam 3e-3, 60 epochs, with the ECE noise floor in the table; ``--plots DIR`` writes one
   reliability diagram per set (``classification_unseen_<set>.png``, every seed's test rows
@@ -32,7 +32,7 @@ Protocols (``--protocol``):
 
 ``--folds K`` (``mlp``, ``scaled``, ``cnn``): instead of the one split, train every row on
 each of ``K`` stratified folds of all 1797 digits and score the pooled out-of-fold
-predictions (``lightning_dvi.benchmarks.classification.run_row_pooled``), with the ECE a
+predictions (``lightning_dvi_benchmarks.classification.run_row_pooled``), with the ECE a
 perfectly calibrated model would score on as many rows (``ece_floor``).
 """
 
@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_dvi.benchmarks.classification import (
+from lightning_dvi.metrics import classification_summary, ece_noise_floor
+from lightning_dvi_benchmarks.classification import (
     METRICS,
     POOLED_METRICS,
     Row,
@@ -56,7 +57,7 @@ from lightning_dvi.benchmarks.classification import (
     run_row,
     run_row_pooled,
 )
-from lightning_dvi.benchmarks.data import (
+from lightning_dvi_benchmarks.data import (
     UNSEEN_SETS,
     Budget,
     ClassificationSplit,
@@ -64,7 +65,6 @@ from lightning_dvi.benchmarks.data import (
     digits_split,
     synthetic_split,
 )
-from lightning_dvi.metrics import classification_summary, ece_noise_floor
 
 # DVIClassifier's defaults before issues 23 and 26 (the predictive is today's)
 OLD_DEFAULTS = {

@@ -6,7 +6,7 @@
 #
 # The device image already holds torch, Triton, lightning, torchmetrics, numpy, pyarrow, pandas,
 # matplotlib, scikit-learn, PyYAML and typing-extensions (the device tool's list of kinds). The
-# suite's import path (python -m lightning_dvi.benchmarks.gpu_suite, and `lightning-dvi fit`) adds
+# suite's import path (python -m lightning_dvi_benchmarks.gpu_suite, and `lightning-dvi fit`) adds
 # only jsonargparse[signatures]: jsonargparse, docstring-parser and typeshed-client, pure-Python
 # wheels of about 1 MiB together. pyro-ppl is a dependency of the package but no section imports
 # it, so it is not carried (the package is installed with --no-deps). Each wheel is the version

@@ -32,10 +32,10 @@ from lightning.pytorch import Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dvi import DVIClassifier
-from lightning_dvi.benchmarks.torch_resnet import resnet18
 from lightning_dvi.data import DigitsDataModule
 from lightning_dvi.metrics import ClassificationMetrics
 from lightning_dvi.nn import from_torch
+from lightning_dvi_benchmarks.torch_resnet import resnet18
 
 #: name -> (from_torch keyword arguments, DVIClassifier keyword arguments)
 SETTINGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {

@@ -86,7 +86,7 @@ def scores(
 
 def uci_rows(data_dir: str, splits: int = 5) -> None:
     """Test LL of the UCI default protocol's fitted model, scored with both settings."""
-    from lightning_dvi.benchmarks import uci
+    from lightning_dvi_benchmarks import uci
 
     plain_score = uci.score
     scored: list[dict[str, float]] = []

@@ -3,12 +3,12 @@
 One process, ``torch.set_num_threads(1)``; every number is the median CPU time over
 ``--repeats`` samples after warm-up calls (``--device cuda``: wall time between synchronisations,
 peak memory by ``torch.cuda.max_memory_allocated``). Sections (``--sections``): ``steps`` and
-``layer`` (:mod:`lightning_dvi.benchmarks.speed`), ``frontends`` (needs ``--data-dir`` for the
-Lightning epoch), ``compile`` and ``net`` (:mod:`lightning_dvi.benchmarks.speed_net`), ``targets``
-(issue 28's table, CPU only: :mod:`lightning_dvi.benchmarks.speed_targets`), ``cost`` (issue 39's
+``layer`` (:mod:`lightning_dvi_benchmarks.speed`), ``frontends`` (needs ``--data-dir`` for the
+Lightning epoch), ``compile`` and ``net`` (:mod:`lightning_dvi_benchmarks.speed_net`), ``targets``
+(issue 28's table, CPU only: :mod:`lightning_dvi_benchmarks.speed_targets`), ``cost`` (issue 39's
 step-cost table, interleaved, with aten ops and the fixed/arithmetic split:
-:mod:`lightning_dvi.benchmarks.speed_cost`); the harness is
-:mod:`lightning_dvi.benchmarks.timing`. Results and the machine: docs/benchmarks.md.
+:mod:`lightning_dvi_benchmarks.speed_cost`); the harness is
+:mod:`lightning_dvi_benchmarks.timing`. Results and the machine: docs/benchmarks.md.
 
 Run:  python recipes/speed_benchmark.py [--quick] [--device cuda] [--json out.json]
           [--sections steps,layer,frontends,compile,net,targets,cost] [--widths 128,512]
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from lightning_dvi.benchmarks import speed as S
-from lightning_dvi.benchmarks.speed import (  # noqa: F401 - count_ops, peak_memory_mib: tests use them from here
+from lightning_dvi_benchmarks import speed as S
+from lightning_dvi_benchmarks.speed import (  # noqa: F401 - count_ops, peak_memory_mib: tests use them from here
     STEP_METHODS,
     bench_layer,
     bench_steps,
@@ -44,8 +44,8 @@ from lightning_dvi.benchmarks.speed import (  # noqa: F401 - count_ops, peak_mem
     step_ratios,
     table,
 )
-from lightning_dvi.benchmarks.speed_cost import bench_cost, report_cost
-from lightning_dvi.benchmarks.speed_net import (  # noqa: F401 - net_step: tests use it from here
+from lightning_dvi_benchmarks.speed_cost import bench_cost, report_cost
+from lightning_dvi_benchmarks.speed_net import (  # noqa: F401 - net_step: tests use it from here
     NET_METHODS,
     bench_compile,
     bench_lightning,
@@ -54,7 +54,7 @@ from lightning_dvi.benchmarks.speed_net import (  # noqa: F401 - net_step: tests
     net_step,
     report_net,
 )
-from lightning_dvi.benchmarks.speed_targets import bench_targets, report_targets
+from lightning_dvi_benchmarks.speed_targets import bench_targets, report_targets
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -5,17 +5,17 @@ Usage::
     python recipes/uci_benchmark.py --data-dir ../shared/data/uci \
         --dataset boston,concrete --method dvi,mcvi [--splits K] [--output results.json]
 
-A short script over :mod:`lightning_dvi.benchmarks.uci` (the runner: one
+A short script over :mod:`lightning_dvi_benchmarks.uci` (the runner: one
 :class:`lightning_dvi.DVIRegressor` per split through ``lightning.Trainer`` on a
 :class:`lightning_dvi.data.UCIDataModule`, scored in the original units of ``y``) and
-:mod:`lightning_dvi.benchmarks.tables` (the summary and markdown table). ``--preset lbfgs``
+:mod:`lightning_dvi_benchmarks.tables` (the summary and markdown table). ``--preset lbfgs``
 (default): the means fitted as a plain network first (the point-estimate warm start), then
 full-batch L-BFGS on the ELBO, both early-stopped on a 10 % validation carve-out of the training
 rows; ``--preset lbfgs-adam``: a 300-step full-batch Adam phase instead of the warm start (the
 protocol until the seventh pass of issue 31); ``--preset adam8000``: the 8000-step Adam protocol
 of the committed paper-reproduction table. Methods: ``dvi`` (full covariance), ``ddvi`` (diagonal), ``mcvi`` (10 weight samples per
 step, always Adam), ``hodvi`` (homoscedastic), ``dvi-fixed`` (fixed ``N(0, v)`` prior). Every
-field of :class:`~lightning_dvi.benchmarks.uci.Settings` has a flag (``--lr``, ``--patience``
+field of :class:`~lightning_dvi_benchmarks.uci.Settings` has a flag (``--lr``, ``--patience``
 ...), defaulting to the preset's value.
 """
 
@@ -30,8 +30,8 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_dvi.benchmarks.tables import markdown_table
-from lightning_dvi.benchmarks.uci import METHODS, PAPER, PRESETS, Job, make_jobs, run
+from lightning_dvi_benchmarks.tables import markdown_table
+from lightning_dvi_benchmarks.uci import METHODS, PAPER, PRESETS, Job, make_jobs, run
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ Usage::
     python recipes/uci_time_to_quality.py --data-dir ../shared/data/uci --dataset boston \
         --splits 2 --json ttq.json --plot docs/uci_time_to_quality.png
 
-Each point is one step budget of one protocol of :mod:`lightning_dvi.benchmarks.uci`, averaged
+Each point is one step budget of one protocol of :mod:`lightning_dvi_benchmarks.uci`, averaged
 over the splits: ``adam8000`` capped at ``--adam-steps`` (its KL warm-up and cosine schedule
 scale with the cap); ``lbfgs`` (the point-estimate warm start, then L-BFGS on the ELBO) and
 ``lbfgs-adam`` (a 300-step full-batch Adam phase, then L-BFGS) capped at ``--lbfgs-steps``
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_dvi.benchmarks.uci import PRESETS, make_jobs, run
+from lightning_dvi_benchmarks.uci import PRESETS, make_jobs, run
 
 
 def _ints(text: str) -> list[int]:

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from lightning_dvi import Gaussian
-from lightning_dvi.benchmarks.attention import attention_cell
 from lightning_dvi.moments import attention as A
 from lightning_dvi.moments import rms_norm as R
 from lightning_dvi.nn import (
@@ -23,6 +22,7 @@ from lightning_dvi.nn import (
     key_padding,
 )
 from lightning_dvi.nn.attention import DEFAULT_ATTENTION_RULE
+from lightning_dvi_benchmarks.attention import attention_cell
 
 F64 = torch.float64
 

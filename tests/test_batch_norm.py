@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from lightning_dvi import Gaussian
-from lightning_dvi.benchmarks.normalization import batch_rule_independent
 from lightning_dvi.diagnostics import compare_with_monte_carlo
 from lightning_dvi.nn import (
     BatchNorm1d,
@@ -18,6 +17,7 @@ from lightning_dvi.nn import (
     Sequential,
     from_torch,
 )
+from lightning_dvi_benchmarks.normalization import batch_rule_independent
 
 SHAPES = [(nn.BatchNorm1d, (6, 3)), (nn.BatchNorm1d, (6, 3, 5)), (nn.BatchNorm2d, (4, 3, 5, 5))]
 
@@ -356,7 +356,7 @@ def test_a_saved_torch_network_with_batch_norm_loads_as_data(tmp_path):
 
 
 def test_the_rule_benchmark_prints_its_tables(capsys):
-    from lightning_dvi.benchmarks.normalization import main
+    from lightning_dvi_benchmarks.normalization import main
 
     main(["--skip-grid", "--draws", "200"])
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""lightning_dvi.benchmarks: splits, baselines (Laplace against autograd), the DVI row, the table."""
+"""lightning_dvi_benchmarks: splits, baselines (Laplace against autograd), the DVI row, the table."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_dvi.benchmarks import baselines, classification
-from lightning_dvi.benchmarks.baselines import Fitted
-from lightning_dvi.benchmarks.classification import (
+from lightning_dvi_benchmarks import baselines, classification
+from lightning_dvi_benchmarks.baselines import Fitted
+from lightning_dvi_benchmarks.classification import (
     Row,
     markdown_table,
     run_row,
     run_row_pooled,
     summarise,
 )
-from lightning_dvi.benchmarks.data import (
+from lightning_dvi_benchmarks.data import (
     Budget,
     ClassificationSplit,
     digits_folds,

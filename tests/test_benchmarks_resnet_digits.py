@@ -1,4 +1,4 @@
-"""lightning_dvi.benchmarks.resnet_digits: the quick mode's structure, the Laplace adapter, errors.
+"""lightning_dvi_benchmarks.resnet_digits: the quick mode's structure, the Laplace adapter, errors.
 
 Only the ``--quick`` smoke test runs here (a tiny subset, seconds); the results themselves are
 measured by the full command and recorded in docs/benchmarks.md, never asserted.
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dvi.benchmarks import resnet_digits
-from lightning_dvi.benchmarks.baselines import Fitted
-from lightning_dvi.benchmarks.classification import fit_dvi
-from lightning_dvi.benchmarks.data import Budget, ClassificationSplit, digits_split, plain_cnn
-from lightning_dvi.benchmarks.resnet_digits import COLUMNS, Config, as_sequential, main, run
-from lightning_dvi.benchmarks.torch_resnet import ResNet
+from lightning_dvi_benchmarks import resnet_digits
+from lightning_dvi_benchmarks.baselines import Fitted
+from lightning_dvi_benchmarks.classification import fit_dvi
+from lightning_dvi_benchmarks.data import Budget, ClassificationSplit, digits_split, plain_cnn
+from lightning_dvi_benchmarks.resnet_digits import COLUMNS, Config, as_sequential, main, run
+from lightning_dvi_benchmarks.torch_resnet import ResNet
 
 
 def test_as_sequential_is_the_same_function_and_shares_the_modules() -> None:
@@ -120,7 +120,7 @@ def test_whole_network_row_keeps_the_trained_batch_norm_statistics() -> None:
 
 
 def test_step_time_command_reports_both_steps(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_dvi.benchmarks import resnet_step
+    from lightning_dvi_benchmarks import resnet_step
 
     out = resnet_step.main(["--width", "4", "--size", "8", "--batch", "4", "--steps", "1"])
     times = out["times"]

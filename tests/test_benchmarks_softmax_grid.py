@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_dvi.benchmarks import softmax_grid as G
+from lightning_dvi_benchmarks import softmax_grid as G
 
 
 def test_grid_covers_every_cell_with_valid_covariances() -> None:

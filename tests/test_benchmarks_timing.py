@@ -1,4 +1,4 @@
-"""The speed benchmarks' timing harness (lightning_dvi.benchmarks.timing)."""
+"""The speed benchmarks' timing harness (lightning_dvi_benchmarks.timing)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lightning_dvi.benchmarks import timing as T
+from lightning_dvi_benchmarks import timing as T
 
 
 def _busy(seconds: float):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_dvi.benchmarks import baselines
-from lightning_dvi.benchmarks.data import (
+from lightning_dvi_benchmarks import baselines
+from lightning_dvi_benchmarks.data import (
     UNSEEN_SETS,
     Budget,
     ClassificationSplit,

@@ -236,7 +236,7 @@ def _value_and_grads(mean, cov, y) -> tuple[torch.Tensor, ...]:
 
 def test_early_stopped_shift_equals_the_fixed_count(monkeypatch) -> None:
     """The early stop of the shift's Newton steps changes values and gradients by round-off only."""
-    from lightning_dvi.benchmarks import softmax_grid as G
+    from lightning_dvi_benchmarks import softmax_grid as G
 
     cases = list(G.objective_grid(torch.Generator().manual_seed(0), rows=64).values())
     cases += [_digits_like(seed) for seed in (1, 2)]

@@ -1,4 +1,4 @@
-"""The GPU suite (lightning_dvi.benchmarks.gpu_suite, issue 43): its dry run on the CPU, budgets.
+"""The GPU suite (lightning_dvi_benchmarks.gpu_suite, issue 43): its dry run on the CPU, budgets.
 
 The dry run is every section at tiny sizes, each in its own forked process, as the device run
 does it; the budget tests check that a slow section is killed (with what it started) at its
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dvi.benchmarks import gpu_suite as G
+from lightning_dvi_benchmarks import gpu_suite as G
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,7 +197,7 @@ def test_every_compiled_speed_cell_is_compiled_past_dynamos_recompile_limit():
     # columns would be eager times.
     import torch
 
-    from lightning_dvi.benchmarks import speed_net
+    from lightning_dvi_benchmarks import speed_net
 
     compiled = []
 

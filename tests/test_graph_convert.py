@@ -358,7 +358,7 @@ def test_converted_resnet_checkpoint_round_trip_without_the_torch_file(tmp_path)
     from helpers import cpu_trainer
 
     from lightning_dvi import DVIClassifier
-    from lightning_dvi.benchmarks.torch_resnet import resnet18
+    from lightning_dvi_benchmarks.torch_resnet import resnet18
 
     torch.manual_seed(0)
     torch_net = resnet18(num_classes=3, in_channels=1, small_input=True, width=2).eval()

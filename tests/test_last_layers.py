@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dvi.benchmarks.torch_resnet import resnet18
 from lightning_dvi.nn import (
     BayesLinear,
     BayesLinearFullCov,
@@ -19,6 +18,7 @@ from lightning_dvi.nn import (
     parameter_groups,
 )
 from lightning_dvi.nn.last_layers import split
+from lightning_dvi_benchmarks.torch_resnet import resnet18
 
 
 def _resnet(dtype=torch.float64, width=8):

@@ -108,7 +108,7 @@ class _FlatResNet(nn.Module):
 
     def __init__(self, seed: int) -> None:
         super().__init__()
-        from lightning_dvi.benchmarks.torch_resnet import resnet18
+        from lightning_dvi_benchmarks.torch_resnet import resnet18
 
         torch.manual_seed(seed)
         self.resnet = resnet18(num_classes=10, in_channels=1, small_input=True, width=4)

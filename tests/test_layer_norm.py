@@ -8,7 +8,6 @@ from torch import nn
 
 from lightning_dvi import Gaussian
 from lightning_dvi import moments as M
-from lightning_dvi.benchmarks.normalization import layer_norm_cell
 from lightning_dvi.diagnostics import compare_with_monte_carlo
 from lightning_dvi.moments import layer_norm as L
 from lightning_dvi.nn import (
@@ -20,6 +19,7 @@ from lightning_dvi.nn import (
     Sequential,
     from_torch,
 )
+from lightning_dvi_benchmarks.normalization import layer_norm_cell
 
 
 def _affine(module):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dvi.benchmarks.torch_resnet import preact_resnet18, resnet18, resnet50
 from lightning_dvi.nn import BatchNorm2d, GraphNetwork, from_torch
+from lightning_dvi_benchmarks.torch_resnet import preact_resnet18, resnet18, resnet50
 
 F64 = torch.float64
 
@@ -70,7 +70,7 @@ def test_resnet_with_posterior_scale_gives_finite_moments_and_gradients():
 
 
 def test_residual_error_benchmark_measures_the_dropped_cross_term():
-    from lightning_dvi.benchmarks.residual_error import block_error
+    from lightning_dvi_benchmarks.residual_error import block_error
 
     e = block_error("basic", "sum", 0.3, channels=2, num_samples=1_000)
     # the independence rule on an identity-shortcut block (docs/moments.md): small but non-zero

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-from lightning_dvi.benchmarks.speed import make_step
-from lightning_dvi.benchmarks.speed_cost import COST_METHODS, FIXED_SIZE, bench_cost, report_cost
-from lightning_dvi.benchmarks.timing import count_dispatch
+from lightning_dvi_benchmarks.speed import make_step
+from lightning_dvi_benchmarks.speed_cost import COST_METHODS, FIXED_SIZE, bench_cost, report_cost
+from lightning_dvi_benchmarks.timing import count_dispatch
 
 
 def test_cost_rows_report_times_ratios_and_ops():

@@ -8,14 +8,15 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "lightning_dvi"
+# The library and the benchmarks' own distribution (benchmarks/), both type-checked by `mypy`.
+PACKAGES = (ROOT / "lightning_dvi", ROOT / "benchmarks" / "lightning_dvi_benchmarks")
 # `# type: ignore[code, ...]`, two spaces, `# ` and a reason of at least two words
 JUSTIFIED = re.compile(r"# type: ignore\[[a-z-]+(, [a-z-]+)*\]  # \S+ \S+")
 
 
 def _ignores() -> list[tuple[str, str]]:
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(p for package in PACKAGES for p in package.rglob("*.py")):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if "type: ignore" in line:
                 found.append((f"{path.relative_to(ROOT)}:{number}", line.strip()))
@@ -52,3 +53,4 @@ def test_mypy_configuration_is_strict_on_the_package():
     for override in overrides:  # missing stubs may be excused for third-party packages only
         assert not any(m.startswith("lightning_dvi") for m in override["module"]), override
     assert "mypy" in (ROOT / "Makefile").read_text()
+    assert [str(p.relative_to(ROOT)) for p in PACKAGES] == config["files"]

@@ -1,4 +1,4 @@
-"""Fast checks of the UCI benchmark: lightning_dvi.benchmarks.uci/tables and the recipe over them."""
+"""Fast checks of the UCI benchmark: lightning_dvi_benchmarks.uci/tables and the recipe over them."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_dvi.benchmarks import uci
-from lightning_dvi.benchmarks.tables import markdown_table, summarise
+from lightning_dvi_benchmarks import uci
+from lightning_dvi_benchmarks.tables import markdown_table, summarise
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "uci_benchmark.py"
 

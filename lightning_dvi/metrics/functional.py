@@ -229,7 +229,7 @@ def ece_noise_floor(probs: Tensor, n_bins: int = 15, draws: int = 200, seed: int
     value is indistinguishable from perfect calibration on this many rows; two models' ECEs
     are comparable only where they stand above their floors by more than its spread. On the
     360 test digits of the classification benchmark the floor is 0.015-0.021; on 1797 rows
-    (all digits, :func:`~lightning_dvi.benchmarks.data.digits_folds`) 0.007-0.011.
+    (all digits, ``lightning_dvi_benchmarks.data.digits_folds`` in benchmarks/) 0.007-0.011.
 
     Args:
         probs: predictive class probabilities ``[N, K]``.

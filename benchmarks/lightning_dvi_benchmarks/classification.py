@@ -1,8 +1,8 @@
 r"""The side-by-side classification benchmark: DVI rows next to plain, ensemble, dropout, Laplace.
 
 A :class:`Row` names a method and its settings; :func:`run_row` trains it on a
-:class:`~lightning_dvi.benchmarks.data.ClassificationSplit` under a
-:class:`~lightning_dvi.benchmarks.data.Budget` with one seed and returns the test metrics
+:class:`~lightning_dvi_benchmarks.data.ClassificationSplit` under a
+:class:`~lightning_dvi_benchmarks.data.Budget` with one seed and returns the test metrics
 (accuracy, NLL, ECE with 15 bins, Brier score, AURC, the OOD AUROC of the predictive entropy
 against feature-permuted test inputs and, for rows with samples, of the mutual information) and
 the CPU seconds of training. :func:`summarise` turns runs over seeds into mean and standard
@@ -37,8 +37,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..metrics import class_probability_samples, classification_summary, ece_noise_floor
-from ..metrics.functional import reliability_bins
+from lightning_dvi.metrics import class_probability_samples, classification_summary, ece_noise_floor
+from lightning_dvi.metrics.functional import reliability_bins
+
 from . import baselines
 from .baselines import Fitted
 from .data import Budget, ClassificationSplit, plain_cnn, plain_mlp
@@ -123,8 +124,8 @@ def fit_dvi(
     """
     from lightning.pytorch import Trainer, seed_everything
 
-    from ..lightning import DVIClassifier
-    from ..nn import CNN
+    from lightning_dvi.lightning import DVIClassifier
+    from lightning_dvi.nn import CNN
 
     seed_everything(seed, verbose=False)
     settings = {"lr": budget.lr, **row.settings}
@@ -207,7 +208,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """The test metrics of a trained row (see :func:`run_row`), its ``train_s`` and ``best_epoch``.
 
-    The OOD inputs are :meth:`~lightning_dvi.benchmarks.data.ClassificationSplit.ood_inputs`;
+    The OOD inputs are :meth:`~lightning_dvi_benchmarks.data.ClassificationSplit.ood_inputs`;
     rows with ``samples`` also get the mutual-information detector from ``mc_eval`` draws.
     Also ``ece_floor``, the 15-bin ECE a perfectly calibrated model with these predictions
     would score on these test rows (:func:`~lightning_dvi.metrics.ece_noise_floor`, from
@@ -245,7 +246,7 @@ def run_row_pooled(
     """Train ``row`` on every split and score the pooled test predictions as one test set.
 
     For splits whose test sets partition a data set
-    (:func:`~lightning_dvi.benchmarks.data.digits_folds`), every row is scored once, by the
+    (:func:`~lightning_dvi_benchmarks.data.digits_folds`), every row is scored once, by the
     model that did not train on it: accuracy, NLL, ECE, Brier score, AURC and the OOD AUROC of
     the predictive entropy over all the pooled rows (no mutual information: it needs samples
     of every fold's model on the same inputs), the mean ``confidence``, the ECE a perfectly

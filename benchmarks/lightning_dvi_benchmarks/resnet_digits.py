@@ -1,16 +1,16 @@
 r"""The whole path on a small ResNet: a trained network, then post-hoc and Bayesian rows on digits.
 
-A torchvision-shaped ResNet-18 (:func:`~lightning_dvi.benchmarks.torch_resnet.resnet18` with the
+A torchvision-shaped ResNet-18 (:func:`~lightning_dvi_benchmarks.torch_resnet.resnet18` with the
 small-image stem, one input channel, stage widths ``width``, ``2 width``, ``4 width``,
 ``8 width``) is trained deterministically on scikit-learn's digits as ``[1, 8, 8]`` images
-(:func:`~lightning_dvi.benchmarks.data.digits_split` with one global mean and std, 1257 / 180 /
+(:func:`~lightning_dvi_benchmarks.data.digits_split` with one global mean and std, 1257 / 180 /
 360 stratified rows, the split fixed), Adam on the cross-entropy, the weights of the epoch with
 the lowest validation NLL kept. Every other row starts from that trained network:
 
 * ``deterministic``: the network's softmax;
 * ``temperature``: :func:`~lightning_dvi.lightning.temperature.fit_temperature` on the
   validation rows, :math:`p_T = \operatorname{softmax}(\log p / T)`;
-* ``laplace``: :func:`~lightning_dvi.benchmarks.baselines.fit_last_layer_laplace` on ``fc`` (GGN
+* ``laplace``: :func:`~lightning_dvi_benchmarks.baselines.fit_last_layer_laplace` on ``fc`` (GGN
   in full, prior precision on the validation NLL, Monte Carlo over the logit Gaussian);
 * ``dvi_last1``: last-layer DVI, ``from_torch(net, last_layers=1)`` (frozen plain-torch
   backbone, ``fc`` Bayesian with its posterior means at the trained weights), trained by
@@ -32,14 +32,14 @@ the lowest validation NLL kept. Every other row starts from that trained network
 
 Every row reports test accuracy, NLL, ECE (15 bins), the OOD AUROC of the predictive entropy
 against the test images with their 64 pixels shuffled by one fixed permutation
-(:meth:`~lightning_dvi.benchmarks.data.ClassificationSplit.ood_inputs`, the classification
+(:meth:`~lightning_dvi_benchmarks.data.ClassificationSplit.ood_inputs`, the classification
 benchmark's OOD set), and ``train_s``: CPU seconds (``time.process_time``, all threads) of the
 deterministic training for ``deterministic`` and of the extra work after it for every other row.
 Over seeds (initialisation and batch order) the table gives mean ± standard deviation.
 
 Usage::
 
-    python -m lightning_dvi.benchmarks.resnet_digits [--seeds 3] [--quick] [--json out.json]
+    python -m lightning_dvi_benchmarks.resnet_digits [--seeds 3] [--quick] [--json out.json]
         [--markdown out.md] [--width 16] [--epochs 40] [--threads 1]
 """
 
@@ -61,7 +61,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..lightning.temperature import fit_temperature, temper_probs
+from lightning_dvi.lightning.temperature import fit_temperature, temper_probs
+
 from . import baselines
 from .baselines import Fitted
 from .classification import Row, evaluate, fit_dvi, markdown_table, summarise
@@ -173,7 +174,7 @@ class _Features(nn.Module):
 def as_sequential(net: ResNet) -> nn.Sequential:
     """``nn.Sequential(features, fc)`` sharing ``net``'s modules: the same function as ``net``.
 
-    What the last-layer Laplace of :mod:`~lightning_dvi.benchmarks.baselines` takes (a
+    What the last-layer Laplace of :mod:`~lightning_dvi_benchmarks.baselines` takes (a
     sequential network that ends in an ``nn.Linear``).
     """
     return nn.Sequential(_Features(net), net.fc)
@@ -216,7 +217,7 @@ def fit_converted(
     """A DVI row: ``convert`` a copy of the trained ResNet, train it with ``DVIClassifier``.
 
     One training per prior variance of ``config.dvi_prior_variances``, each by
-    :func:`~lightning_dvi.benchmarks.classification.fit_dvi` (``config.dvi_budget``, the best
+    :func:`~lightning_dvi_benchmarks.classification.fit_dvi` (``config.dvi_budget``, the best
     validation epoch kept; ``budget`` overrides it); the variance with the lowest validation
     NLL is the row. Time: every conversion and training (the selection included), not the
     deterministic training.
@@ -266,7 +267,7 @@ def fit_defaults(
 
 def _last_layers(k: int) -> Callable[[ResNet], nn.Module]:
     def convert(net: ResNet) -> nn.Module:
-        from ..nn import from_torch
+        from lightning_dvi.nn import from_torch
 
         return from_torch(net, last_layers=k)
 
@@ -280,7 +281,7 @@ def _whole(net: ResNet) -> nn.Module:
     fine-tunes (``freeze_statistics``): the rule for converted networks, so training and
     evaluation normalise alike.
     """
-    from ..nn import BatchNorm1d, BatchNorm2d, from_torch
+    from lightning_dvi.nn import BatchNorm1d, BatchNorm2d, from_torch
 
     converted = from_torch(net)
     for module in converted.modules():
@@ -402,7 +403,7 @@ def report(
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_dvi.benchmarks.resnet_digits",
+        prog="python -m lightning_dvi_benchmarks.resnet_digits",
         description=__doc__.split("\n", 1)[0] if __doc__ else None,
     )
     parser.add_argument("--seeds", type=int, help="number of seeds 0, 1, ... (default 3, quick 1)")

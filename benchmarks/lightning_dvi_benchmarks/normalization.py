@@ -1,6 +1,6 @@
 r"""Normalization moments against Monte Carlo: the LayerNorm grid and the batch-norm train rule.
 
-``python -m lightning_dvi.benchmarks.normalization`` prints the tables of ``docs/moments.md``
+``python -m lightning_dvi_benchmarks.normalization`` prints the tables of ``docs/moments.md``
 ("Normalization layers").
 
 **LayerNorm grid.** For widths ``D`` and ratios (mean input variance over the spread of the
@@ -42,11 +42,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..diagnostics import compare_with_monte_carlo
-from ..moments import layer_norm as L
-from ..moments import normalization as N
-from ..moments.normalization import BatchRule
-from ..nn import BatchNorm1d, BayesLinear, ReLU, Sequential
+from lightning_dvi.diagnostics import compare_with_monte_carlo
+from lightning_dvi.moments import layer_norm as L
+from lightning_dvi.moments import normalization as N
+from lightning_dvi.moments.normalization import BatchRule
+from lightning_dvi.nn import BatchNorm1d, BayesLinear, ReLU, Sequential
 
 __all__ = [
     "GridError",

@@ -42,7 +42,7 @@ def bench_cost(
     Args:
         rounds: interleaved samples per cell.
         rows: ``(width, batch)`` pairs (default :data:`COST_ROWS`).
-        methods: rows of :data:`lightning_dvi.benchmarks.speed.STEP_METHODS` (the ratios need
+        methods: rows of :data:`lightning_dvi_benchmarks.speed.STEP_METHODS` (the ratios need
             ``"plain MLP"``, ``"dDVI"``, ``"DVI"`` and ``"MCVI S=10"``).
     """
     out = []

@@ -2,9 +2,9 @@
 
 Step ratios of dDVI, DVI, MCVI and Pyro against each other and of every smooth activation
 against ReLU, with and without flush-to-zero, measured as interleaved cells
-(:func:`lightning_dvi.benchmarks.timing.interleaved`: round-robin in one process, ratios the
+(:func:`lightning_dvi_benchmarks.timing.interleaved`: round-robin in one process, ratios the
 median of per-round ratios), the peak RSS of a full-mode step per activation (each in a child
-process, ``python -m lightning_dvi.benchmarks.speed_targets NAME``), and the subnormal values
+process, ``python -m lightning_dvi_benchmarks.speed_targets NAME``), and the subnormal values
 one dDVI step of a tail-heavy network produces. CPU only.
 """
 

@@ -181,7 +181,7 @@ def digits_folds(
     :math:`1797/K` rows) and draws ``num_val`` stratified validation rows from the other folds
     (seeded by ``split_seed + k``); the rest train, and the preprocessing is fitted on them.
     Pooling the test predictions of the :math:`K` splits scores a protocol on every digit once
-    (:func:`~lightning_dvi.benchmarks.classification.run_row_pooled`): with 1797 rows instead
+    (:func:`~lightning_dvi_benchmarks.classification.run_row_pooled`): with 1797 rows instead
     of 360 the 15-bin ECE of a perfectly calibrated model drops from about 0.015-0.021 to
     0.007-0.011 (:func:`~lightning_dvi.metrics.ece_noise_floor`), so calibration differences
     of half a point become measurable.

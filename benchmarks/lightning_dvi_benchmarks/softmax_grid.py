@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..likelihoods import functional as F
-from ..likelihoods import logistic_normal as L
+from lightning_dvi.likelihoods import functional as F
+from lightning_dvi.likelihoods import logistic_normal as L
 
 __all__ = [
     "CLASSES",

@@ -1,13 +1,13 @@
 r"""The image residual-sum approximation against Monte Carlo, on ResNet blocks.
 
-``python -m lightning_dvi.benchmarks.residual_error`` prints the table of ``docs/moments.md``
+``python -m lightning_dvi_benchmarks.residual_error`` prints the table of ``docs/moments.md``
 ("Residual sums in converted networks").
 
 A converted ResNet block computes ``relu(branch(x) + shortcut(x))``. On images (per-pixel
 moments) a :class:`~lightning_dvi.nn.GraphNetwork` sums the two operands as if independent
 (:mod:`lightning_dvi.nn.graph`), dropping :math:`2\operatorname{Cov}(a_i, b_i)` from the
 variance of the sum. This measures what that costs: the block (torchvision-shaped
-:class:`~lightning_dvi.benchmarks.torch_resnet.BasicBlock` or ``Bottleneck`` with BatchNorm in
+:class:`~lightning_dvi_benchmarks.torch_resnet.BasicBlock` or ``Bottleneck`` with BatchNorm in
 eval mode, non-trivial running statistics) is converted with posterior std
 ``scale_fraction * |w|``, fed a diag Gaussian input :math:`x \sim \mathcal N(m, v)`, and its
 diag-mode moments are compared with Monte Carlo over input and weight draws together (the
@@ -29,8 +29,9 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from ..gaussian import Gaussian
-from ..nn import from_torch
+from lightning_dvi.gaussian import Gaussian
+from lightning_dvi.nn import from_torch
+
 from .torch_resnet import BasicBlock, Bottleneck
 
 __all__ = ["BlockError", "block_error", "main"]

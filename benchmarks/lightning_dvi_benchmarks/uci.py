@@ -261,7 +261,7 @@ def make_jobs(
     Raises:
         ValueError: for an unknown method or dataset, or more splits than a dataset has.
     """
-    from ..data.uci import count_uci_splits
+    from lightning_dvi.data.uci import count_uci_splits
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -295,7 +295,7 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
     """Train one split and score it.
 
     ``accelerator`` is the Trainer's: ``"gpu"`` trains on one CUDA device (the GPU suite,
-    :mod:`lightning_dvi.benchmarks.gpu_suite`); scoring runs on the CPU either way.
+    :mod:`lightning_dvi_benchmarks.gpu_suite`); scoring runs on the CPU either way.
 
     Returns:
         ``{"split", "test_ll", "rmse", "seconds", "cpu_seconds", "steps", "adam_steps",
@@ -309,9 +309,9 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
     torch.set_num_threads(1)
     import lightning
 
-    from ..callbacks import PointEstimateWarmStart, RestoreBestWeights
-    from ..data import UCIDataModule
-    from ..lightning import DVIRegressor
+    from lightning_dvi.callbacks import PointEstimateWarmStart, RestoreBestWeights
+    from lightning_dvi.data import UCIDataModule
+    from lightning_dvi.lightning import DVIRegressor
 
     _quiet()
     start, cpu_start = time.perf_counter(), time.process_time()

@@ -5,18 +5,18 @@ global deadline, and writes everything to one JSON file under ``$OUT`` as it goe
 
 * ``environment``: GPU model, count and memory, driver, torch/CUDA/cuDNN/Triton/Lightning
   versions, the TF32 settings the process started with;
-* ``speed``: the speed benchmark's GPU section (:func:`~lightning_dvi.benchmarks.speed_net.net_cell`):
+* ``speed``: the speed benchmark's GPU section (:func:`~lightning_dvi_benchmarks.speed_net.net_cell`):
   the 3-layer net ``BayesLinear(d, d)-ReLU-BayesLinear(d, d)-ReLU-BayesLinear(d, 2)`` at
   d = 128-2048, batch 128, forward + backward, for the plain ``torch.nn`` MLP, full DVI, dDVI,
   MCVI with S = 1, 10, 100 and local reparameterisation, eager and compiled (inductor), with
   the peak memory (``torch.cuda.max_memory_allocated``) and the aten ops, host reads and CUDA
   kernels (``torch.profiler``) of one step; plus full DVI at d = 1024 with TF32 matmuls;
 * ``uci_fit``: a UCI-size fit, the UCI benchmark's default protocol
-  (:func:`~lightning_dvi.benchmarks.uci.run_job`: ``DVIRegressor`` under a Lightning
+  (:func:`~lightning_dvi_benchmarks.uci.run_job`: ``DVIRegressor`` under a Lightning
   ``Trainer(accelerator="gpu")``) on a synthetic 1,000 x 13 table in the UCI layout;
 * ``resnet``: one training epoch of 10,000 CIFAR-shaped images (``[3, 32, 32]``, random) of a
   ResNet-18 (width 64, CIFAR stem), whole-network dDVI against the same plain network
-  (:mod:`~lightning_dvi.benchmarks.resnet_step`);
+  (:mod:`~lightning_dvi_benchmarks.resnet_step`);
 * ``cli``: ``lightning-dvi fit --config recipes/csv_regression.yaml`` on a generated CSV with
   ``--trainer.accelerator gpu --trainer.devices 1``, a real subprocess; ``cli_ddp``: the same
   with ``--trainer.strategy ddp`` over every GPU where there are several (skipped on one).
@@ -33,7 +33,7 @@ The JSON is rewritten after every section and every second while one runs.
 ``--dry-run`` runs every section at tiny sizes on the CPU (width 8, a few images, one epoch, no
 compiled cells, the CLI called in-process, no DDP): the test suite runs it. Usage::
 
-    python -m lightning_dvi.benchmarks.gpu_suite [--dry-run] [--out DIR]
+    python -m lightning_dvi_benchmarks.gpu_suite [--dry-run] [--out DIR]
         [--sections environment,speed,uci_fit,resnet,cli,cli_ddp] [--deadline-s 450]
         [--budget speed=300 ...] [--isolate fork|none]
 
@@ -94,7 +94,7 @@ SPEED_METHODS = (
     "MCVI S=100",
     "local reparam",
 )
-"""The speed section's methods (rows of :data:`~lightning_dvi.benchmarks.speed_net.NET_METHODS`)."""
+"""The speed section's methods (rows of :data:`~lightning_dvi_benchmarks.speed_net.NET_METHODS`)."""
 
 _STATUSES_OK = ("ok", "partial", "skipped")
 
@@ -899,7 +899,7 @@ def summary(result: Mapping[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status (1 if a section failed or timed out)."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_dvi.benchmarks.gpu_suite",
+        prog="python -m lightning_dvi_benchmarks.gpu_suite",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -946,7 +946,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / JSON_NAME
     result: dict[str, Any] = {
-        "suite": "lightning_dvi.benchmarks.gpu_suite",
+        "suite": "lightning_dvi_benchmarks.gpu_suite",
         "dry_run": bool(args.dry_run),
         "argv": list(sys.argv[1:] if argv is None else argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -963,8 +963,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     # Import what the sections use once, here (no CUDA initialisation): forked sections inherit
     # it. A missing dependency shows up as the failing section's error instead.
-    for module in ("lightning_dvi.benchmarks.speed_net", "lightning_dvi.lightning",
-                   "lightning_dvi.benchmarks.uci", "lightning_dvi.benchmarks.resnet_step",
+    for module in ("lightning_dvi_benchmarks.speed_net", "lightning_dvi.lightning",
+                   "lightning_dvi_benchmarks.uci", "lightning_dvi_benchmarks.resnet_step",
                    "lightning_dvi.cli"):  # fmt: skip
         with contextlib.suppress(ImportError):
             importlib.import_module(module)

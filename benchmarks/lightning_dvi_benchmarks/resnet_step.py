@@ -2,7 +2,7 @@ r"""CPU time of one training step of a ResNet-18: deterministic against whole-ne
 
 A data point for issue 29's time question (cuTAGI reports 142.6 s per CIFAR-10 epoch of a
 ResNet-18 on a GPU; this package's GPU time is unmeasured until a GPU is lent). Both steps
-train the same torchvision-shaped ResNet-18 (:func:`~lightning_dvi.benchmarks.torch_resnet.resnet18`
+train the same torchvision-shaped ResNet-18 (:func:`~lightning_dvi_benchmarks.torch_resnet.resnet18`
 with the small-image stem, ``width`` channels in the first stage, 3 input channels) on one
 synthetic batch of ``[batch, 3, size, size]`` images with Adam:
 
@@ -18,7 +18,7 @@ changes hit both alike.
 
 Usage::
 
-    python -m lightning_dvi.benchmarks.resnet_step [--width 64] [--size 32] [--batch 32]
+    python -m lightning_dvi_benchmarks.resnet_step [--width 64] [--size 32] [--batch 32]
         [--steps 3] [--threads 1]
 """
 
@@ -61,10 +61,10 @@ def ddvi_step(
     the categorical bound over 10 classes, a Gaussian prior, :math:`N` = ``num_data``; the
     converted network is moved to ``device`` before its optimiser is built.
     """
-    from ..likelihoods import Categorical
-    from ..nn import BatchNorm1d, BatchNorm2d, from_torch
-    from ..objective import elbo
-    from ..priors import GaussianPrior
+    from lightning_dvi.likelihoods import Categorical
+    from lightning_dvi.nn import BatchNorm1d, BatchNorm2d, from_torch
+    from lightning_dvi.objective import elbo
+    from lightning_dvi.priors import GaussianPrior
 
     converted = from_torch(net)
     for module in converted.modules():
@@ -131,7 +131,7 @@ def step_seconds(
 
 def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     """The command line: print the median CPU seconds per step and their ratio."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_dvi.benchmarks.resnet_step")
+    parser = argparse.ArgumentParser(prog="python -m lightning_dvi_benchmarks.resnet_step")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32)

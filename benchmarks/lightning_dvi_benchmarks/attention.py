@@ -1,6 +1,6 @@
 r"""Attention-weight rules against Monte Carlo over weights and inputs (``docs/transformers.md``).
 
-``python -m lightning_dvi.benchmarks.attention`` prints the table.
+``python -m lightning_dvi_benchmarks.attention`` prints the table.
 
 One multi-head self-attention layer (:func:`lightning_dvi.moments.attention.self_attention_moments`)
 with ``T = 6`` tokens of width ``D = 8``, ``H = 2`` heads, causal; projection weight means
@@ -27,7 +27,7 @@ from typing import cast
 
 import torch
 
-from ..moments import attention as A
+from lightning_dvi.moments import attention as A
 
 __all__ = ["AttentionCell", "attention_cell", "main"]
 

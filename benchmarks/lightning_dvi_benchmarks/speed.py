@@ -6,9 +6,9 @@ S = 1/10/100 weight draws, local reparameterisation, and Pyro's ``AutoNormal`` (
 :func:`pyro_step`). The ``layer`` section times one ``BayesLinear(d, d) + ReLU`` forward for a
 batch of 10 and finds where DVI and MCVI cost the same (:func:`crossovers`).
 
-Times come from :mod:`lightning_dvi.benchmarks.timing` on :data:`DEVICE` (set by the recipe's
+Times come from :mod:`lightning_dvi_benchmarks.timing` on :data:`DEVICE` (set by the recipe's
 ``--device``): CPU-time medians on a CPU, synchronised wall time on CUDA. The ``frontends``,
-``compile`` and ``net`` sections are in :mod:`lightning_dvi.benchmarks.speed_net`.
+``compile`` and ``net`` sections are in :mod:`lightning_dvi_benchmarks.speed_net`.
 """
 
 from __future__ import annotations
@@ -76,17 +76,17 @@ DEVICE = torch.device("cpu")
 
 
 def time_call(fn: Callable[[], Any], repeats: int = 15, warmup: int = 3) -> float:
-    """:func:`lightning_dvi.benchmarks.timing.time_call` on :data:`DEVICE`."""
+    """:func:`lightning_dvi_benchmarks.timing.time_call` on :data:`DEVICE`."""
     return T.time_call(fn, repeats, warmup, device=DEVICE)
 
 
 def peak_memory_mib(fn: Callable[[], Any]) -> float:
-    """:func:`lightning_dvi.benchmarks.timing.peak_memory_mib` on :data:`DEVICE`."""
+    """:func:`lightning_dvi_benchmarks.timing.peak_memory_mib` on :data:`DEVICE`."""
     return T.peak_memory_mib(fn, device=DEVICE)
 
 
 def count_dispatch(fn: Callable[[], Any], cuda_kernels: bool | None = None) -> dict[str, int]:
-    """:func:`~lightning_dvi.benchmarks.timing.count_dispatch`; CUDA kernels on a CUDA device."""
+    """:func:`~lightning_dvi_benchmarks.timing.count_dispatch`; CUDA kernels on a CUDA device."""
     return T.count_dispatch(fn, DEVICE.type == "cuda" if cuda_kernels is None else cuda_kernels)
 
 

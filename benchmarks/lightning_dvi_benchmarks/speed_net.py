@@ -5,7 +5,7 @@
 moment kernels and of a training step. ``net``: the GPU table of docs/benchmarks.md, a 3-layer
 net ``BayesLinear(d, d)-ReLU-BayesLinear(d, d)-ReLU-BayesLinear(d, 2)``, batch 128, forward +
 backward of ``sum(mean) + sum(cov)``, every method eager and compiled, with peak memory.
-Everything runs on :data:`lightning_dvi.benchmarks.speed.DEVICE`.
+Everything runs on :data:`lightning_dvi_benchmarks.speed.DEVICE`.
 """
 
 from __future__ import annotations
