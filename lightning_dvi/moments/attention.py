@@ -29,7 +29,7 @@ with a block weight matrix so that every head reads its own :math:`z^h`). Across
 :math:`\operatorname{Cov}(z^h_i, z^{h'}_i) = \sum_j \bar A^h_{ij}\bar A^{h'}_{ij} S_j` (the heads'
 attention weights are taken independent).
 
-**Two rules for the attention weights** (``rule``):
+**Rules for the attention weights** (``rule``):
 
 * ``"mean"`` (SUQ, Dong et al. 2025): :math:`\bar A = \operatorname{softmax}(E[q]^\top E[k]
   /\sqrt d)` and :math:`A` is treated as deterministic; all variance is carried by the values.
@@ -51,8 +51,18 @@ attention weights are taken independent).
   softmax Jacobian :math:`J = \operatorname{diag}(p) - pp^\top` at :math:`p = E[A_{i\cdot}]`
   (the delta method for the second moments). The pairwise form costs :math:`O(T^3)` per head
   and example.
+* ``"delta"``: as ``"mean_field"`` with :math:`E[A_{i\cdot}]` by the second-order delta method
+  (:func:`lightning_dvi.likelihoods.functional.categorical_delta_predictive`).
+* ``"unscented"`` (the default of :class:`lightning_dvi.nn.MultiheadAttention`): the same score
+  moments; :math:`E[A_{i\cdot}]` **and** :math:`\operatorname{Cov}(A_{i\cdot})` by three-point
+  Gauss-Hermite quadrature along each principal axis of :math:`\operatorname{Cov}(s_{i\cdot})`
+  (:func:`unscented_softmax`: exact to degree 3 and for the pure fourth and fifth powers along
+  each axis, where the delta method stops at degree 2 for the mean and 1 for the covariance).
+  :math:`\operatorname{Cov}(A_{i\cdot}) = F_iF_i^\top` with :math:`2T_k` factor columns
+  (against :math:`T_k + d + D + 1` for :math:`J[\operatorname{diag}(\sigma), U]`), so it is
+  cheaper than ``"mean_field"`` past a few tokens, despite an eigendecomposition per row.
 
-At zero variance both rules are exactly softmax attention. Masked keys (``causal``,
+At zero variance every rule are exactly softmax attention. Masked keys (``causal``,
 ``key_padding_mask``) get attention weight exactly zero and no variance. Measured against Monte
 Carlo over weights and inputs in ``docs/transformers.md``.
 
@@ -87,8 +97,8 @@ __all__ = [
     "value_weights",
 ]
 
-AttentionRule = Literal["mean", "delta", "mean_field"]
-ATTENTION_RULES: tuple[str, ...] = ("mean", "delta", "mean_field")
+AttentionRule = Literal["mean", "delta", "mean_field", "unscented"]
+ATTENTION_RULES: tuple[str, ...] = ("mean", "delta", "mean_field", "unscented")
 
 # A masked score is placed this far below its row's smallest real score (before the probit
 # scaling): exp(-60) is 1e-26 relative, and nothing overflows (unlike -inf, whose differences
@@ -118,12 +128,16 @@ class AttentionWeights(NamedTuple):
         score_var: :math:`\sigma^2_{ij}`, the per-key part of the score covariance.
         shared: :math:`U_{i,jr}` ``[B, H, T_q, T_k, d]``, its low-rank part
             :math:`\operatorname{Cov}(s_{i\cdot}) = \operatorname{diag}(\sigma^2_{i\cdot}) + U_iU_i^\top`.
+        factors: :math:`F_i` ``[B, H, T_q, T_k, K]`` with
+            :math:`\operatorname{Cov}(A_{i\cdot}) \approx F_iF_i^\top` (rule ``"unscented"``);
+            ``None``: the delta method's :math:`J_i[\operatorname{diag}(\sigma_{i\cdot}), U_i]`.
     """
 
     mean: Tensor
     var: Tensor | None
     score_var: Tensor | None
     shared: Tensor | None
+    factors: Tensor | None = None
 
 
 def attention_mask(
@@ -198,11 +212,11 @@ def attention_weights(
         k_var: the key variances that are independent from key to key (from the tokens' own
             variance), same shape.
         rule: ``"mean"`` (softmax of the mean scores; :math:`A` deterministic) or
-            ``"mean_field"`` (module docstring).
+            ``"mean_field"``, ``"delta"`` or ``"unscented"`` (module docstring).
         allowed: ``[B or 1, 1, T_q, T_k]`` bool (:func:`attention_mask`) or ``None``.
         same_token: :math:`\operatorname{tr}\operatorname{Cov}(q_i, k_i)` per head
             ``[B, H, T]`` (self-attention: query and key of a token share its input), added to
-            the diagonal mean scores by ``"mean_field"``; ``None``: zero.
+            the diagonal mean scores by the rules other than ``"mean"``; ``None``: zero.
         key_shared: further columns of :math:`U_i` ``[B, H, T_q, T_k, R]``: the score
             covariance that the key weights shared by all keys induce (see
             :func:`self_attention_moments`); ``None``: none.
@@ -237,6 +251,15 @@ def attention_weights(
         score_var = _masked(score_var, allowed, 0.0)
         shared = shared * allowed.unsqueeze(-1)
     cov = torch.diag_embed(score_var) + shared @ shared.transpose(-1, -2)
+    if rule == "unscented":
+        keys = None if allowed is None else allowed.expand_as(mean_scores)
+        p, factors = unscented_softmax(mean_scores, cov, keys)
+        if allowed is not None:
+            p = p * allowed
+            factors = factors * allowed.unsqueeze(-1)
+        p = flush(p)
+        var = flush((factors * factors).sum(-1))
+        return AttentionWeights(p, var, score_var, shared, factors)
     if rule == "delta":
         p = categorical_delta_predictive(mean_scores, cov)
     else:
@@ -246,6 +269,89 @@ def attention_weights(
         p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
     p = flush(p)
     return AttentionWeights(p, fluctuation_var(p, score_var, shared), score_var, shared)
+
+
+_ROOT3 = math.sqrt(3.0)
+
+
+def principal_factor(cov: Tensor) -> Tensor:
+    r"""A square root :math:`L` of :math:`C` ``[..., K, K]`` whose columns are its principal axes.
+
+    :math:`L = Q\,(\operatorname{diag}(s) + O/(s_k + s_l))` with :math:`Q` the eigenvectors of
+    :math:`C` (**detached**: no gradient flows through the eigendecomposition, whose derivative
+    is unbounded at repeated eigenvalues), :math:`B = Q^\top CQ`, :math:`s = \sqrt{B_{kk}}` and
+    :math:`O` the off-diagonal part of :math:`B` (zero up to rounding). The value is
+    :math:`Q\operatorname{diag}(\sqrt\lambda)`; the derivative of :math:`LL^\top` is exactly
+    :math:`dC` (the first-order symmetric square root of :math:`B` about its diagonal), so
+    everything of second order in :math:`C` has its exact gradient, and only the axes'
+    dependence on :math:`C` is dropped.
+    """
+    with torch.no_grad():
+        q = torch.linalg.eigh(cov)[1]
+    b = q.transpose(-1, -2) @ cov @ q
+    s = _sqrt(b.diagonal(0, -2, -1).clamp_min(0))
+    off = b - torch.diag_embed(b.diagonal(0, -2, -1))
+    pair = s.unsqueeze(-1) + s.unsqueeze(-2)
+    tol = torch.finfo(cov.dtype).eps ** 0.5 * pair.amax((-1, -2), keepdim=True)
+    ok = pair > tol.clamp_min(torch.finfo(cov.dtype).tiny)
+    root = torch.diag_embed(s) + torch.where(ok, off / torch.where(ok, pair, 1.0), 0.0)
+    return q @ root
+
+
+def unscented_softmax(
+    mean: Tensor, cov: Tensor, allowed: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    r"""Mean and covariance factors of :math:`\operatorname{softmax}(s)`, :math:`s \sim \mathcal N(\mu, C)`.
+
+    Three-point Gauss-Hermite along each principal axis :math:`l_k` of :math:`C`
+    (:func:`principal_factor`), anchored at the mean: with :math:`f = \operatorname{softmax}`,
+    :math:`f_0 = f(\mu)` and :math:`f_k^\pm = f(\mu \pm \sqrt3\,l_k)`,
+
+    .. math::
+        E[f(s)] \approx f_0 + \sum_k \tfrac16\,(f_k^+ + f_k^- - 2f_0),\qquad
+        \operatorname{Cov}(f(s)) \approx \sum_k \big(u_ku_k^\top/12 + c_kc_k^\top/18\big),
+
+    :math:`u_k = f_k^+ - f_k^-`, :math:`c_k = f_k^+ + f_k^- - 2f_0` (the three-point rule's
+    variance along :math:`l_k`). This is the unscented transform with :math:`\kappa = 3 - K`
+    on the principal axes: exact for every polynomial of degree 3 and for the pure
+    fourth and fifth powers along each axis, where the delta method
+    (:func:`~lightning_dvi.likelihoods.functional.categorical_delta_predictive`, and
+    :math:`JCJ` for the covariance) stops at degree 2 and 1; only products of
+    powers of two axes of total degree 4 and up are missed (that is why the axes are the
+    principal ones, not any factor of :math:`C`). Cost: an eigendecomposition and
+    :math:`2K` softmaxes of length :math:`K` per row.
+
+    The softmax ignores a shift of every score by the same amount, so :math:`C` is first
+    centred, :math:`PCP^\top` with :math:`P = I - \mathbb 1_a a^\top` (:math:`a` the allowed
+    keys' indicator over their number): the result is then exactly invariant to such a shift
+    (a key bias's noise), which would otherwise tilt the axes.
+
+    Args:
+        mean: score means ``[..., K]``.
+        cov: score covariances ``[..., K, K]``.
+        allowed: ``[..., K]`` bool, the keys that are not masked (their scores have no
+            variance and lie far below the others); ``None``: every key.
+
+    Returns:
+        ``(mean [..., K], factors [..., K, 2K])``: the probabilities (non-negative, summing to
+        one) and :math:`F` with :math:`\operatorname{Cov} \approx FF^\top`.
+    """
+    keys = torch.ones_like(mean) if allowed is None else allowed.to(mean.dtype)
+    avg = keys / keys.sum(-1, keepdim=True).clamp_min(1)
+    row = cov @ avg.unsqueeze(-1)  # C a: [..., K, 1]
+    both = avg.unsqueeze(-2) @ row  # a^T C a
+    lift = keys.unsqueeze(-1)
+    cov = cov - lift @ row.mT - row @ lift.mT + lift @ both @ lift.mT
+    axes = principal_factor(cov).transpose(-1, -2)  # [..., K axes, K keys]
+    centre = torch.softmax(mean, -1)
+    shifted = mean.unsqueeze(-2)
+    plus = torch.softmax(shifted + _ROOT3 * axes, -1)
+    minus = torch.softmax(shifted - _ROOT3 * axes, -1)
+    curve = plus + minus - 2 * centre.unsqueeze(-2)
+    p = (centre + curve.sum(-2) / 6).clamp_min(0)
+    p = p / p.sum(-1, keepdim=True)
+    factors = torch.cat([(plus - minus) / math.sqrt(12.0), curve / math.sqrt(18.0)], -2)
+    return p, factors.transpose(-1, -2)
 
 
 def fluctuation_var(p: Tensor, score_var: Tensor, shared: Tensor) -> Tensor:
@@ -270,6 +376,8 @@ def weight_fluctuation_factors(weights: AttentionWeights, mean: Tensor) -> Tenso
     :math:`F_i = [G^\top\operatorname{diag}(\sigma); G^\top U]`, ``[B, H, T_q, D, T_k + R]``;
     ``None`` when the weights are deterministic.
     """
+    if weights.factors is not None:
+        return torch.einsum("bhijk,bjc->bhick", weights.factors, mean)
     if weights.var is None or weights.score_var is None or weights.shared is None:
         return None
     g = _jacobian_times(weights.mean, mean.unsqueeze(1))  # [B, H, Tq, Tk, D]
@@ -493,6 +601,14 @@ def _weights_and_heads(
     if query.w_var is not None:
         q_weight_var = q_weight_var + var @ query.w_var.transpose(-1, -2)
     vqw = split_heads(q_weight_var, heads)
+    if rule == "unscented":  # the weights' fluctuation alone, by the same rule
+        alone = attention_weights(
+            qh, vqw, kh, torch.zeros_like(kh),
+            rule=rule, allowed=allowed, same_token=same, key_shared=key_shared,
+        )  # fmt: skip
+        zero = torch.zeros_like(weights.mean)
+        assert alone.var is not None and alone.shared is not None
+        return AttentionWeights(weights.mean, alone.var, zero, alone.shared, alone.factors), qh, kh
     parts = [kh.unsqueeze(-3) * _sqrt(vqw / d).unsqueeze(-2)]
     if key_shared is not None:
         parts.append(key_shared)
@@ -593,6 +709,37 @@ def _input_through_heads(
     return cross + quad
 
 
+def _query_path_through_heads(
+    p: Tensor,
+    parts: tuple[Tensor, Tensor, Tensor],
+    kh: Tensor,
+    query: ProjectionMoments,
+    var: Tensor,
+    c_heads: Tensor,
+) -> Tensor:
+    r"""The output variance from the query path :math:`R_i` of :math:`\partial z_i/\partial x_i`, all heads together.
+
+    A token moves its own attention weights through its query. With
+    :math:`K_i = \sum_h C^h(p^h_{ii}I + G^h_{ii}g^{h\top}_i)` (counted by the caller) and
+    :math:`Q_i = \sum_h C^hR^h_i = \sum_h\sum_l (C^hG^h_{il})\tilde k^{h\top}_l`
+    (:math:`\tilde k_l = M_q^{h\top}\bar k_l/\sqrt d`), the output's Jacobian in :math:`x_i` is
+    :math:`K_i + Q_i` and what :math:`Q_i` adds to its diagonal variance is
+    :math:`\operatorname{diag}(Q_iS_iQ_i^\top + 2K_iS_iQ_i^\top)`, with the correlations
+    that :math:`R_i` gives the features of :math:`z_i` (dropping them, as a diagonal
+    :math:`z`, misses outputs where the token's variance cancels). ``[B, T_q, D_out]``.
+    """
+    g_big, g, _ = parts
+    heads, d = kh.shape[1], kh.shape[-1]
+    k_tilde = torch.einsum("bhlr,hrc->bhlc", kh, query.w_loc.reshape(heads, d, -1)) / math.sqrt(d)
+    a = torch.einsum("khc,bhilc->bihlk", c_heads, g_big)  # C^h G^h_il: [B, Tq, H, Tk, D_out]
+    q_path = torch.einsum("bihlk,bhlc->bikc", a, k_tilde)  # [B, Tq, D_out, D]
+    own = a.diagonal(0, 1, 3).permute(0, 3, 2, 1)  # C^h G^h_ii: [B, T, D_out, H]
+    p_ii = p.diagonal(0, -2, -1).transpose(1, 2)  # [B, T, H]
+    k_i = torch.einsum("bih,khc->bikc", p_ii, c_heads)
+    k_i = k_i + torch.einsum("bikh,bhic->bikc", own, g)
+    return ((q_path * q_path + 2 * k_i * q_path) * var.unsqueeze(-2)).sum(-1)
+
+
 def input_jacobian_full(
     weights: AttentionWeights, parts: tuple[Tensor, Tensor, Tensor], cov: Tensor
 ) -> Tensor:
@@ -620,7 +767,7 @@ def self_attention_weights(
     key: ProjectionMoments,
     *,
     heads: int,
-    rule: AttentionRule = "mean_field",
+    rule: AttentionRule = "unscented",
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
 ) -> AttentionWeights:
@@ -637,7 +784,7 @@ def self_attention_moments(
     output: ProjectionMoments,
     *,
     heads: int,
-    rule: AttentionRule = "mean_field",
+    rule: AttentionRule = "unscented",
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -658,7 +805,8 @@ def self_attention_moments(
         value: the value projection's.
         output: the output projection's.
         heads: :math:`H`, dividing the projections' output width.
-        rule: ``"mean"`` (SUQ) or ``"mean_field"``.
+        rule: ``"mean"`` (SUQ), ``"delta"``, ``"mean_field"`` or ``"unscented"`` (module
+            docstring).
         causal: mask keys after the query.
         key_padding_mask: ``[B, T]`` bool, ``True`` where a token is padding.
 
@@ -695,12 +843,14 @@ def self_attention_moments(
     minus: Tensor | None = None
     weight_factors = factors
     parts: tuple[Tensor, Tensor, Tensor] | None = None
+    query_path: Tensor | None = None
     if coupling is not None:
         assert var is not None
         zm = zm + coupling
         parts = _jacobian_parts(weights, qh, kh, query, key, mean)
         extra, input_factors, minus = input_jacobian_diag(weights, parts, var)
         zv = zv + extra
+        query_path = extra.transpose(1, 2).flatten(-2)
         factors = input_factors if factors is None else torch.cat([factors, input_factors], -1)
     z_mean, z_var = zm.transpose(1, 2).flatten(-2), zv.transpose(1, 2).flatten(-2)
     # The value and output projections are two linear maps in a row: their mean weights act as
@@ -742,6 +892,8 @@ def self_attention_moments(
     a = weights.mean
     same = (a * a) @ token_var.unsqueeze(1)  # [B, H, Tq, D]
     rest = z_var - same.transpose(1, 2).flatten(-2)
+    if query_path is not None:  # carried with its correlations below
+        rest = rest - query_path
     out_var = out_var + rest @ (combined * combined).transpose(-1, -2)
     c_heads = combined.reshape(combined.shape[0], heads, -1)  # [D_out, H, D]
     pair = torch.einsum("bhij,bgij,bjc->bihgc", a, a, token_var)
@@ -753,6 +905,7 @@ def self_attention_moments(
         out_var = out_var + (fout * fout).sum(-1)
     if parts is not None:  # the tokens' variance through every head at once
         out_var = out_var + _input_through_heads(a, parts, token_var, c_heads)
+        out_var = out_var + _query_path_through_heads(a, parts, kh, query, token_var, c_heads)
     return flush(out_mean), flush(out_var.clamp_min(0))
 
 

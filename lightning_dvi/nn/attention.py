@@ -42,8 +42,8 @@ __all__ = [
     "key_padding",
 ]
 
-DEFAULT_ATTENTION_RULE: A.AttentionRule = "mean_field"
-"""The attention-weight rule used unless one is given (chosen by ``recipes/attention_rules.py``)."""
+DEFAULT_ATTENTION_RULE: A.AttentionRule = "unscented"
+"""The attention-weight rule used unless one is given (chosen by the table in ``docs/transformers.md``)."""
 
 _PADDING: ContextVar[Tensor | None] = ContextVar("lightning_dvi_key_padding", default=None)
 _MC = ("sample", "local")
@@ -158,7 +158,8 @@ class MultiheadAttention(BayesModule):
     :math:`\operatorname{MHA}(x) = W_o\,[\operatorname{softmax}(q^hk^{h\top}/\sqrt d)\,v^h]_h + b_o`
     with :math:`q = W_qx + b_q` etc. on inputs ``[B, T, D]``; moments by
     :func:`~lightning_dvi.moments.attention.self_attention_moments` (``rule``: ``"mean"`` is
-    SUQ's, ``"mean_field"`` and ``"delta"`` carry the attention weights' uncertainty).
+    SUQ's; ``"unscented"``, the default, ``"mean_field"`` and ``"delta"`` carry the attention
+    weights' uncertainty).
 
     Args:
         embed_dim: :math:`D`.
