@@ -129,13 +129,14 @@ class AllowList(Generic[_T]):
         Raises:
             ValueError: if ``cls`` is not a subclass of :attr:`base`.
         """
+        given = cls  # returned as given (the check below narrows ``cls``)
         if not (isinstance(cls, type) and issubclass(cls, self.base)):
             raise ValueError(
                 f"{self.register_hint} takes a {self.base.__name__} subclass, got {cls!r}"
             )
         for path in self.paths(cls):
             self.registered[path] = cls
-        return cls
+        return given
 
     def lookup(self, class_path: object, where: str) -> type[_T]:
         """The allowed class named ``class_path``, looked up by name (nothing is imported).

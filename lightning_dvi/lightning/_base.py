@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torchmetrics import MetricCollection
 from typing_extensions import Self
 
-from ..compile import CompiledELBO, compile_options
+from ..compile import CompiledELBO
 from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode
 from ..likelihoods import Likelihood
 from ..nn import BayesModule, HasPosterior, bayes_layers
@@ -47,6 +47,7 @@ from ._modes import enter_train_mode
 from ._network import MLP_ARGUMENTS, MLPConfig, UnbuiltNetwork, primitive, setup_network
 from ._validation import one_of, optional_positive_int, positive_float, positive_int, sampling
 from .checkpoint import load_checkpoint_data
+from .compile_auto import CompileAuto, compile_setting
 from .lbfgs import LBFGSSupervisor, global_loss_value
 
 __all__ = ["DVIModule", "logs_this_step"]
@@ -146,6 +147,9 @@ class DVIModule(LightningModule):
         compile: run the ELBO's hot path (network, likelihood, KL) through ``torch.compile``:
             ``True``, or a ``torch.compile`` mode such as ``"reduce-overhead"`` (CUDA graphs);
             value checks stay on, outside the compiled region (:mod:`lightning_dvi.compile`).
+            ``"auto"`` times the first eager steps and compiles only when the planned steps
+            pay for the compile (:mod:`lightning_dvi.lightning.compile_auto`; the decision is
+            logged).
         optimizer: ``"adam"`` (default) or ``"lbfgs"``: L-BFGS with a strong-Wolfe line search,
             for the deterministic objective of ``full``/``diag`` mode on full (or large, fixed)
             batches; one optimisation step runs up to ``lbfgs_iterations`` iterations. It takes
@@ -222,7 +226,7 @@ class DVIModule(LightningModule):
         scale_lr: float | None = None,
     ) -> None:
         super().__init__()
-        self._compile = compile_options(compile)  # validated here; applied in _elbo
+        self._compile, self._compile_auto = compile_setting(compile)  # validated; used in _elbo
         self.mode, self.num_samples = sampling(mode, num_samples)
         self.num_data = optional_positive_int("num_data (the training-set size N)", num_data)
         self.optimiser_config = OptimiserConfig(
@@ -550,8 +554,17 @@ class DVIModule(LightningModule):
             self.convergence.add(outputs["loss"])
 
     def configure_callbacks(self) -> list[Callback]:
-        """:class:`~lightning_dvi.lightning.lbfgs.LBFGSSupervisor` under ``optimizer="lbfgs"``."""
-        return [LBFGSSupervisor()] if self.optimiser_config.optimizer == "lbfgs" else []
+        """The callbacks the module's settings add.
+
+        :class:`~lightning_dvi.lightning.lbfgs.LBFGSSupervisor` under ``optimizer="lbfgs"``,
+        :class:`~lightning_dvi.lightning.compile_auto.CompileAuto` under ``compile="auto"``.
+        """
+        callbacks: list[Callback] = []
+        if self.optimiser_config.optimizer == "lbfgs":
+            callbacks.append(LBFGSSupervisor())
+        if self._compile_auto is not None:
+            callbacks.append(CompileAuto(self._compile_auto))
+        return callbacks
 
     def on_fit_start(self) -> None:
         """Put the network in train mode.
