@@ -586,7 +586,8 @@ def calibrate_scales(
     per: Literal["network", "layer"] = "network",
     mode: Literal["diag", "full"] = "diag",
     bounds: tuple[float, float] = (1e-3, 1e3),
-    tol: float = 1e-3,
+    grid: int = 13,
+    tol: float = 1e-2,
     batch_size: int | None = None,
     max_iter: int = 50,
 ) -> Calibration:
@@ -599,9 +600,9 @@ def calibrate_scales(
     .. math::
         c^\star = \arg\min_{c \in [c_-, c_+]} -\frac1N \sum_n \log p_c(y_n \mid x_n),
 
-    one :math:`c` per network (``per="network"``: a grid on :math:`\log c`, 25 points over
-    ``bounds``, then golden-section search in the bracket of the best point to ``tol`` in
-    :math:`\log c`) or one per posterior layer (``per="layer"``: L-BFGS on the vector of
+    one :math:`c` per network (``per="network"``: a grid of ``grid`` points on
+    :math:`\log c` over ``bounds``, then golden-section search in the bracket of the best
+    point to ``tol`` in :math:`\log c`) or one per posterior layer (``per="layer"``: L-BFGS on the vector of
     :math:`\log c_l`, started from the network's :math:`c^\star`, kept only if it lowers the
     NLL). The means are not touched. Classification and regression: any likelihood with a
     ``predictive`` (for :class:`~lightning_dvi.likelihoods.HomoscedasticGaussian`, set its
@@ -615,7 +616,8 @@ def calibrate_scales(
         per: ``"network"`` or ``"layer"``.
         mode: the moment mode of the predictive (``"diag"`` or ``"full"``).
         bounds: the search interval :math:`[c_-, c_+]` of every factor.
-        tol: the golden-section tolerance on :math:`\log c`.
+        grid: points of the log-spaced grid (at least 3).
+        tol: the golden-section tolerance on :math:`\log c` (``1e-2``: 1 % in :math:`c`).
         batch_size: validation examples per pass (``None``: all at once).
         max_iter: L-BFGS iterations (``per="layer"``).
 
@@ -633,6 +635,8 @@ def calibrate_scales(
     lo, hi = (float(b) for b in bounds)
     if not (0 < lo < 1 < hi < math.inf):
         raise ValueError(f"bounds must satisfy 0 < low < 1 < high, got {bounds}")
+    if grid < 3 or not tol > 0:
+        raise ValueError(f"grid must be >= 3 and tol > 0, got {grid} and {tol}")
     names, raws = _scaled_raws(net)
     if not names:
         raise ValueError("calibrate_scales: the network has no posterior layer")
@@ -660,7 +664,7 @@ def calibrate_scales(
         return float(nll(torch.full((len(names),), t, dtype=dtype)))
 
     before = network(0.0)
-    t_best, f_best = _search(network, math.log(lo), math.log(hi), tol)
+    t_best, f_best = _search(network, math.log(lo), math.log(hi), grid, tol)
     factors = torch.full((len(names),), t_best, dtype=dtype)
     after = f_best
     if per == "layer":
@@ -690,15 +694,17 @@ def calibrate_scales(
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
-def _search(f: Callable[[float], float], a: float, b: float, tol: float) -> tuple[float, float]:
-    """Minimise ``f`` on ``[a, b]``: a 25-point grid, then golden section around its best point."""
-    grid = [a + (b - a) * i / 24 for i in range(25)]
+def _search(
+    f: Callable[[float], float], a: float, b: float, points: int, tol: float
+) -> tuple[float, float]:
+    """Minimise ``f`` on ``[a, b]``: a grid of ``points``, then golden section around its best."""
+    grid = [a + (b - a) * i / (points - 1) for i in range(points)]
     values = [f(t) for t in grid]
     finite = [(v, i) for i, v in enumerate(values) if math.isfinite(v)]
     if not finite:
         raise ValueError("calibrate_scales: the validation NLL is not finite at any factor")
     best_value, i = min(finite)
-    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, 24)]
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, points - 1)]
     best = (grid[i], best_value)
     c, d = hi - _GOLDEN * (hi - lo), lo + _GOLDEN * (hi - lo)
     fc, fd = f(c), f(d)
