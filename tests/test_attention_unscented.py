@@ -164,3 +164,11 @@ def test_default_rule_meets_the_acceptance_in_the_worst_output(weight_std, input
     if input_var == 0:
         old_mean_err, _ = _layer_against_monte_carlo("mean_field", weight_std, input_var, seed=1)
         assert old_mean_err > 0.05, old_mean_err
+
+
+def test_rule_cost_times_every_rule():
+    from lightning_dvi_benchmarks.attention import rule_cost
+
+    for var in (0.0, 0.01):
+        cost = rule_cost(2, 3, 4, 2, input_var=var, reps=1)
+        assert set(cost) == set(A.ATTENTION_RULES) and min(cost.values()) >= 0, cost

@@ -1,6 +1,7 @@
 r"""Attention-weight rules against Monte Carlo over weights and inputs (``docs/transformers.md``).
 
-``python -m lightning_dvi_benchmarks.attention`` prints the table.
+``python -m lightning_dvi_benchmarks.attention`` prints the table; with ``--cost B T D H`` it
+prints each rule's CPU time per ``diag`` forward instead (:func:`rule_cost`).
 
 One multi-head self-attention layer (:func:`lightning_dvi.moments.attention.self_attention_moments`)
 with ``T = 6`` tokens of width ``D = 8``, ``H = 2`` heads, causal; projection weight means
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from dataclasses import dataclass
 from typing import cast
 
@@ -29,7 +31,7 @@ import torch
 
 from lightning_dvi.moments import attention as A
 
-__all__ = ["AttentionCell", "attention_cell", "main"]
+__all__ = ["AttentionCell", "attention_cell", "main", "rule_cost"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,44 @@ def attention_cell(
     ]
 
 
+def rule_cost(
+    batch: int,
+    tokens: int,
+    width: int,
+    heads: int,
+    rules: tuple[str, ...] = A.ATTENTION_RULES,
+    *,
+    weight_std: float = 0.1,
+    input_var: float = 0.01,
+    reps: int = 5,
+) -> dict[str, float]:
+    """CPU seconds (``time.process_time``) per ``diag`` forward of each rule, float32, causal.
+
+    The layer of :func:`attention_cell` at the given size, on tokens with variance
+    ``input_var`` (``0``: deterministic tokens); the median of ``reps`` timed calls after one
+    warm-up, on however many threads torch has (``main`` sets one).
+    """
+    gen = torch.Generator().manual_seed(0)
+    projections = [
+        A.ProjectionMoments(*(t.float() if t is not None else None for t in p))
+        for p in (_layer(width, weight_std, gen) for _ in range(4))
+    ]
+    mean = torch.randn(batch, tokens, width, generator=gen)
+    second = None if input_var == 0 else torch.full_like(mean, input_var)
+    out: dict[str, float] = {}
+    for rule in rules:
+        times = []
+        for _ in range(reps + 1):
+            start = time.process_time()
+            A.self_attention_moments(
+                mean, second, *projections, heads=heads,
+                rule=cast(A.AttentionRule, rule), causal=True,
+            )  # fmt: skip
+            times.append(time.process_time() - start)
+        out[rule] = sorted(times[1:])[reps // 2]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the grid as a markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -127,8 +167,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-std", type=float, nargs="+", default=[0.0, 0.02, 0.05, 0.1, 0.2])
     parser.add_argument("--input-var", type=float, nargs="+", default=[0.0, 0.01, 0.1, 1.0])
     parser.add_argument("--storage", nargs="+", default=["diag", "full"], choices=["diag", "full"])
+    parser.add_argument(
+        "--cost", type=int, nargs=4, action="append", metavar=("B", "T", "D", "H"),
+        help="print each rule's CPU time per diag forward at this size instead (repeatable)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.cost:
+        print("| B, T, D, H | input var | " + " | ".join(A.ATTENTION_RULES) + " |")
+        print("|---|---|" + "---|" * len(A.ATTENTION_RULES))
+        for size in args.cost:
+            for var in args.input_var:
+                cost = rule_cost(*size, input_var=var)
+                cells = " | ".join(f"{1e3 * cost[r]:.1f} ms" for r in A.ATTENTION_RULES)
+                print(f"| {', '.join(map(str, size))} | {var:g} | {cells} |")
+        return
     print(
         "| weight std | input var | rule | storage | mean err (mean / max) "
         "| std rel err (mean / max) |"
