@@ -14,7 +14,8 @@ the model accepts them (otherwise the link is skipped):
 
 * ``data.in_features`` -> ``model.init_args.in_features``
 * ``data.num_train`` -> ``model.init_args.num_data`` (the ``N`` of ``KL / N``)
-* ``data.target_loc`` / ``data.target_scale`` -> the regressor's target standardisation
+* ``data.target_loc`` / ``data.target_scale`` -> the regressor's target standardisation (members
+  of :class:`~lightning_dvi.transforms.TargetStatistics`, which the regressor checks in ``setup()``)
 * ``data.num_classes`` -> ``model.init_args.num_classes`` (the classifier)
 
 The model may also leave these unset and read them from the data in ``setup()``.
@@ -73,6 +74,7 @@ __all__ = ["DVILightningCLI", "cli", "main", "write_predictions_csv"]
 _LINKS = (
     ("in_features", "in_features"),
     ("num_train", "num_data"),
+    # TargetStatistics' members (the regressor checks the whole protocol in setup())
     ("target_loc", "target_loc"),
     ("target_scale", "target_scale"),
     ("num_classes", "num_classes"),

@@ -6,9 +6,11 @@ construction; regression ones also ``target_loc`` and ``target_scale`` (training
 for regression and int64 labels for classification. Regression targets are in their original
 units: :class:`~lightning_dvi.DVIRegressor` standardises them with ``target_loc``/``target_scale``
 (a data module whose batches hold already-standardised targets sets ``targets_standardized =
-True``).
+True``). Those three members are the declared protocol
+:class:`~lightning_dvi.transforms.TargetStatistics`, re-exported here for your own data modules.
 """
 
+from ..transforms import TargetStatistics
 from ._base import EpochSeededSampler
 from .csv import CSVDataModule, read_tabular
 from .digits import DigitsDataModule
@@ -20,6 +22,7 @@ __all__ = [
     "CSVDataModule",
     "DigitsDataModule",
     "EpochSeededSampler",
+    "TargetStatistics",
     "ToyHeteroscedasticDataModule",
     "UCIDataModule",
     "count_uci_splits",

@@ -10,6 +10,8 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
+from ..transforms import location_scale
+
 __all__ = [
     "EpochSeededSampler",
     "GatherTensorDataset",
@@ -122,21 +124,12 @@ class ResumableDataLoader(DataLoader):
 def fit_standardizer(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Column means and standard deviations (``ddof=0``) of ``values [N, D]``, in float64.
 
-    Constant columns (std at round-off level relative to their mean) get scale 1, so they
-    standardise to zero instead of dividing by ~0. A column whose sums overflow float64 (values
-    near 1e300) is summed in units of its largest magnitude instead.
+    :func:`lightning_dvi.transforms.location_scale` (the one fitting function, which the
+    regressor's outcome transform also uses) on a numpy array: constant columns get scale 1,
+    columns whose sums overflow float64 are summed in units of their largest magnitude.
     """
-    values = np.asarray(values, dtype=np.float64)
-    with np.errstate(over="ignore"):
-        loc = values.mean(axis=0)
-        scale = values.std(axis=0)
-    overflow = ~(np.isfinite(loc) & np.isfinite(scale)) & np.isfinite(values).all(axis=0)
-    if overflow.any():
-        size = np.abs(values[:, overflow]).max(axis=0)
-        unit = values[:, overflow] / size
-        loc[overflow], scale[overflow] = size * unit.mean(axis=0), size * unit.std(axis=0)
-    constant = scale <= 1e-12 * np.maximum(1.0, np.abs(loc))
-    return loc, np.where(constant, 1.0, scale)
+    loc, scale = location_scale(torch.from_numpy(np.asarray(values, dtype=np.float64)))
+    return loc.numpy(), scale.numpy()
 
 
 class InMemoryDataModule(LightningDataModule):
@@ -150,7 +143,9 @@ class InMemoryDataModule(LightningDataModule):
     Attributes:
         targets_standardized: whether the batches hold standardised regression targets
             (``False`` for every built-in module: targets stay in their original units and the
-            regressor standardises them with ``target_loc``/``target_scale``).
+            regressor standardises them with ``target_loc``/``target_scale``). With those two
+            a regression module satisfies :class:`~lightning_dvi.transforms.TargetStatistics`,
+            which the regressor and the CLI read.
     """
 
     targets_standardized: bool = False

@@ -31,6 +31,7 @@ from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode
 from ..likelihoods import Likelihood
 from ..nn import BayesModule, HasPosterior, bayes_layers
 from ..nn.builders import Activation
+from ..nn.export import PredictiveParts
 from ..objective import ELBOTerms, elbo
 from ..priors import Prior, prior_config
 from ._config import (
@@ -668,6 +669,10 @@ class DVIModule(LightningModule):
         self.optimiser_config = replace(self.optimiser_config, lr=value)  # checked again
 
     # ------------------------------------------------------------------ subclass interface
+    def predictive_parts(self) -> PredictiveParts:
+        """The network and likelihood, for :func:`~lightning_dvi.nn.export_predictive`."""
+        return PredictiveParts(self.net, self.likelihood)
+
     def _network_targets(self, y: Tensor) -> Tensor:
         """The targets as the likelihood sees them (the regressor standardises)."""
         return y

@@ -1,10 +1,17 @@
 """What a LightningModule can learn about its data in ``setup()``: shapes, sizes, target statistics.
 
 Values come, in this order, from the trainer's datamodule attributes (``in_features``,
-``num_train``, ``num_classes``, ``target_loc``/``target_scale``), from the datamodule's or the
-loader's dataset, and from the first batch. Plain dataloaders passed to ``Trainer.fit`` are read
-through the trainer's data source for the stage, before Lightning wraps them (so under DDP every
-process sees the whole training set and computes the same statistics).
+``num_train``, ``num_classes``; a regressor reads the target statistics through
+:class:`~lightning_dvi.transforms.TargetStatistics`), from the datamodule's or the loader's
+dataset, and from the first batch. Plain dataloaders passed to ``Trainer.fit`` are read through
+the trainer's data source for the stage, before Lightning wraps them (so under DDP every process
+sees the whole training set and computes the same statistics).
+
+The one private Lightning attribute the package reads is that data source (``loop._data_source``):
+no public API hands over the loaders given to ``fit()`` before the loop's ``setup_data()``, and
+calling that public method here instead moves a draw of the global RNG (the loader iterator's
+base seed) ahead of the network's initialisation, which changes a fit whose network is built from
+the data (a classifier reading ``num_classes``).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from lightning.pytorch import Trainer
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-__all__ = ["DataView", "target_statistics"]
+__all__ = ["DataView"]
 
 _LOOPS = {
     "fit": "fit_loop",
@@ -25,25 +32,6 @@ _LOOPS = {
     "test": "test_loop",
     "predict": "predict_loop",
 }
-
-
-def target_statistics(y: Tensor) -> tuple[float, float]:
-    """Mean and standard deviation (``ddof=0``) of the targets, in float64.
-
-    Constant targets get scale 1, as :func:`lightning_dvi.data.fit_standardizer` does.
-
-    Raises:
-        ValueError: for no targets or NaN/Inf targets.
-    """
-    y = y.detach().reshape(-1).to(torch.float64)
-    if y.numel() == 0:
-        raise ValueError("cannot compute target statistics from an empty training set")
-    if not torch.isfinite(y).all():
-        raise ValueError("the training targets contain NaN or Inf")
-    loc, scale = float(y.mean()), float(y.std(correction=0))
-    if scale <= 1e-12 * max(1.0, abs(loc)):
-        scale = 1.0
-    return loc, scale
 
 
 def _first_loader(loaders: Any) -> DataLoader | None:

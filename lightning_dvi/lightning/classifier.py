@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any, Literal, cast
 
@@ -18,6 +19,7 @@ from ..likelihoods import SHORTHANDS, Likelihood, resolve_likelihood
 from ..likelihoods.config import shorthands
 from ..metrics import ClassificationMetrics
 from ..metrics.classification import ExpectedCalibrationError
+from ..nn.export import PredictiveParts
 from ..priors import EmpiricalBayes, Prior
 from ._base import DVIModule, PredictiveMethod, PriorName, resolve_method
 from ._data import DataView
@@ -282,6 +284,10 @@ class DVIClassifier(DVIModule):
             stacklevel=2,
         )
         return self.predictive(x)
+
+    def predictive_parts(self) -> PredictiveParts:
+        """The network, likelihood and predictive temperature, for :func:`~lightning_dvi.nn.export_predictive`."""
+        return replace(super().predictive_parts(), temperature=float(self.predictive_temperature))
 
     def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> Tensor:
         """Predictive class probabilities ``[B, K]``."""

@@ -2,12 +2,11 @@ r"""``DVIRegressor``: a Bayesian MLP for regression trained by DVI, dDVI or MCVI
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, cast
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 from torchmetrics import Metric, MetricCollection
 
@@ -17,8 +16,10 @@ from ..likelihoods.config import shorthands
 from ..likelihoods.gaussian import NoiseBound
 from ..metrics import RegressionMetrics
 from ..metrics.regression import RegressionCalibrationError, regression_metric_selection
+from ..nn.export import PredictiveParts
+from ..transforms import Standardize, checked_resolution, target_grid_step, target_statistics_of
 from ._base import DVIModule, PredictiveMethod, resolve_method
-from ._data import DataView, target_statistics
+from ._data import DataView
 from ._validation import one_of
 
 __all__ = ["DVIRegressor", "VarianceSplit", "target_grid_step"]
@@ -80,7 +81,7 @@ def _regression_likelihood(
         one_of("likelihood", likelihood, shorthands("regression"))
     one_of("noise_bound", noise_bound, ("training_range", "none"))
     resolved = resolve_likelihood(likelihood, "regression", options, "DVIRegressor")
-    resolution = _checked_target_resolution(target_resolution)
+    resolution = checked_resolution(target_resolution)
     if not isinstance(standardize_targets, bool):
         raise ValueError(f"standardize_targets must be a bool, got {standardize_targets!r}")
     lik, name = resolved.likelihood, resolved.shorthand or type(resolved.likelihood).__name__
@@ -101,73 +102,17 @@ def _regression_likelihood(
 _VAL_EXTRAS = ("elbo", "variance_split")  # val_metrics names beyond RegressionMetrics' members
 
 
-def target_grid_step(y: Tensor) -> float:
-    r"""The largest decimal step :math:`\Delta = 10^k` that every target is a multiple of.
-
-    "Recorded with so many decimals": integer scores give 1, prices in cents 0.01. A target
-    counts as a multiple when it is within :math:`10^{-3}\Delta` of one, so values that went
-    through float32 still count. :math:`-6 \le k \le 6`, and :math:`\Delta` is at most the
-    targets' range (every target is near a multiple of a much larger step: 0). Fewer than two
-    distinct targets, or none of the steps, give 0 (continuous).
-
-    Examples:
-        >>> target_grid_step(torch.tensor([3.0, 5.0, 6.0]))
-        1.0
-        >>> target_grid_step(torch.tensor([21.6, 34.7, 50.0]))
-        0.1
-        >>> target_grid_step(torch.tensor([0.1234567, 0.5]))
-        0.0
-    """
-    y = y.detach().reshape(-1).to(torch.float64)
-    if y.numel() < 2 or not bool(torch.isfinite(y).all()):
-        return 0.0
-    spread = float(y.max() - y.min())
-    if spread == 0:
-        return 0.0
-    # a step above the spread would count every target as a multiple of it (all near 0)
-    largest = min(6, math.floor(math.log10(spread) + 1e-9))
-    for k in range(largest, -7, -1):
-        step = 10.0**k
-        ratio = y / step
-        if float((ratio - ratio.round()).abs().max()) <= 1e-3:
-            return step
-    return 0.0
-
-
-def _checked_target_resolution(value: float | str | None) -> float | str | None:
-    if value is None or value == "auto":
-        return value
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not (math.isfinite(value) and value >= 0)
-    ):
-        raise ValueError(
-            f"target_resolution must be None, 'auto' or a finite number >= 0 (the targets' grid "
-            f"step in their original units), got {value!r}"
-        )
-    return float(value)
-
-
-def _checked_target_statistics(loc: float | None, scale: float | None) -> tuple[float, float]:
-    """The target standardisation ``(m, s)``: ``loc`` finite (default 0), ``scale`` finite > 0 (default 1)."""
-    loc_value = 0.0 if loc is None else float(loc)
-    scale_value = 1.0 if scale is None else float(scale)
-    if not (math.isfinite(loc_value) and 0.0 < scale_value < math.inf):
-        raise ValueError(
-            f"target_loc must be finite and target_scale finite and > 0, got {loc!r}, {scale!r}"
-        )
-    return loc_value, scale_value
-
-
 class DVIRegressor(DVIModule):
     r"""Regression with a Bayesian MLP; the predictive is Gaussian, reported in original units.
 
     Targets. Batches hold ``y`` in its original units and the module standardises them itself:
     the network is trained on :math:`\tilde y = (y - m) / s` with :math:`m` = ``target_loc``,
-    :math:`s` = ``target_scale``, taken (in this order) from the arguments, from
-    ``trainer.datamodule.target_loc/target_scale``, or computed from the training targets in
-    ``setup()`` (mean and ``ddof=0`` standard deviation). Metrics, ``predict_step`` and
+    :math:`s` = ``target_scale``, taken (in this order) from the arguments, from a datamodule
+    that declares them (:class:`~lightning_dvi.transforms.TargetStatistics`), or computed from
+    the training targets in ``setup()`` (mean and ``ddof=0`` standard deviation). One object
+    owns these units, ``outcome_transform`` (a :class:`~lightning_dvi.transforms.Standardize`,
+    fitted once): training, the predictive, the metrics and
+    :func:`~lightning_dvi.nn.export_predictive` all go through it. Metrics, ``predict_step`` and
     :meth:`predictive` map back, :math:`\mu = \tilde\mu s + m`, :math:`\sigma^2 =
     \tilde\sigma^2 s^2`, so the reported NLL is per point in the original units (the
     standardised NLL plus :math:`\log s`). For data that are already standardised pass
@@ -276,8 +221,7 @@ class DVIRegressor(DVIModule):
     """
 
     likelihood: Likelihood
-    target_loc: Tensor  # buffers
-    target_scale: Tensor
+    outcome_transform: Standardize
 
     def __init__(
         self,
@@ -304,21 +248,46 @@ class DVIRegressor(DVIModule):
         self.init_log_noise = float(init_log_noise)
         if self.network_built and not self.net_injected:
             self._after_build()
-        self.standardize_targets = standardize_targets
-        self._register_target_statistics(target_loc, target_scale)
-        self.target_resolution = resolution
+        self.outcome_transform = Standardize(
+            target_loc,
+            target_scale,
+            batches_standardized=not standardize_targets,
+            resolution=resolution,
+        )
+        # The checkpoint keeps the names of the buffers before the transform owned them.
+        self.register_state_dict_post_hook(_legacy_target_keys)
+        self.register_load_state_dict_pre_hook(_transform_target_keys)
         self._sync_target_resolution()
         self._build_metrics(val_names)
 
-    def _register_target_statistics(self, loc: float | None, scale: float | None) -> None:
-        """The standardisation ``(m, s)`` as buffers ``target_loc``/``target_scale`` (``None``: 0, 1).
+    # The transform's state, under the names users and checkpoints know.
+    @property
+    def target_loc(self) -> Tensor:
+        """:math:`m`, the float64 buffer of :attr:`outcome_transform`."""
+        return self.outcome_transform.loc
 
-        Persistent float64 buffers: checkpoints carry the standardisation with the weights, and
-        the map back to the original units keeps their precision (1e8 + 0.5 is not a float32).
-        """
-        loc_value, scale_value = _checked_target_statistics(loc, scale)
-        self.register_buffer("target_loc", torch.tensor(loc_value, dtype=torch.float64))
-        self.register_buffer("target_scale", torch.tensor(scale_value, dtype=torch.float64))
+    @property
+    def target_scale(self) -> Tensor:
+        """:math:`s`, the float64 buffer of :attr:`outcome_transform`."""
+        return self.outcome_transform.scale
+
+    @property
+    def standardize_targets(self) -> bool:
+        """Whether batches hold raw targets (the module standardises them)."""
+        return not self.outcome_transform.batches_standardized
+
+    @standardize_targets.setter
+    def standardize_targets(self, value: bool) -> None:
+        self.outcome_transform.batches_standardized = not value
+
+    @property
+    def target_resolution(self) -> float | str | None:
+        """The targets' grid step in original units (``"auto"`` until ``setup`` reads it)."""
+        return self.outcome_transform.resolution
+
+    def predictive_parts(self) -> PredictiveParts:
+        """The network, the likelihood and the outcome transform, for :func:`~lightning_dvi.nn.export_predictive`."""
+        return PredictiveParts(self.net, self.likelihood, outcome_transform=self.outcome_transform)
 
     def _build_metrics(self, val_names: tuple[str, ...]) -> None:
         """The validation metrics ``val_names`` selects (and the ELBO's logging), and the test metrics."""
@@ -343,18 +312,19 @@ class DVIRegressor(DVIModule):
                     groups["bias"][index] = value  # the built-in MLP's head has a bias
 
     def _resolve_from_data(self, view: DataView) -> None:
-        """Also resolve the target standardisation: arguments, datamodule, or training data."""
+        """Also fit the outcome transform: arguments, a datamodule's statistics, or training data."""
         super()._resolve_from_data(view)
-        flag = view.attribute("targets_standardized")
+        transform = self.outcome_transform
+        data = target_statistics_of(view.datamodule, "DVIRegressor")
         counts = not self.likelihood.standardizes_targets  # never standardised
-        if flag is not None and bool(flag) == self.standardize_targets and not counts:
+        flag = None if data is None else bool(data.targets_standardized)
+        if flag is not None and flag == self.standardize_targets and not counts:
             # The datamodule knows what its batches hold.
-            self.standardize_targets = not bool(flag)
+            self.standardize_targets = not flag
             self.hparams["standardize_targets"] = self.standardize_targets
         given = self.hparams.get("target_loc"), self.hparams.get("target_scale")
-        from_data: tuple[float, float] | None = None
-        if view.attribute("target_loc") is not None and view.attribute("target_scale") is not None:
-            from_data = float(view.attribute("target_loc")), float(view.attribute("target_scale"))
+        if data is not None:
+            from_data = float(data.target_loc), float(data.target_scale)
             for name, old, new in zip(
                 ("target_loc", "target_scale"), given, from_data, strict=True
             ):
@@ -363,6 +333,7 @@ class DVIRegressor(DVIModule):
                         f"DVIRegressor: {name}={old} differs from the datamodule's {new}; using "
                         "the datamodule's, the statistics of its training split"
                     )
+            self._record_statistics(*from_data)
         elif None in given and view.stage == "fit" and self.standardize_targets:
             targets = view.targets()
             if targets is None:
@@ -376,12 +347,8 @@ class DVIRegressor(DVIModule):
                     "DVIRegressor: regression targets must be one number per example, got "
                     f"targets of shape {tuple(targets.shape)}"
                 )
-            from_data = target_statistics(targets)
-        if from_data is not None:
-            loc, scale = _checked_target_statistics(*from_data)
-            self.hparams["target_loc"], self.hparams["target_scale"] = loc, scale
-            self.target_loc.fill_(loc)
-            self.target_scale.fill_(scale)
+            transform.fit(targets)
+            self._record_statistics(float(transform.loc), float(transform.scale))
         if self.target_resolution == "auto" and view.stage == "fit":
             targets = view.targets()
             if targets is None:
@@ -389,14 +356,17 @@ class DVIRegressor(DVIModule):
                     "DVIRegressor(target_resolution='auto'): the training batches hold no "
                     "targets y to read the grid from; pass the step, e.g. target_resolution=1.0"
                 )
-            y = targets.to(torch.float64)
-            if not self.standardize_targets:  # the batches hold standardised targets
-                y = y * self.target_scale + self.target_loc
-            self.target_resolution = target_grid_step(y)
-            self.hparams["target_resolution"] = self.target_resolution
+            self.hparams["target_resolution"] = transform.fit_resolution(
+                transform.original_targets(targets)
+            )
         elif self.target_resolution is None and view.stage == "fit":
             self._warn_if_coarse_targets(view)
         self._sync_target_resolution()
+
+    def _record_statistics(self, loc: float, scale: float) -> None:
+        """Set the transform's ``(m, s)`` (checked) and record them in the hyper-parameters."""
+        loc, scale = self.outcome_transform.set_statistics(loc, scale)
+        self.hparams["target_loc"], self.hparams["target_scale"] = loc, scale
 
     def _warn_if_coarse_targets(self, view: DataView) -> None:
         """Warn when in-memory training targets sit on a grid coarse against their spread.
@@ -410,10 +380,7 @@ class DVIRegressor(DVIModule):
             return
         if len(dataset.tensors) < 2:
             return
-        y = dataset.tensors[1].to(torch.float64)
-        if not self.standardize_targets:
-            y = y * self.target_scale + self.target_loc
-        step = target_grid_step(y)
+        step = target_grid_step(self.outcome_transform.original_targets(dataset.tensors[1]))
         if step >= 0.1 * float(self.target_scale):
             rank_zero_warn(
                 f"DVIRegressor: the training targets lie on a grid of step {step:g}, "
@@ -425,45 +392,27 @@ class DVIRegressor(DVIModule):
 
     def _sync_target_resolution(self) -> None:
         r"""Give the likelihood the grid step in the units it sees, :math:`\Delta / s`."""
-        if not self.likelihood.accepts_resolution:
-            return
-        step = self.target_resolution
-        self.likelihood.set_target_resolution(
-            step / float(self.target_scale) if isinstance(step, float) else 0.0
-        )
+        if self.likelihood.accepts_resolution:
+            self.likelihood.set_target_resolution(self.outcome_transform.network_resolution())
 
     def _network_dtype(self) -> torch.dtype:
         parameter = next(self.net.parameters(), None)
         return torch.get_default_dtype() if parameter is None else parameter.dtype
 
     def _network_targets(self, y: Tensor) -> Tensor:
-        r"""The targets the likelihood sees: :math:`(y - m) / s` in float64, then cast.
+        """The targets the likelihood sees: the outcome transform's, cast to the network's dtype.
 
         Raises:
             ValueError: for a finite target that the network's dtype cannot hold afterwards.
         """
-        dtype = self._network_dtype()
-        standardized = y.to(torch.float64)
-        if self.standardize_targets:
-            standardized = (standardized - self.target_loc) / self.target_scale
-        out = standardized.to(dtype)
-        if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(standardized).all()):
-            i = int((~torch.isfinite(out)).reshape(-1).nonzero()[0])
-            raise ValueError(
-                f"DVIRegressor: the target {float(y.reshape(-1)[i]):.6g} is "
-                f"{float(standardized.reshape(-1)[i]):.6g} after standardising (target_loc="
-                f"{float(self.target_loc):.6g}, target_scale={float(self.target_scale):.6g}), "
-                f"which does not fit in {dtype} (largest {torch.finfo(dtype).max:.6g}); check "
-                "target_loc/target_scale, or rescale the targets"
-            )
-        return out
+        try:
+            return self.outcome_transform.forward(y, self._network_dtype())
+        except ValueError as err:
+            raise ValueError(f"DVIRegressor: {err}") from None
 
     def targets_in_original_units(self, y: Tensor) -> Tensor:
         """Batch targets ``y`` in the original units, float64 (undoes pre-standardisation if any)."""
-        y = y.to(torch.float64)
-        if self.standardize_targets:
-            return y
-        return y * self.target_scale + self.target_loc
+        return self.outcome_transform.original_targets(y)
 
     # ------------------------------------------------------------------ noise bound
     def on_fit_start(self) -> None:
@@ -611,10 +560,10 @@ class DVIRegressor(DVIModule):
             mean, var = self.predictive(x, "closed_form")
             return cast(Tensor, torch.distributions.Normal(mean, var.sqrt()).log_prob(y))
         f = self._weight_draws(x, num_samples)
-        y_std = ((y - self.target_loc) / self.target_scale).to(f.dtype)
+        transform = self.outcome_transform
         # the library's one MCVI score, in standardised units, then the change of variables
-        log_prob = self.likelihood.mixture_log_prob(f, y_std).to(torch.float64)
-        return log_prob - torch.log(self.target_scale)
+        log_prob = self.likelihood.mixture_log_prob(f, transform.transform(y).to(f.dtype))
+        return transform.untransform_log_prob(log_prob)
 
     @torch.no_grad()
     def variance_decomposition(
@@ -649,13 +598,8 @@ class DVIRegressor(DVIModule):
         self, mean: Tensor, var: Tensor, epistemic: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         r""":math:`(\tilde\mu s + m, \tilde\sigma^2 s^2, \tilde\sigma^2_{\rm epi} s^2)`, in float64."""
-        loc, scale = self.target_loc.to(torch.float64), self.target_scale.to(torch.float64)
-        scale2 = scale.square()
-        return (
-            mean.to(torch.float64) * scale + loc,
-            var.to(torch.float64) * scale2,
-            epistemic.to(torch.float64) * scale2,
-        )
+        transform = self.outcome_transform
+        return (*transform.untransform(mean, var), transform.untransform_variance(epistemic))
 
     def _update_metrics(self, metrics: MetricCollection, x: Tensor, y: Tensor) -> None:
         if metrics is self.val_metrics and not self._val_predictive:
@@ -684,3 +628,24 @@ class DVIRegressor(DVIModule):
             return {}  # not among val_metrics
         expected, observed = cast(RegressionCalibrationError, metrics["calibration"]).curve()
         return {"expected": expected, "observed": observed}
+
+
+_LEGACY_KEYS = {"target_loc": "outcome_transform.loc", "target_scale": "outcome_transform.scale"}
+
+
+def _legacy_target_keys(
+    module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """``state_dict`` post-hook: the transform's buffers under the names checkpoints use."""
+    for old, new in _LEGACY_KEYS.items():
+        if prefix + new in state:
+            state[prefix + old] = state.pop(prefix + new)
+
+
+def _transform_target_keys(
+    module: nn.Module, state: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    """``load_state_dict`` pre-hook: checkpoint names to the transform's buffers."""
+    for old, new in _LEGACY_KEYS.items():
+        if prefix + old in state:
+            state[prefix + new] = state.pop(prefix + old)

@@ -35,7 +35,9 @@ The ``.onnx`` file lowers ``erfc``, ``ndtr``, ``log_ndtr`` and ``erfcx`` by tail
 returned NaN for a confident classifier's ``log Φ``.
 
 Regression moments are mapped to the original units with ``target_loc``/``target_scale``
-(``mean * scale + loc``, ``var * scale²``), read from a ``DVIRegressor`` when one is passed.
+(``mean * scale + loc``, ``var * scale²``), read from the outcome transform
+(:class:`~lightning_dvi.transforms.Standardize`) of a model that hands over its parts
+(:class:`ProvidesPredictive`, as ``DVIRegressor`` and ``DVIClassifier`` do).
 """
 
 from __future__ import annotations
@@ -43,28 +45,53 @@ from __future__ import annotations
 import copy
 import math
 import os
-from typing import Any, Literal, Protocol, cast
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from ..gaussian import Gaussian
 from ..likelihoods import ExportOptions, Likelihood, PredictiveHead
+from ..transforms import Standardize
 from .base import BayesModule
 
-__all__ = ["PredictiveModule", "export_predictive", "onnx_translations"]
+__all__ = [
+    "PredictiveModule",
+    "PredictiveParts",
+    "ProvidesPredictive",
+    "export_predictive",
+    "onnx_translations",
+]
 
 ExportMode = Literal["diag", "full"]
 
 
-class _WrapsNetwork(Protocol):
-    """A Lightning module over a declared network (a ``DVIRegressor`` or ``DVIClassifier``)."""
+@dataclass(frozen=True)
+class PredictiveParts:
+    """What a trained model hands to :func:`export_predictive`.
+
+    Attributes:
+        net: the declared network.
+        likelihood: its observation model (it builds the exported head).
+        outcome_transform: the map of regression targets back to their original units, or
+            ``None`` (the network's units are the targets').
+        temperature: a classifier's predictive temperature (1: untempered).
+    """
 
     net: nn.Module
     likelihood: Likelihood
+    outcome_transform: Standardize | None = None
+    temperature: float = 1.0
 
 
-_MODULE_BUFFERS = ("predictive_temperature", "target_loc", "target_scale")
+@runtime_checkable
+class ProvidesPredictive(Protocol):
+    """A model over a declared network that hands its parts to :func:`export_predictive`."""
+
+    def predictive_parts(self) -> PredictiveParts:
+        """The network, likelihood, outcome transform and temperature to export."""
+        ...
 
 
 class _MomentsHead(PredictiveHead):
@@ -300,9 +327,10 @@ def export_predictive(
     r"""The one-pass predictive of ``net`` (and ``likelihood``) as a plain torch module.
 
     Args:
-        net: a declared network (:class:`~lightning_dvi.nn.BayesModule`), or a ``DVIRegressor``
-            / ``DVIClassifier`` (anything with ``.net`` and ``.likelihood``; its
-            ``target_loc``/``target_scale`` buffers are used unless given here).
+        net: a declared network (:class:`~lightning_dvi.nn.BayesModule`), or a model that
+            hands over its parts (:class:`ProvidesPredictive`: ``DVIRegressor``,
+            ``DVIClassifier``); its outcome transform's location and scale are used unless
+            given here.
         likelihood: the observation model giving the head (see the module docstring); ``None``
             returns the output moments. Ignored when ``net`` carries its own.
         mode: ``"diag"`` (dDVI, two matmuls a layer) or ``"full"`` (full covariance).
@@ -330,17 +358,14 @@ def export_predictive(
     if mode not in ("diag", "full"):
         raise ValueError(f"mode must be 'diag' or 'full' for a one-pass predictive, got {mode!r}")
     temperature = 1.0
-    if hasattr(net, "net") and hasattr(net, "likelihood"):  # a DVIRegressor / DVIClassifier
-        wrapper = cast(_WrapsNetwork, net)
-        likelihood = wrapper.likelihood
-        temp, loc, scale = (getattr(net, k, None) for k in _MODULE_BUFFERS)
-        if isinstance(temp, Tensor):
-            temperature = float(temp)
-        if target_loc is None and isinstance(loc, Tensor):
-            target_loc = float(loc)
-        if target_scale is None and isinstance(scale, Tensor):
-            target_scale = float(scale)
-        net = wrapper.net
+    if isinstance(net, ProvidesPredictive):
+        parts = net.predictive_parts()
+        likelihood, temperature = parts.likelihood, float(parts.temperature)
+        transform = parts.outcome_transform
+        if transform is not None:
+            target_loc = float(transform.loc) if target_loc is None else target_loc
+            target_scale = float(transform.scale) if target_scale is None else target_scale
+        net = parts.net
     if not isinstance(net, BayesModule):
         raise ValueError(
             f"export_predictive needs a lightning_dvi.nn network, got {type(net).__name__} "
