@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 from helpers import cpu_trainer
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import Callback, LightningDataModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dvi import DVIClassifier, DVIRegressor
 from lightning_dvi.data import TargetStatistics, ToyHeteroscedasticDataModule
 from lightning_dvi.data._base import fit_standardizer
+from lightning_dvi.lightning._base import logs_this_step
 from lightning_dvi.nn import export_predictive
 from lightning_dvi.nn.export import ProvidesPredictive
 from lightning_dvi.transforms import Standardize, location_scale
@@ -177,3 +178,30 @@ def test_a_datamodule_without_the_protocol_leaves_the_fit_to_the_training_target
     loc, scale = location_scale(y)
     assert (float(model.target_loc), float(model.target_scale)) == (float(loc), float(scale))
 
+
+class _LogsThisStep(Callback):
+    """Records the library's answer next to Lightning's own (read privately, as the oracle)."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[bool, bool]] = []
+
+    def _record(self, trainer) -> None:
+        oracle = trainer._logger_connector.should_update_logs
+        self.pairs.append((logs_this_step(trainer), bool(oracle)))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._record(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._record(trainer)
+
+
+def test_logs_this_step_agrees_with_lightning_from_public_counters():
+    x, y = _xy()
+    record = _LogsThisStep()
+    loader = DataLoader(TensorDataset(x, y), batch_size=3)  # 6 batches an epoch
+    trainer = cpu_trainer(max_epochs=2, log_every_n_steps=4, callbacks=[record])
+    trainer.fit(DVIRegressor(in_features=2, hidden=[4]), loader)
+    assert len(record.pairs) == 24
+    assert [ours for ours, _ in record.pairs] == [theirs for _, theirs in record.pairs]
+    assert sum(ours for ours, _ in record.pairs) == 6  # steps 4, 8, 12: before and after each

@@ -77,11 +77,9 @@ def _rows(module: DVIModule, loaders: list[Iterable[Any]]) -> tuple[Tensor, Tens
 
 def _validation_loaders(trainer: Trainer) -> Any:
     """The fit's validation dataloaders, or ``None`` (none given, or ``limit_val_batches=0``)."""
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    source = getattr(val_loop, "_data_source", None)
-    if source is None or not source.is_defined():
+    if not trainer.enable_validation:  # no validation data, or limit_val_batches=0
         return None
-    val_loop.setup_data()  # Lightning sets it up lazily, at the first validation; idempotent
+    trainer.fit_loop.epoch_loop.val_loop.setup_data()  # Lightning's is lazy; idempotent
     return trainer.val_dataloaders
 
 
