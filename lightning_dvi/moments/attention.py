@@ -44,7 +44,10 @@ attention weights are taken independent).
   :math:`\sigma^2_{ij} = \sum_r (v_{q,ir}v_{k,jr} + \bar q_{ir}^2 v_{k,jr})/d` (independent per
   key) and :math:`U_{i,jr} = \bar k_{jr}\sqrt{v_{q,ir}/d}` (the query :math:`q_i` is shared by
   the row, so its scores are correlated; :math:`\operatorname{Cov}(q_i, k_i) = M_q S_i M_k^\top`
-  through the shared token). :math:`E[A_{i\cdot}]` is the pairwise mean-field probit softmax of
+  through the shared token; with uncertain tokens the query variance in :math:`U_i` is the
+  weights' part, and the covariance that a token's own variance makes, correlated across the
+  components of its query and key, is added to first order, :func:`input_score_cov`).
+  :math:`E[A_{i\cdot}]` is the pairwise mean-field probit softmax of
   the categorical predictive
   (:func:`lightning_dvi.likelihoods.functional.categorical_mean_field_predictive`), and
   :math:`\operatorname{Cov}(A_{i\cdot}) \approx J\operatorname{Cov}(s_{i\cdot})J` with the
@@ -202,6 +205,7 @@ def attention_weights(
     allowed: Tensor | None = None,
     same_token: Tensor | None = None,
     key_shared: Tensor | None = None,
+    input_cov: Tensor | None = None,
 ) -> AttentionWeights:
     r"""Moments of the attention weights :math:`A = \operatorname{softmax}(qk^\top/\sqrt d)`.
 
@@ -220,6 +224,9 @@ def attention_weights(
         key_shared: further columns of :math:`U_i` ``[B, H, T_q, T_k, R]``: the score
             covariance that the key weights shared by all keys induce (see
             :func:`self_attention_moments`); ``None``: none.
+        input_cov: a further score covariance ``[B, H, T_q, T_k, T_k]`` used for
+            :math:`E[A]` only (the tokens' own variance, :func:`input_score_cov`); ``None``:
+            none.
 
     Returns:
         :class:`AttentionWeights`.
@@ -251,6 +258,10 @@ def attention_weights(
         score_var = _masked(score_var, allowed, 0.0)
         shared = shared * allowed.unsqueeze(-1)
     cov = torch.diag_embed(score_var) + shared @ shared.transpose(-1, -2)
+    if input_cov is not None:
+        if allowed is not None:
+            input_cov = input_cov * (allowed.unsqueeze(-1) & allowed.unsqueeze(-2))
+        cov = cov + input_cov
     if rule == "unscented":
         keys = None if allowed is None else allowed.expand_as(mean_scores)
         p, factors = unscented_softmax(mean_scores, cov, keys)
@@ -532,6 +543,68 @@ def _key_shared(
     return torch.cat([columns, shift], -1)
 
 
+def input_score_cov(
+    qh: Tensor,
+    kh: Tensor,
+    query: ProjectionMoments,
+    key: ProjectionMoments,
+    second: Tensor,
+    full: bool,
+    key_var: Tensor,
+) -> Tensor:
+    r"""The score covariance that the tokens' own variance adds, ``[B, H, T_q, T_k, T_k]``.
+
+    To first order in the tokens, :math:`s_{il}` moves with :math:`x_l` along
+    :math:`g_i = M_k^\top\bar q_i/\sqrt d` (its key) and with :math:`x_i` along
+    :math:`\tilde k_l = M_q^\top\bar k_l/\sqrt d` (the query, shared by the row), both
+    along :math:`\tilde k_i + g_i` for :math:`l = i`:
+
+    .. math::
+        \operatorname{Cov}(s_{il}, s_{im}) \ni (\tilde k_l + \delta_{il}g_i)^\top S_i
+            (\tilde k_m + \delta_{im}g_i) + \delta_{lm}(1 - \delta_{il})\,g_i^\top S_lg_i
+            + \delta_{lm}\,\tfrac1d\big(v^{x}_{q,i}{}^\top k^{v}_l
+            - \bar q_i^{\circ2\top}\operatorname{diag}(M_kS_lM_k^\top)\big),
+
+    the last term exchanging what :func:`attention_weights` computes from marginal
+    variances alone (``q_var`` the query weights' part :math:`v^w_q`, ``k_var`` the whole
+    :math:`k^v`: :math:`(\bar q^{\circ2} + v^w_q)^\top k^v/d`) for the product of the
+    query's input part :math:`v^x_q = \operatorname{diag}(M_qS_iM_q^\top)` and the key's.
+    These are the correlations between the components of a query or key that one token's
+    variance makes (the marginal variances alone miss a factor up to :math:`d`).
+
+    Args:
+        qh: query means per head ``[B, H, T, d]``.
+        kh: key means per head.
+        query: the query projection's moments.
+        key: the key projection's.
+        second: token variances ``[B, T, D]`` or covariances ``[B, T, D, D]``.
+        full: ``second`` is covariances.
+        key_var: :func:`_key_input_var` ``[B, T, D_k]``.
+    """
+    heads, d = qh.shape[1], qh.shape[-1]
+    root = math.sqrt(d)
+    m_k = key.w_loc.reshape(heads, d, -1)
+    m_q = query.w_loc.reshape(heads, d, -1)
+    g = torch.einsum("bhir,hrc->bhic", qh, m_k) / root  # [B, H, T, D]
+    k_tilde = torch.einsum("bhlr,hrc->bhlc", kh, m_q) / root
+    t = qh.shape[-2]
+    eye = torch.eye(t, dtype=qh.dtype, device=qh.device)
+    along = k_tilde.unsqueeze(2) + eye[:, :, None] * g.unsqueeze(3)  # [B, H, Tq, Tk, D]
+    if full:
+        q_in = torch.einsum("rc,btcd,rd->btr", query.w_loc, second, query.w_loc)
+        k_in = torch.einsum("rc,btcd,rd->btr", key.w_loc, second, key.w_loc)
+        shared = torch.einsum("bhilc,bicd->bhild", along, second) @ along.transpose(-1, -2)
+        own = torch.einsum("bhic,bjcd,bhid->bhij", g, second, g)
+    else:
+        q_in = second @ (query.w_loc * query.w_loc).transpose(-1, -2)
+        k_in = second @ (key.w_loc * key.w_loc).transpose(-1, -2)
+        shared = (along * second[:, None, :, None, :]) @ along.transpose(-1, -2)
+        own = (g * g) @ second.unsqueeze(1).transpose(-1, -2)
+    q_in, k_in, k_all = (split_heads(v, heads) for v in (q_in, k_in, key_var))
+    product = (q_in @ k_all.transpose(-1, -2) - (qh * qh) @ k_in.transpose(-1, -2)) / d
+    return shared + torch.diag_embed(product + own * (1 - eye))
+
+
 def _input_coupling(
     weights: AttentionWeights,
     qh: Tensor,
@@ -587,20 +660,31 @@ def _weights_and_heads(
     k_ind = torch.zeros_like(k_mean) if second is None else _key_input_var(key, second, full)
     same = None if second is None else _same_token_trace(query, key, second, heads, full)
     key_shared = _key_shared(key, qh, qv, mean, heads)
-    weights = attention_weights(
-        qh, qv, kh, split_heads(k_ind, heads),
-        rule=rule, allowed=allowed, same_token=same, key_shared=key_shared,
-    )  # fmt: skip
     if var is None:
+        weights = attention_weights(
+            qh,
+            qv,
+            kh,
+            split_heads(k_ind, heads),
+            rule=rule,
+            allowed=allowed,
+            key_shared=key_shared,
+        )
         return weights, qh, kh
-    # The tokens' own variance moves the weights too; that part is carried exactly to first
-    # order by the Jacobian of z (input_jacobian_*), so the fluctuation kept here is the
-    # weights' alone: the query weights' and the key weights' (shared by every key).
+    assert second is not None
     d = qh.shape[-1]
     q_weight_var = _project(mean, None, query, False)[1]  # (m^2) V^T + u: no input variance
     if query.w_var is not None:
         q_weight_var = q_weight_var + var @ query.w_var.transpose(-1, -2)
     vqw = split_heads(q_weight_var, heads)
+    weights = attention_weights(
+        qh, vqw, kh, split_heads(k_ind, heads),
+        rule=rule, allowed=allowed, same_token=same, key_shared=key_shared,
+        input_cov=input_score_cov(qh, kh, query, key, second, full, k_ind),
+    )  # fmt: skip
+    # The tokens' own variance moves the weights too; that part is carried exactly to first
+    # order by the Jacobian of z (input_jacobian_*), so the fluctuation kept here is the
+    # weights' alone: the query weights' and the key weights' (shared by every key).
     if rule == "unscented":  # the weights' fluctuation alone, by the same rule
         alone = attention_weights(
             qh, vqw, kh, torch.zeros_like(kh),
