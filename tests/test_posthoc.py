@@ -111,6 +111,21 @@ def test_gpt2_tied_shapes_and_last_layers():
     torch.testing.assert_close(head.head.weight_scale, std["lm_head.weight"])
 
 
+def test_a_full_covariance_head_gets_the_scales_and_scales_with_its_factor():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    std = _random_std(model)
+    net = from_torch_posterior(model, std, last_layers=1, head_covariance="full")
+    weight, bias = net.head.parameter_groups()
+    torch.testing.assert_close(weight.scale, std["2.weight"], rtol=1e-10, atol=0)
+    torch.testing.assert_close(bias.scale, std["2.bias"], rtol=1e-10, atol=0)
+    with torch.no_grad():
+        net.head.tril.normal_()  # correlations: the factor scales the whole covariance
+    before = net.head.covariance.detach().clone()
+    scale_posterior(net, 1.7)
+    torch.testing.assert_close(net.head.covariance, 1.7**2 * before)
+
+
 def test_bad_scale_sources_are_refused():
     model = nn.Sequential(nn.Linear(3, 2))
     with pytest.raises(ValueError, match="not parameters"):

@@ -47,16 +47,17 @@ import copy
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
 from ..gaussian import Gaussian
 from ..likelihoods import Likelihood
+from ..propagation import moment_propagation
 from .base import BayesModule
 from .convert import from_torch
-from .posterior import has_posterior, set_posterior
+from .posterior import HasPosterior, has_posterior, set_posterior
 
 __all__ = [
     "Calibration",
@@ -78,7 +79,7 @@ StdSource = Mapping[str, Tensor] | float
 
 # --------------------------------------------------------------------------- where weights land
 def _convert(module: nn.Module, options: Mapping[str, Any]) -> BayesModule:
-    return from_torch(module, scale_fraction=0.0, **options)
+    return cast(BayesModule, from_torch(module, scale_fraction=0.0, **options))
 
 
 def _marked(module: nn.Module) -> tuple[nn.Module, list[tuple[str, int, int]]]:
@@ -122,7 +123,8 @@ def _sources(
     found: dict[str, dict[str, Tensor]] = {}
     for name, layer in _posterior_layers(marked_net):
         found[name] = {
-            g.name: _index(g.loc, total, f"{name}.{g.name}") for g in layer.parameter_groups()
+            g.name: _index(g.loc, total, f"{name}.{g.name}")
+            for g in cast(HasPosterior, layer).parameter_groups()
         }
     return spans, found
 
@@ -143,27 +145,28 @@ def _flat_std(module: nn.Module, std: StdSource, spans: list[tuple[str, int, int
     for name, offset, n in spans:
         if name not in std:
             continue
-        value = torch.as_tensor(std[name]).detach().to(device="cpu", dtype=torch.float64)
-        if value.shape != params[name].shape:
+        given = torch.as_tensor(std[name]).detach().to(device="cpu", dtype=torch.float64)
+        if given.shape != params[name].shape:
             raise ValueError(
-                f"{name}: standard deviations of shape {tuple(value.shape)}, the parameter is "
+                f"{name}: standard deviations of shape {tuple(given.shape)}, the parameter is "
                 f"{tuple(params[name].shape)}"
             )
-        if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
+        if not bool(torch.isfinite(given).all()) or bool((given < 0).any()):
             raise ValueError(f"{name}: standard deviations must be finite and >= 0")
-        flat[offset : offset + n] = value.flatten()
+        flat[offset : offset + n] = given.flatten()
     return flat
 
 
 def _write(layer: nn.Module, scales: Mapping[str, Tensor], where: str) -> None:
     """Set ``layer``'s posterior standard deviations per group (means unchanged)."""
-    groups = {g.name: g for g in layer.parameter_groups()}  # type: ignore[operator]
+    groups = {g.name: g for g in cast(HasPosterior, layer).parameter_groups()}
     loc = {k: g.loc.detach() for k, g in groups.items()}
     std = {k: scales[k].to(loc[k]) for k in groups}
+    setter = getattr(layer, "set_posterior", None)  # BayesLinearFullCov: a diagonal L
     if hasattr(layer, "weight_raw_scale"):
         set_posterior(layer, loc["weight"], std["weight"], loc.get("bias"), std.get("bias"))
-    elif callable(getattr(layer, "set_posterior", None)) and set(groups) == {"weight", "bias"}:
-        layer.set_posterior(loc["weight"], std["weight"], loc["bias"], std["bias"])
+    elif callable(setter) and set(groups) == {"weight", "bias"}:
+        setter(loc["weight"], std["weight"], loc["bias"], std["bias"])
     else:
         raise NotImplementedError(
             f"{where}: {type(layer).__name__} has no known way to set its posterior scales"
@@ -466,10 +469,9 @@ def _scaled_raws(net: nn.Module) -> tuple[list[str], Callable[[Tensor], dict[str
                     base = _positive(raw.detach(), transform)
                     entries.append((i, f"{prefix}{group}_raw_scale", _raw_of(base, transform)))
         elif hasattr(layer, "raw_diag") and hasattr(layer, "tril"):
-            base = _positive(layer.raw_diag.detach(), transform)
+            base = _positive(cast(Tensor, layer.raw_diag).detach(), transform)
             entries.append((i, f"{prefix}raw_diag", _raw_of(base, transform)))
-            tril = layer.tril.detach()
-            entries.append((i, f"{prefix}tril", lambda f, t=tril: f * t))
+            entries.append((i, f"{prefix}tril", _times(cast(Tensor, layer.tril).detach())))
         else:
             raise NotImplementedError(
                 f"calibrate_scales: {name} ({type(layer).__name__}) has no known scale parameters"
@@ -483,6 +485,11 @@ def _scaled_raws(net: nn.Module) -> tuple[list[str], Callable[[Tensor], dict[str
 
 def _positive(raw: Tensor, transform: str) -> Tensor:
     return torch.nn.functional.softplus(raw) if transform == "softplus" else raw.exp()
+
+
+def _times(tril: Tensor) -> Callable[[Tensor], Tensor]:
+    """``f -> f L``: a full-covariance layer's strict lower factor scales with its stds."""
+    return lambda f: f.to(tril) * tril
 
 
 def _raw_of(base: Tensor, transform: str) -> Callable[[Tensor], Tensor]:
@@ -630,8 +637,7 @@ def calibrate_scales(
     """
     if per not in ("network", "layer"):
         raise ValueError(f"per must be 'network' or 'layer', got {per!r}")
-    if mode not in ("diag", "full"):
-        raise ValueError(f"mode must be 'diag' or 'full', got {mode!r}")
+    moment_propagation(mode)
     lo, hi = (float(b) for b in bounds)
     if not (0 < lo < 1 < hi < math.inf):
         raise ValueError(f"bounds must satisfy 0 < low < 1 < high, got {bounds}")
@@ -685,8 +691,8 @@ def calibrate_scales(
         factors, after = torch.zeros_like(factors), before
     with torch.no_grad():
         params = dict(net.named_parameters())
-        for key, value in raws(factors.exp()).items():
-            params[key].copy_(value)
+        for key, raw in raws(factors.exp()).items():
+            params[key].copy_(raw)
     result = {n: float(f) for n, f in zip(names, factors.exp(), strict=True)}
     return Calibration(result, math.exp(t_best), before, after, evaluations)
 
