@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .gaussian import Mode, validate_mode
 from .likelihoods import Likelihood
 from .nn.base import Moments
 from .objective import ELBOTerms, check_arguments, elbo_terms, expected_log_likelihood_and_kl
 from .priors import Prior
+from .propagation import Mode, Propagation, propagation
 
 __all__ = ["COMPILE_MODES", "CompiledELBO", "compile_elbo", "compile_network", "compile_options"]
 
@@ -92,14 +92,12 @@ def compile_network(net: nn.Module, **options: Any) -> Callable[..., Moments]:
     """
     compiled = torch.compile(net, **options)
 
-    def forward(x: Tensor, mode: Mode = "full", num_samples: int | None = None) -> Moments:
-        validate_mode(mode)
+    def forward(
+        x: Tensor, mode: Mode | Propagation = "full", num_samples: int | None = None
+    ) -> Moments:
+        how = propagation(mode, num_samples)
         _check_input(x)
-        out: Moments
-        if mode in ("sample", "local"):
-            out = compiled(x, mode=mode, num_samples=num_samples)
-        else:
-            out = compiled(x, mode=mode)
+        out: Moments = compiled(x, mode=how)
         return out
 
     return forward
@@ -130,19 +128,19 @@ class CompiledELBO:
         net: nn.Module,
         likelihood: Likelihood,
         prior: Prior,
-        mode: Mode = "full",
+        mode: Mode | Propagation = "full",
         num_samples: int | None = None,
         **options: Any,
     ) -> None:
-        validate_mode(mode)
+        self.propagation = propagation(mode, num_samples)
         self.net, self.likelihood, self.prior = net, likelihood, prior
-        self.mode, self.num_samples = mode, num_samples
+        self.mode, self.num_samples = self.propagation.name, num_samples
         self.options = options
         self._compiled = torch.compile(self._parts, **options)
 
     def _parts(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         return expected_log_likelihood_and_kl(
-            self.net, self.likelihood, self.prior, x, y, self.mode, self.num_samples
+            self.net, self.likelihood, self.prior, x, y, self.propagation
         )
 
     def __call__(
@@ -154,11 +152,11 @@ class CompiledELBO:
         check_finite: bool = True,
     ) -> ELBOTerms:
         """Arguments and result as :func:`~lightning_dvi.objective.elbo`."""
-        check_arguments(self.mode, num_data, kl_weight, x, y)
+        check_arguments(num_data, kl_weight, x, y)
         _check_input(x)
         y = self.likelihood.validate_target(y, x.shape[0])
         ell, kl = self._compiled(x, y)
-        return elbo_terms(ell, kl, num_data, kl_weight, self.mode, check_finite)
+        return elbo_terms(ell, kl, num_data, kl_weight, self.propagation, check_finite)
 
 
 def compile_elbo(
@@ -166,7 +164,7 @@ def compile_elbo(
     likelihood: Likelihood,
     prior: Prior,
     *,
-    mode: Mode = "full",
+    mode: Mode | Propagation = "full",
     num_samples: int | None = None,
     **options: Any,
 ) -> CompiledELBO:

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from .gaussian import Gaussian, Mode
 from .nn.base import BayesModule
+from .propagation import sample_propagation
 
 __all__ = ["FidelityResult", "compare_with_monte_carlo", "monte_carlo_moments"]
 
@@ -31,8 +32,7 @@ def monte_carlo_moments(
     couples the examples (train-mode batch normalization: its moments treat the examples of
     a batch as independent Gaussians).
     """
-    if sample_mode not in ("sample", "local"):
-        raise ValueError(f"sample_mode must be 'sample' or 'local', got {sample_mode!r}")
+    draws = sample_propagation(sample_mode, "sample_mode")
     if num_samples < 2:
         raise ValueError(f"num_samples must be >= 2, got {num_samples}")
     total: Tensor | None = None
@@ -40,7 +40,7 @@ def monte_carlo_moments(
     done = 0
     while done < num_samples:
         s = min(chunk_size, num_samples - done)
-        f = net(x, mode=sample_mode, num_samples=s).double()  # [s, B, D]
+        f = net(x, mode=draws.draws(s)).double()  # [s, B, D]
         part, part_outer = f.sum(0), torch.einsum("sbi,sbj->bij", f, f)
         total = part if total is None else total + part
         outer = part_outer if outer is None else outer + part_outer

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import math
 from types import EllipsisType
-from typing import Literal, cast, get_args
+from typing import cast
 
 import torch
 from torch import Tensor
 
+from .propagation import MODES, Mode, propagation
+
 __all__ = ["MODES", "MOMENT_MODES", "MONTE_CARLO_MODES", "Gaussian", "Mode", "validate_mode"]
 
-Mode = Literal["full", "diag", "sample", "local"]
-"""How a declared network runs (the one definition; front-ends import it)."""
-MODES: tuple[str, ...] = get_args(Mode)
 MOMENT_MODES = ("full", "diag")
-"""The modes that propagate moments (a Gaussian out)."""
+"""The shorthands of the modes that propagate moments (a Gaussian out)."""
 MONTE_CARLO_MODES = ("sample", "local")
-"""The modes that draw samples (a tensor ``[S, B, D]`` out)."""
-_MODES = MODES
+"""The shorthands of the modes that draw samples (a tensor ``[S, B, D]`` out)."""
 
 
 def all_finite(x: Tensor) -> bool:
@@ -43,12 +41,13 @@ BatchIndex = _IndexItem | tuple[_IndexItem, ...]
 def validate_mode(mode: object) -> Mode:
     """Return ``mode`` (typed :data:`Mode`) if it is one of ``full``, ``diag``, ``sample``, ``local``.
 
+    The shorthand check of :func:`lightning_dvi.propagation.propagation`, kept for callers of
+    this name.
+
     Raises:
         ValueError: naming the unknown mode and the valid ones.
     """
-    if mode not in _MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(_MODES)}")
-    return cast(Mode, mode)
+    return propagation(mode).name  # type: ignore[arg-type]  # a str is checked there
 
 
 class Gaussian:

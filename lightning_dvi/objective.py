@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .gaussian import Gaussian, Mode, validate_mode
+from .gaussian import Gaussian
 from .likelihoods import Likelihood
 from .nn.linear import shared_scales
 from .priors import Prior
+from .propagation import Mode, Propagation, propagation
 
 __all__ = ["ELBOTerms", "KLSchedule", "elbo", "expected_log_likelihood_and_kl"]
 
@@ -87,13 +88,14 @@ class KLSchedule:
         return f"KLSchedule(warmup_steps={self.warmup_steps}, anneal_steps={self.anneal_steps})"
 
 
-def check_arguments(mode: Mode, num_data: int, kl_weight: float, x: Tensor, y: Tensor) -> None:
+def check_arguments(num_data: int, kl_weight: float, x: Tensor, y: Tensor) -> None:
     """The argument checks of :func:`elbo` that need no tensor values (types and shapes).
+
+    The propagation is checked where it is built (:func:`~lightning_dvi.propagation.propagation`).
 
     Raises:
         ValueError: as documented on :func:`elbo`.
     """
-    validate_mode(mode)
     if isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < 1:
         raise ValueError(f"num_data must be an int >= 1 (the training-set size), got {num_data!r}")
     if not (isinstance(kl_weight, (int, float)) and math.isfinite(kl_weight) and kl_weight >= 0):
@@ -114,7 +116,7 @@ def elbo(
     x: Tensor,
     y: Tensor,
     num_data: int,
-    mode: Mode = "full",
+    mode: Mode | Propagation = "full",
     num_samples: int | None = None,
     kl_weight: float = 1.0,
     check_finite: bool = True,
@@ -128,7 +130,8 @@ def elbo(
         x: inputs ``[B, D_in]``.
         y: targets ``[B]`` (regression also ``[B, 1]``).
         num_data: :math:`N`, the training-set size (the KL is divided by it).
-        mode: ``"full"``/``"diag"`` (closed form) or ``"sample"``/``"local"`` (Monte Carlo).
+        mode: ``"full"``/``"diag"`` (closed form) or ``"sample"``/``"local"`` (Monte Carlo),
+            or a :class:`~lightning_dvi.propagation.Propagation` value.
         num_samples: network samples for ``sample``/``local`` (default 1); must be ``None``
             otherwise.
         kl_weight: :math:`\beta_{KL} \ge 0` multiplying the KL in ``loss`` (see
@@ -152,11 +155,10 @@ def elbo(
         >>> terms = elbo(net, HeteroscedasticGaussian(), EmpiricalBayes(), x, y, num_data=100)
         >>> terms.loss.backward()
     """
-    check_arguments(mode, num_data, kl_weight, x, y)
+    how = propagation(mode, num_samples)
+    check_arguments(num_data, kl_weight, x, y)
     with shared_scales():  # the network and the KL compute softplus(raw scale) once
-        return _elbo(
-            net, likelihood, prior, x, y, num_data, mode, num_samples, kl_weight, check_finite
-        )
+        return _elbo(net, likelihood, prior, x, y, num_data, how, kl_weight, check_finite)
 
 
 def expected_log_likelihood_and_kl(
@@ -165,24 +167,25 @@ def expected_log_likelihood_and_kl(
     prior: Prior,
     x: Tensor,
     y: Tensor,
-    mode: Mode,
-    num_samples: int | None,
+    mode: Propagation,
 ) -> tuple[Tensor, Tensor]:
     r"""The two differentiable parts of the ELBO: :math:`\bar\ell` (batch mean) and the KL.
 
     The hot path of a training step with nothing but tensor work on the way (argument checks are
-    :func:`elbo`'s job): what :class:`lightning_dvi.compile.CompiledELBO` compiles.
+    :func:`elbo`'s job, and ``mode`` was built and checked by
+    :func:`~lightning_dvi.propagation.propagation`): what
+    :class:`lightning_dvi.compile.CompiledELBO` compiles.
     """
-    if mode in ("full", "diag"):
-        if num_samples is not None:
-            raise ValueError(f"num_samples is only used by mode='sample'/'local', not {mode!r}")
+    if mode.samples:
+        f = net(x, mode=mode)
+        per_datum = likelihood.log_prob(f, y).mean(0)
+    else:
         out = net(x, mode=mode)
         if not isinstance(out, Gaussian):
-            raise ValueError(f"net(x, mode={mode!r}) returned {type(out).__name__}, not a Gaussian")
+            raise ValueError(
+                f"net(x, mode={mode.name!r}) returned {type(out).__name__}, not a Gaussian"
+            )
         per_datum = likelihood.expected_log_prob(out, y)
-    else:
-        f = net(x, mode=mode, num_samples=num_samples)
-        per_datum = likelihood.log_prob(f, y).mean(0)
     ell = per_datum.mean()
     return ell, prior.kl(net).to(ell.dtype)
 
@@ -194,17 +197,16 @@ def _elbo(
     x: Tensor,
     y: Tensor,
     num_data: int,
-    mode: Mode,
-    num_samples: int | None,
+    mode: Propagation,
     kl_weight: float,
     check_finite: bool,
 ) -> ELBOTerms:
-    ell, kl = expected_log_likelihood_and_kl(net, likelihood, prior, x, y, mode, num_samples)
+    ell, kl = expected_log_likelihood_and_kl(net, likelihood, prior, x, y, mode)
     return elbo_terms(ell, kl, num_data, kl_weight, mode, check_finite)
 
 
 def elbo_terms(
-    ell: Tensor, kl: Tensor, num_data: int, kl_weight: float, mode: Mode, check_finite: bool
+    ell: Tensor, kl: Tensor, num_data: int, kl_weight: float, mode: Propagation, check_finite: bool
 ) -> ELBOTerms:
     r"""The loss and its parts from :math:`\bar\ell` and the KL: the one assembly of the ELBO.
 
@@ -226,7 +228,7 @@ def elbo_terms(
     if check_finite and not torch.compiler.is_compiling() and not math.isfinite(loss.item()):
         raise FloatingPointError(
             f"ELBO loss is not finite (expected log-likelihood {ell.item():.4g}, KL "
-            f"{kl.item():.4g}, mode {mode!r}); typical causes: a learning rate too high or a "
+            f"{kl.item():.4g}, mode {mode.name!r}); typical causes: a learning rate too high or a "
             "gradient spike (lower the rate, or clip gradients, e.g. "
             "Trainer(gradient_clip_val=5)), a log-variance output far from the data's scale, or "
             "unstandardised targets"

@@ -47,6 +47,7 @@ from .likelihoods import Likelihood
 from .nn import BayesModule, bayes_layers, given_weights, parameter_groups
 from .nn.posterior import GroupMoments
 from .optim import LBFGS
+from .propagation import SamplePass
 
 __all__ = ["PointFit", "fit_point_estimate", "point_forward"]
 
@@ -90,7 +91,7 @@ def point_forward(net: nn.Module, x: Tensor) -> Tensor:
             f"point_forward needs a declared network (lightning_dvi.nn), got {type(net).__name__}"
         )
     with given_weights(weights):
-        out = net.propagate(x.unsqueeze(0), "sample")
+        out = net.propagate(x.unsqueeze(0), SamplePass(1))
     return cast(Tensor, out).squeeze(0)
 
 

@@ -17,6 +17,7 @@ from lightning_dvi.nn import (
     Sequential,
     from_torch,
 )
+from lightning_dvi.propagation import propagation
 from lightning_dvi_benchmarks.normalization import batch_rule_independent
 
 SHAPES = [(nn.BatchNorm1d, (6, 3)), (nn.BatchNorm1d, (6, 3, 5)), (nn.BatchNorm2d, (4, 3, 5, 5))]
@@ -71,7 +72,7 @@ def test_monte_carlo_modes_normalize_each_draw_by_its_own_batch_statistics():
     theirs = _torch_bn(nn.BatchNorm2d)
     ours = from_torch(theirs, scale_fraction=0.0)[0]
     x = torch.randn(3, 4, 3, 5, 5, dtype=torch.float64)  # [S, B, C, H, W]
-    got = ours.propagate(x, "sample")
+    got = ours.propagate(x, propagation("sample"))
     want = torch.stack([
         nn.functional.batch_norm(xs, None, None, theirs.weight, theirs.bias, True, 0.0, 1e-5)
         for xs in x
@@ -83,7 +84,7 @@ def test_monte_carlo_modes_normalize_each_draw_by_its_own_batch_statistics():
     ours.eval()
     theirs.load_state_dict(ours.state_dict())
     theirs.eval()
-    torch.testing.assert_close(ours.propagate(x, "local")[1], theirs(x[1]).detach())
+    torch.testing.assert_close(ours.propagate(x, propagation("local"))[1], theirs(x[1]).detach())
 
 
 def _draws(mean, var_or_cov, n, gen):
@@ -149,7 +150,7 @@ def test_batch_norm_inside_a_residual_block_carries_the_cross_covariance(mode):
     g = Gaussian(torch.randn(5, 4, dtype=torch.float64), var=torch.ones(5, 4, dtype=torch.float64))
     cross = torch.randn(5, 2, 4, dtype=torch.float64)
     scale = bn.weight / (bn.running_var + bn.eps).sqrt()
-    torch.testing.assert_close(bn.propagate_cross(cross, g, mode), cross * scale)
+    torch.testing.assert_close(bn.propagate_cross(cross, g, propagation(mode)), cross * scale)
 
 
 def test_train_rules_against_the_batch_statistics_of_independent_draws():
@@ -294,7 +295,9 @@ def test_train_batch_norm_inside_a_residual_block_against_per_example_draws(mode
     )
     cross = torch.randn(32, 2, 4, dtype=torch.float64)
     slope = bn._rule_moments(g, 2)[2]
-    torch.testing.assert_close(bn.propagate_cross(cross, g, mode), cross * slope.unsqueeze(1))
+    torch.testing.assert_close(
+        bn.propagate_cross(cross, g, propagation(mode)), cross * slope.unsqueeze(1)
+    )
 
 
 def test_freeze_statistics_uses_and_keeps_the_running_statistics_in_train_mode():

@@ -35,6 +35,7 @@ from lightning_dvi.nn import (
     parameter_groups,
 )
 from lightning_dvi.priors import EmpiricalBayes, named_parameter_groups
+from lightning_dvi.propagation import propagation
 from tests.helpers import cpu_trainer
 
 DT = torch.float64
@@ -200,12 +201,17 @@ def test_pooling_and_flatten_modules_in_every_mode():
         torch.testing.assert_close(pool(x, mode="diag"), fn(x, 2))
         samples = torch.randn(5, 2, 3, 4, 4, dtype=DT)
         torch.testing.assert_close(
-            pool.propagate(samples, "sample"), fn(samples.flatten(0, 1), 2).unflatten(0, (5, 2))
+            pool.propagate(samples, propagation("sample")),
+            fn(samples.flatten(0, 1), 2).unflatten(0, (5, 2)),
         )
         assert pool(g, mode="diag").mean.shape == (2, 3, 2, 2)
     flat = Flatten()(g, mode="diag")
     torch.testing.assert_close((flat.mean, flat.var), (x.reshape(2, 48), g.var.reshape(2, 48)))
-    assert Flatten().propagate(torch.zeros(5, 2, 3, 4, 4), "sample").shape == (5, 2, 48)
+    assert Flatten().propagate(torch.zeros(5, 2, 3, 4, 4), propagation("sample")).shape == (
+        5,
+        2,
+        48,
+    )
 
 
 def test_full_mode_lifts_to_full_at_the_first_dense_layer():
@@ -218,9 +224,10 @@ def test_full_mode_lifts_to_full_at_the_first_dense_layer():
     x = torch.randn(4, 1, 4, 4, dtype=DT)
     full, diag = net(x, mode="full"), net(x, mode="diag")
     assert full.cov.shape == (4, 3, 3)
-    h = net[3].propagate(
-        net[2].propagate(net[1].propagate(net[0].propagate(x, "diag"), "diag"), "diag"), "diag"
-    )
+    diag_pass = propagation("diag")
+    h = x
+    for layer in net[:4]:
+        h = layer.propagate(h, diag_pass)
     dense = net[4]
     ref = linear_full_from_diag(h.mean, h.var, *dense._moments())
     torch.testing.assert_close((full.mean, full.cov), ref)

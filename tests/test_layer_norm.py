@@ -19,6 +19,7 @@ from lightning_dvi.nn import (
     Sequential,
     from_torch,
 )
+from lightning_dvi.propagation import propagation
 from lightning_dvi_benchmarks.normalization import layer_norm_cell
 
 
@@ -60,7 +61,9 @@ def test_zero_variance_equals_torch(make, shape, dtype):
         torch.testing.assert_close(grad, want_grad, **tol)
     draws = torch.randn(3, *shape, dtype=dtype)
     torch.testing.assert_close(ours(draws[0], mode="diag"), theirs(draws[0]), **tol)
-    torch.testing.assert_close(ours.propagate(draws, "sample")[2], theirs(draws[2]), **tol)
+    torch.testing.assert_close(
+        ours.propagate(draws, propagation("sample"))[2], theirs(draws[2]), **tol
+    )
 
 
 @pytest.mark.parametrize("kind", ["diag", "full"])

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_dvi.nn import BayesLinear, Heaviside, ReLU, Residual, Sequential, mlp
 from lightning_dvi.nn import registry as R
+from lightning_dvi.propagation import propagation
 from lightning_dvi.pyro import DeterministicGuide, MomentTensor, PyroBayesNet
 from lightning_dvi.pyro.messenger import MomentPassMessenger
 
@@ -145,7 +146,7 @@ def test_a_registered_activation_runs_in_the_moment_pass_with_no_pyro_code(pyro_
         out = _moment_pass(model, guide, x)
         pyro.set_rng_seed(0)
         before = _moment_pass(pnet, guide, x)
-        ref = ReLU().propagate(before.gaussian("test"), "full")
+        ref = ReLU().propagate(before.gaussian("test"), propagation("full"))
         torch.testing.assert_close(out.dvi_cov, ref.cov)
     finally:
         R._SPECS.pop(name)

@@ -1,12 +1,17 @@
 """A weight layer and an activation written outside the package, the way a user would.
 
 Neither subclasses a library weight layer nor is listed anywhere in the library: the weight layer
-implements :class:`~lightning_dvi.nn.HasPosterior` (``parameter_groups``) and reads its weights
-through :func:`~lightning_dvi.nn.posterior_moments`; the activation is one registry entry. They
-get the KL term, empirical Bayes, conversion from torch, export and the Pyro pass for free.
+subclasses the public :class:`~lightning_dvi.nn.WeightLayer` and writes two paths, its moments
+and its given-weights path (plus ``parameter_groups``, :class:`~lightning_dvi.nn.HasPosterior`);
+the activation is one registry entry. They get every mode (``sample`` and ``local`` derived by
+the base class), the KL term, empirical Bayes, training, the predictive, conversion from torch,
+export and Pyro (the moment pass, ``SVI`` with ``DeterministicELBO``, ``Predictive``) without
+any library edit.
 """
 
 from __future__ import annotations
+
+import math
 
 import lightning as L
 import pyro
@@ -15,16 +20,17 @@ import torch
 import torch.nn.functional as F
 from conformance import LayerCase, LayerConformance
 from pyro import poutine
+from pyro.nn import PyroModule
 from torch import Tensor, nn
 
 from lightning_dvi import DVIRegressor, Gaussian
 from lightning_dvi.diagnostics import compare_with_monte_carlo
 from lightning_dvi.nn import (
     BayesLinear,
-    BayesModule,
     ParameterGroup,
     ReLU,
     Sequential,
+    WeightLayer,
     bayes_layers,
     export_predictive,
     from_torch,
@@ -35,7 +41,7 @@ from lightning_dvi.nn import (
 )
 from lightning_dvi.nn import registry as R
 from lightning_dvi.priors import EmpiricalBayes, GaussianPrior
-from lightning_dvi.pyro import DeterministicGuide, PyroBayesNet
+from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide, PyroBayesNet
 from lightning_dvi.pyro.messenger import MomentPassMessenger
 
 
@@ -61,7 +67,7 @@ def _convert_gain(module, options):
 
 
 @register_layer("_user_gain", kind="weight", torch_modules=(TorchGain,), convert=_convert_gain)
-class BayesGain(BayesModule):
+class BayesGain(WeightLayer):
     r"""``h = a * w`` with one Gaussian gain per unit, :math:`w_i \sim \mathcal N(\mu_i, \sigma_i^2)`."""
 
     image_output = None
@@ -76,20 +82,18 @@ class BayesGain(BayesModule):
         scale = F.softplus(self.raw_scale)
         return [ParameterGroup("weight", self.loc, scale, self.prior_variance, self)]
 
-    def propagate(self, x, mode):
+    def propagate_moments(self, x, mode):
         mu, w_var = posterior_moments(self)["weight"]
-        if w_var is None:  # weight values (a Pyro draw [..., D])
-            return x * mu.unsqueeze(-2)
-        if mode == "sample":  # x [S, B, D]: one gain vector per draw
-            return x * (mu + w_var.sqrt() * torch.randn(x.shape[0], 1, x.shape[-1]))
-        if mode == "local":
-            return x * mu + (x * x * w_var).sqrt() * torch.randn_like(x)
         m, v = (x, torch.zeros_like(x)) if isinstance(x, Tensor) else (x.mean, x.var)
         var = v * mu**2 + (m * m + v) * w_var  # Var(a w) for independent a, w
-        if isinstance(x, Tensor) or x.cov is None or mode == "diag":
+        if isinstance(x, Tensor) or x.cov is None or mode.diag:
             return Gaussian(m * mu, var=var)
         cov = x.cov * mu.unsqueeze(-1) * mu  # Cov(a_i w_i, a_j w_j) = mu_i mu_j Cov(a_i, a_j)
         return Gaussian(m * mu, cov=cov + torch.diag_embed(var - cov.diagonal(0, -2, -1)))
+
+    def propagate_given(self, x, weights):  # x [S, B, D]; a gain [..., D] per draw or shared
+        w = weights["weight"]
+        return x * (w if w.dim() == 1 else w.unsqueeze(-2))
 
 
 class TorchNegReLU(nn.Module):
@@ -165,15 +169,51 @@ def test_the_user_weight_layer_is_found_by_protocol_for_kl_and_eb():
     torch.testing.assert_close(gain.prior_variance, want.detach())
 
 
-def test_the_user_layers_train_in_a_dvi_regressor():
-    net = _net().float()
-    x, y = torch.randn(64, 2), torch.randn(64)
+def _fit(model, x, y):
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
-    model = DVIRegressor(net=net, lr=1e-2, num_data=64)
-    before = net[2].raw_scale.detach().clone()
     L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False).fit(model, loader)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["full", "local"])
+def test_the_user_layers_train_in_a_dvi_regressor_and_predict(mode):
+    net = _net().float()
+    x, y = torch.randn(64, 2), torch.randn(64)
+    kwargs = {"num_samples": 2} if mode == "local" else {}
+    model = DVIRegressor(net=net, lr=1e-2, num_data=64, mode=mode, **kwargs)
+    before = net[2].raw_scale.detach().clone()
+    _fit(model, x, y)
     assert not torch.equal(before, net[2].raw_scale.detach())
+    # the predictive: closed form through the user's moments, Monte Carlo through derived draws
+    mean, var = model.predictive(x[:5], "closed_form")
+    torch.manual_seed(1)
+    mc_mean, mc_var = model.predictive(x[:5], "mc", 4000)
+    assert mean.shape == var.shape == (5,) and bool((var > 0).all())
+    assert (mean - mc_mean).abs().max() < 0.1 * var.sqrt().max()
+    assert ((mc_var / var) - 1).abs().max() < 0.15
+
+
+@pytest.mark.parametrize("draw", ["sample", "local"])
+def test_the_derived_draws_of_the_user_layer_match_its_moments(draw):
+    # the layer wrote no sampling code: WeightLayer draws the gain (sample) or each unit (local)
+    torch.manual_seed(0)
+    layer = BayesGain(3).double()
+    with torch.no_grad():
+        layer.loc.copy_(torch.tensor([0.5, -1.0, 2.0]))
+        layer.raw_scale.copy_(torch.tensor([-1.0, 0.0, -0.5]))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    f = layer(x, mode=draw, num_samples=40_000)
+    ref = layer(x, mode="diag")
+    tol = 4 * (ref.var / 40_000).sqrt()
+    assert f.shape == (40_000, 4, 3)
+    assert bool(((f.mean(0) - ref.mean).abs() < tol).all())
+    torch.testing.assert_close(f.var(0), ref.var, rtol=0.05, atol=1e-8)
+    if draw == "sample":  # one gain vector per draw, shared by the batch: rows are correlated
+        corr = torch.corrcoef(torch.stack([f[:, 0, 0], f[:, 1, 0]]))[0, 1]
+        assert corr.abs() > 0.5
+    else:  # one draw per example and unit: independent rows
+        corr = torch.corrcoef(torch.stack([f[:, 0, 0], f[:, 1, 0]]))[0, 1]
+        assert corr.abs() < 0.05
 
 
 def test_conversion_and_export_of_the_user_layers():
@@ -254,3 +294,35 @@ def test_a_user_likelihood_exports_through_its_own_head():
         from lightning_dvi.likelihoods import Likelihood
 
         export_predictive(net, type("Plain", (Likelihood,), {})())
+
+
+class _GainModel(PyroModule):
+    """A Pyro model over the declared network (the user's layer included), with a Normal likelihood."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = PyroBayesNet(net)
+
+    def forward(self, x, y=None):
+        mean = self.net(x)[..., 0]
+        with pyro.plate("data", x.shape[0]):
+            return pyro.sample("obs", pyro.distributions.Normal(mean, 0.3), obs=y)
+
+
+@pytest.mark.usefixtures("pyro_state")
+@pytest.mark.parametrize("mode", ["full", "diag"])
+def test_svi_and_predictive_run_the_user_layer(mode):
+    torch.manual_seed(0)
+    net = Sequential(BayesLinear(2, 4), NegReLU(), BayesGain(4), BayesLinear(4, 1)).double()
+    model = _GainModel(net).double()
+    x = torch.randn(16, 2, dtype=torch.float64)
+    y = torch.sin(x[:, 0]) + 0.1 * torch.randn(16, dtype=torch.float64)
+    guide = DeterministicGuide(model, mode=mode, init_scale=0.1)
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.02}), DeterministicELBO())
+    losses = [svi.step(x, y) for _ in range(60)]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    site = "net.layers.2.weight"  # the user's gain: a guide site like any library layer's
+    assert site in guide.weight_sites
+    # Predictive draws weight values, which run the layer's given-weights path
+    draws = pyro.infer.Predictive(model, guide=guide, num_samples=7, return_sites=["obs"])(x)
+    assert draws["obs"].shape == (7, 16) and bool(torch.isfinite(draws["obs"]).all())

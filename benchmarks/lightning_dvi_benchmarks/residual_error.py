@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from lightning_dvi.gaussian import Gaussian
 from lightning_dvi.nn import from_torch
+from lightning_dvi.propagation import propagation
 
 from .torch_resnet import BasicBlock, Bottleneck
 
@@ -131,7 +132,7 @@ def block_error(
         for chunk in range(0, num_samples, 2_000):
             s = min(2_000, num_samples - chunk)
             xs = mean + var.sqrt() * torch.randn(s, *shape, dtype=torch.float64)
-            draws.append(cast(Tensor, net.propagate(xs, "sample")))
+            draws.append(cast(Tensor, net.propagate(xs, propagation("sample"))))
         mc = torch.cat(draws)
     mc_mean, mc_std = mc.mean(0), mc.std(0)
     live = mc_std > 1e-3 * mc_std.max()  # a ReLU output that is zero in every draw has no std
@@ -142,7 +143,7 @@ def block_error(
         pair = from_torch(_Part(block, "pair"), scale_fraction=scale_fraction)
         with torch.no_grad():
             xs = mean + var.sqrt() * torch.randn(num_samples, *shape, dtype=torch.float64)
-            ab = cast(Tensor, pair.propagate(xs, "sample"))
+            ab = cast(Tensor, pair.propagate(xs, propagation("sample")))
         a, b = ab.chunk(2, dim=2)
         cov = ((a - a.mean(0)) * (b - b.mean(0))).mean(0)
         dropped = (2 * cov).abs()[live] / mc_std[live] ** 2

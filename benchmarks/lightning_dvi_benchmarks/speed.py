@@ -27,6 +27,7 @@ from lightning_dvi.likelihoods import HeteroscedasticGaussian
 from lightning_dvi.nn import BayesLinear, ReLU, Sequential, mlp
 from lightning_dvi.objective import elbo
 from lightning_dvi.priors import EmpiricalBayes
+from lightning_dvi.propagation import Propagation, propagation
 
 from . import timing as T
 
@@ -251,9 +252,11 @@ def bench_layer(dims: Sequence[int], repeats: int, quick: bool = False) -> list[
         for label, mode, s in layer_kinds(quick):
             x = layer_input(mode, d, samples=s)
 
-            def fwd(x: Any = x, mode: Mode = mode, layer: Sequential = layer) -> Any:
+            how = propagation(mode)
+
+            def fwd(x: Any = x, how: Propagation = how, layer: Sequential = layer) -> Any:
                 with torch.no_grad():
-                    return layer.propagate(x, mode)
+                    return layer.propagate(x, how)
 
             reps = repeats if d <= 256 else max(3, repeats // 3)
             row[label] = 1e3 * time_call(fwd, reps, warmup=1)

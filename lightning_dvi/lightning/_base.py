@@ -27,13 +27,14 @@ from torchmetrics import MetricCollection
 from typing_extensions import Self
 
 from ..compile import CompiledELBO
-from ..gaussian import MODES, MONTE_CARLO_MODES, Gaussian, Mode
+from ..gaussian import Gaussian
 from ..likelihoods import Likelihood
 from ..nn import BayesModule, HasPosterior, bayes_layers
 from ..nn.builders import Activation
 from ..nn.export import PredictiveParts
 from ..objective import ELBOTerms, elbo
 from ..priors import Prior, prior_config
+from ..propagation import Mode, Propagation, propagation
 from ._config import (
     KLScheduleConfig,
     LRSchedule,
@@ -58,14 +59,13 @@ EBMode = Literal["in_graph", "buffer"]
 
 PredictiveMethod = Literal["closed_form", "mc"]
 
-_MODES, _MC_MODES = MODES, MONTE_CARLO_MODES
 _DEFAULT_MC_SAMPLES = 100
 
 
 def resolve_method(mode: Mode, method: str | None) -> str:
     """The predictive method: ``method``, or the default of a model trained in ``mode``."""
     if method is None:
-        return "mc" if mode in _MC_MODES else "closed_form"
+        return "mc" if propagation(mode).samples else "closed_form"
     return one_of("method", method, ("closed_form", "mc"))
 
 
@@ -308,10 +308,9 @@ class DVIModule(LightningModule):
     def _weight_draws(self, x: Tensor, num_samples: int | None) -> Tensor:
         """Network outputs ``[S, B, D]`` under ``S`` posterior draws of the weights."""
         if num_samples is None:
-            num_samples = self.num_samples if self.mode in _MC_MODES else _DEFAULT_MC_SAMPLES
-        positive_int("num_samples", num_samples)
-        draw_mode = "local" if self.mode == "local" else "sample"
-        return cast(Tensor, self.net(x, mode=draw_mode, num_samples=num_samples))
+            num_samples = self.num_samples or _DEFAULT_MC_SAMPLES  # set in sample/local only
+        # the training propagation's kind of draws (local or whole-weight), checked there
+        return cast(Tensor, self.net(x, mode=self.propagation.draws(num_samples)))
 
     def _last_layer(self) -> HasPosterior:
         """The network's last layer with a posterior (its head), found by protocol."""
@@ -330,9 +329,16 @@ class DVIModule(LightningModule):
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor) -> Gaussian | Tensor:
         """The network output: a :class:`~lightning_dvi.Gaussian` (``full``/``diag``) or samples ``[S, B, D]``."""
-        if self.mode in _MC_MODES:
-            return cast(Tensor, self.net(x, mode=self.mode, num_samples=self.num_samples))
-        return cast(Gaussian, self.net(x, mode=self.mode))
+        return cast("Gaussian | Tensor", self.net(x, mode=self.propagation))
+
+    @property
+    def propagation(self) -> Propagation:
+        """The training propagation: the hyper-parameters ``mode`` and ``num_samples`` as one value.
+
+        Built by :func:`~lightning_dvi.propagation.propagation` (the constructor checked the
+        pair there once); the predictive's closed form is ``propagation.closed_form()``.
+        """
+        return propagation(self.mode, self.num_samples)
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:

@@ -16,13 +16,13 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
-from ..gaussian import MONTE_CARLO_MODES, Mode
 from ..nn import bayes_layers
 from ..objective import KLSchedule
 from ..optim import LBFGS
 from ..priors import Prior
 from ..priors.config import SHORTHANDS as PRIOR_SHORTHANDS
 from ..priors.config import resolve_prior
+from ..propagation import Mode, Propagation, propagation
 from ._validation import check, fraction, one_of, positive_float, positive_int
 
 __all__ = [
@@ -110,16 +110,17 @@ class OptimiserConfig:
                 "for it, or scale_lr=None",
             )
 
-    def for_mode(self, mode: Mode) -> OptimiserConfig:
+    def for_mode(self, mode: Mode | Propagation) -> OptimiserConfig:
         """This configuration, checked against the propagation mode; L-BFGS needs ``full``/``diag``.
 
         Raises:
             ValueError: for ``optimizer="lbfgs"`` with a Monte Carlo mode (``sample``/``local``).
         """
-        if self.optimizer == "lbfgs" and mode in MONTE_CARLO_MODES:
+        how = propagation(mode)
+        if self.optimizer == "lbfgs" and how.samples:
             raise ValueError(
                 f"optimizer='lbfgs' needs a deterministic objective (mode='full' or 'diag'); "
-                f"mode={mode!r} draws new samples at every evaluation, which breaks its line "
+                f"mode={how.name!r} draws new samples at every evaluation, which breaks its line "
                 "search. Use optimizer='adam' for Monte Carlo modes"
             )
         return self

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import TypeGuard, cast
 
-from ..gaussian import MODES, MONTE_CARLO_MODES, Mode
+from ..propagation import Mode, SamplePass, propagation
 
 __all__ = [
     "check",
@@ -71,18 +71,10 @@ def one_of(name: str, value: object, choices: Sequence[str]) -> str:
 
 
 def sampling(mode: object, num_samples: object) -> tuple[Mode, int | None]:
-    """The propagation ``mode`` and its network samples per step, checked together.
+    """The propagation ``mode`` and its network samples per step, as hyper-parameters.
 
-    ``num_samples`` defaults to 1 in the Monte Carlo modes (``sample``/``local``) and must be
-    unset in the closed-form ones (``full``/``diag``).
+    Built and checked by :func:`~lightning_dvi.propagation.propagation` (``num_samples``
+    defaults to 1 in ``sample``/``local`` and must be unset in ``full``/``diag``).
     """
-    check(mode in MODES, f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode in MONTE_CARLO_MODES:
-        return cast(Mode, mode), positive_int(
-            "num_samples", 1 if num_samples is None else num_samples
-        )
-    check(
-        num_samples is None,
-        f"num_samples is only used by mode='sample'/'local', not {mode!r}; leave it unset",
-    )
-    return cast(Mode, mode), None
+    how = propagation(cast(Mode, mode), cast("int | None", num_samples))
+    return how.name, how.num_samples if isinstance(how, SamplePass) else None

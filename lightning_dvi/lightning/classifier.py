@@ -268,7 +268,7 @@ class DVIClassifier(DVIModule):
 
     def _probs(self, x: Tensor, method: PredictiveMethod | None, num_samples: int | None) -> Tensor:
         if resolve_method(self.mode, method) == "closed_form":
-            out = self.net(x, mode=self.mode if self.mode in ("full", "diag") else "full")
+            out = self.net(x, mode=self.propagation.closed_form())
             probs = self.likelihood.predictive_probs(out)
         else:
             probs = self.likelihood.class_probs(self._weight_draws(x, num_samples)).mean(0)

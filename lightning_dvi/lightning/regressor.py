@@ -463,7 +463,7 @@ class DVIRegressor(DVIModule):
             if loader is None:
                 return None
             inputs = (b[0] if isinstance(b, (tuple, list)) else b for b in loader)
-        mode = self.mode if self.mode in ("full", "diag") else "full"
+        mode = self.propagation.closed_form()
         dtype, device = self._network_dtype(), self.device
         modes = {m: m.training for m in self.net.modules()}
         self.net.eval()
@@ -491,7 +491,7 @@ class DVIRegressor(DVIModule):
         """Standardised ``(mean, var, epistemic var)`` of the predictive, each ``[B]``."""
         method = resolve_method(self.mode, method)
         if method == "closed_form":
-            out = self.net(x, mode=self.mode if self.mode in ("full", "diag") else "full")
+            out = self.net(x, mode=self.propagation.closed_form())
             dist = self.likelihood.predictive(out)
             return dist.mean, dist.variance, self.likelihood.epistemic_variance(out)
         f = self._weight_draws(x, num_samples)
@@ -554,7 +554,7 @@ class DVIRegressor(DVIModule):
             resolve_method(self.mode, method) == "closed_form"
             and not self.likelihood.standardizes_targets
         ):
-            out = self.net(x, mode=self.mode if self.mode in ("full", "diag") else "full")
+            out = self.net(x, mode=self.propagation.closed_form())
             return self.likelihood.predictive(out).log_prob(y)  # own units: never rescaled
         if resolve_method(self.mode, method) == "closed_form":
             mean, var = self.predictive(x, "closed_form")

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
+from ..propagation import Mode, Propagation, propagation
 from .conv import conv2d_deterministic, conv2d_diag
 from .linear import linear_deterministic, linear_diag, linear_full, linear_full_from_diag
 from .residual import residual_diag, residual_full
@@ -53,7 +54,7 @@ def linear_moments(
     b_loc: Tensor | None = None,
     b_var: Tensor | None = None,
     *,
-    mode: Mode,
+    mode: Mode | Propagation,
 ) -> Gaussian:
     r"""The Gaussian of :math:`a = hW^\top + b` with :math:`W_{kj}\sim\mathcal N(M_{kj}, V_{kj})`.
 
@@ -75,12 +76,13 @@ def linear_moments(
     if not isinstance(x, Gaussian):
         mean, var = linear_deterministic(x, w_loc, w_var, b_loc, b_var)
         return Gaussian(mean, var=var, validate=False)
-    if mode == "diag" and w_loc.shape[-2] > HEAD_WIDTH:
+    diag = propagation(mode).diag
+    if diag and w_loc.shape[-2] > HEAD_WIDTH:
         x = x.to_diag()
     if x.cov is not None:
         mean, cov = linear_full(x.mean, x.cov, w_loc, w_var, b_loc, b_var)
         return Gaussian(mean, cov=cov, validate=False)
-    if mode == "full" or w_loc.shape[-2] <= HEAD_WIDTH:
+    if not diag or w_loc.shape[-2] <= HEAD_WIDTH:
         mean, cov = linear_full_from_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
         return Gaussian(mean, cov=cov, validate=False)
     mean, var = linear_diag(x.mean, x.var, w_loc, w_var, b_loc, b_var)
@@ -130,7 +132,7 @@ def activation_moments(
     full: Callable[[Tensor, Tensor], _Pair],
     diag: Callable[[Tensor, Tensor], _Pair],
     *,
-    mode: Mode,
+    mode: Mode | Propagation,
 ) -> Gaussian:
     r"""The Gaussian of :math:`h = f(a)` elementwise, from ``f``'s two closed forms.
 
@@ -142,7 +144,7 @@ def activation_moments(
 
     A diag input in ``full`` mode has :math:`\rho = 0` exactly, so its output is diagonal too.
     """
-    if mode == "diag":
+    if propagation(mode).diag:
         x = x.to_diag()
     if x.cov is not None:
         mean, cov = full(x.mean, x.cov)
@@ -151,13 +153,13 @@ def activation_moments(
     return Gaussian(mean, var=var, validate=False)
 
 
-def as_storage(g: Gaussian, mode: Mode) -> Gaussian:
+def as_storage(g: Gaussian, mode: Mode | Propagation) -> Gaussian:
     """``g`` in the storage ``mode`` asks for: full covariance in ``full``, variances otherwise.
 
     Where a block needs its input's storage fixed (a skip connection, whose cross-covariance
     starts from it), it asks here rather than testing ``cov is None`` itself.
     """
-    return g.to_full() if mode == "full" else g.to_diag()
+    return g.to_full() if propagation(mode).full else g.to_diag()
 
 
 def skip_covariance(x: Gaussian) -> Tensor:

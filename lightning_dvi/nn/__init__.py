@@ -9,7 +9,7 @@ from torch import nn
 
 from .activations import ELU, GELU, Heaviside, LeakyReLU, ReLU, Sigmoid, SiLU, Softplus, Tanh
 from .attention import MultiheadAttention, TransformerEncoderLayer, key_padding
-from .base import BayesModule, Moments
+from .base import BayesModule, Moments, WeightLayer
 from .builders import CNN, cnn, mlp
 from .container import Residual, Sequential
 from .conv import AvgPool2d, BayesConv2d, Flatten, MaxPool2d
@@ -85,6 +85,7 @@ __all__ = [
     "Tanh",
     "TorchNetwork",
     "TransformerEncoderLayer",
+    "WeightLayer",
     "activation_specs",
     "bayes_layers",
     "cnn",

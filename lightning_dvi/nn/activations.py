@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
 from ..moments import elu as E
 from ..moments import smooth as S
+from ..propagation import Propagation
 from .base import BayesModule, Moments
 from .registry import register_activation
 
@@ -52,12 +53,12 @@ class _Activation(BayesModule):
             return self.elementwise(fn)
         return super().apply(fn)
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         if not isinstance(x, Gaussian):
             return self.elementwise(x)
         return M.activation_moments(x, type(self)._full, type(self)._diag, mode=mode)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         return M.cross_through_activation(cross, type(self)._slope(x.mean, x.var))
 
 
@@ -116,13 +117,13 @@ class _ParamActivation(_Activation):
     def _moments_slope(self, mean: Tensor, var: Tensor) -> Tensor:  # pragma: no cover
         raise NotImplementedError
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Tensor in, tensor out; Gaussian in, the Gaussian of the output (same storage)."""
         if not isinstance(x, Gaussian):
             return self.elementwise(x)
         return M.activation_moments(x, self._moments_full, self._moments_diag, mode=mode)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """Stein's lemma: ``Cov(r, f(a)) = Cov(r, a) diag(E[f'(a)])``."""
         return M.cross_through_activation(cross, self._moments_slope(x.mean, x.var))
 

@@ -25,8 +25,9 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
 from ..moments import attention as A
+from ..propagation import Propagation
 from .base import BayesModule, Moments
 from .container import Residual, Sequential
 from .layer_norm import LayerNorm
@@ -46,7 +47,6 @@ DEFAULT_ATTENTION_RULE: A.AttentionRule = "unscented"
 """The attention-weight rule used unless one is given (chosen by the table in ``docs/transformers.md``)."""
 
 _PADDING: ContextVar[Tensor | None] = ContextVar("lightning_dvi_key_padding", default=None)
-_MC = ("sample", "local")
 
 
 @contextmanager
@@ -210,9 +210,9 @@ class MultiheadAttention(BayesModule):
     def _projections(self) -> tuple[A.ProjectionMoments, ...]:
         return tuple(_projection(p) for p in (self.q_proj, self.k_proj, self.v_proj, self.out_proj))
 
-    def _check(self, x: Moments, mode: Mode) -> None:
+    def _check(self, x: Moments, mode: Propagation) -> None:
         shape = tuple(x.shape)
-        rank = 4 if mode in _MC and isinstance(x, Tensor) else 3
+        rank = 4 if mode.samples and isinstance(x, Tensor) else 3
         if len(shape) != rank or shape[-1] != self.embed_dim:
             want = "[S, B, T, D]" if rank == 4 else "[B, T, D]"
             raise ValueError(
@@ -225,13 +225,13 @@ class MultiheadAttention(BayesModule):
                 f"input is {x.dtype}; convert one of them"
             )
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Moments (``full``/``diag``) or samples (``sample``/``local``) of the attention output."""
         self._check(x, mode)
         q, k, v, o = self._projections()
         heads, causal, padding = self.num_heads, self.causal, _PADDING.get()
         given = q.w_var is None
-        if isinstance(x, Tensor) and (mode in _MC or given):
+        if isinstance(x, Tensor) and (mode.samples or given):
             s = x.shape[0]
             draws = [_draw(p, s, x) for p in (q, k, v, o)]
             return A.attention_sample(
@@ -239,9 +239,9 @@ class MultiheadAttention(BayesModule):
             )
         if isinstance(x, Tensor):
             mean = x
-            second = None if mode == "diag" else x.new_zeros(*x.shape, x.shape[-1])
+            second = None if mode.diag else x.new_zeros(*x.shape, x.shape[-1])
         else:
-            g = x.to_diag() if mode == "diag" else x
+            g = x.to_diag() if mode.diag else x
             mean, second = g.mean, (g.cov if g.cov is not None else g.var)
         out_mean, out_second = A.self_attention_moments(
             mean, second, q, k, v, o, heads=heads, rule=self.rule, causal=causal,
@@ -251,7 +251,7 @@ class MultiheadAttention(BayesModule):
             return Gaussian(out_mean, cov=out_second, validate=False)
         return Gaussian(out_mean, var=out_second, validate=False)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         r"""Per token, :math:`\operatorname{Cov}(r_i, y_i) = \operatorname{Cov}(r_i, x_i)\,B_i^\top`.
 
         :math:`B_i = \bar W_o\operatorname{blockdiag}_h(\bar A^h_{ii}\bar W_v^h)`: the token's
@@ -259,7 +259,7 @@ class MultiheadAttention(BayesModule):
         attention weights at their mean. ``cross`` is ``[B, T, D_r, D]``.
         """
         q, k, v, o = self._projections()
-        g = x.to_diag() if mode == "diag" else x
+        g = x.to_diag() if mode.diag else x
         second = g.cov if g.cov is not None else g.var
         weights = A.self_attention_weights(
             g.mean, second, q, k, heads=self.num_heads, rule=self.rule, causal=self.causal,
@@ -293,9 +293,9 @@ class TokenWise(BayesModule):
         super().__init__()
         self.module = module
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """The module's output, tokens folded into the batch for ``sample`` draws."""
-        if mode == "sample" and isinstance(x, Tensor) and x.dim() == 4:
+        if (mode.samples and not mode.local) and isinstance(x, Tensor) and x.dim() == 4:
             out = self.module.propagate(x.flatten(1, 2), mode)
             assert isinstance(out, Tensor)
             folded: Tensor = out.unflatten(1, x.shape[1:3])
@@ -303,7 +303,7 @@ class TokenWise(BayesModule):
         result: Moments = self.module.propagate(x, mode)
         return result
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """The module's rule."""
         return self.module.propagate_cross(cross, x, mode)
 

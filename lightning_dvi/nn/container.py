@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
+from ..propagation import Propagation
 from .base import BayesModule, Moments, as_mode
 from .registry import register_layer
 
@@ -68,18 +69,18 @@ class Sequential(BayesModule):
     def __getitem__(self, idx: int) -> BayesModule:
         return cast(BayesModule, self.layers[idx])
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Run the layers in order."""
         for layer in self:
             x = layer.propagate(x, mode)
         return x
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """Carry a cross-covariance through the layers in order."""
         return self.propagate_with_cross(cross, x, mode)[0]
 
     def propagate_with_cross(
-        self, cross: Tensor, x: Gaussian, mode: Mode
+        self, cross: Tensor, x: Gaussian, mode: Propagation
     ) -> tuple[Tensor, Moments]:
         """The cross-covariance and the moments through the layers, in one walk."""
         h: Moments = x
@@ -105,7 +106,7 @@ class Residual(BayesModule):
         _check_modules("Residual", modules)
         self.branch = Sequential(*modules)
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Moments or samples of ``x + branch(x)``."""
         if not isinstance(x, Gaussian):
             delta = self.branch.propagate(x, mode)
@@ -114,7 +115,9 @@ class Residual(BayesModule):
             return x + delta
         return self._skip(x, None, mode)[1]
 
-    def _skip(self, x: Gaussian, cross: Tensor | None, mode: Mode) -> tuple[Tensor, Gaussian]:
+    def _skip(
+        self, x: Gaussian, cross: Tensor | None, mode: Propagation
+    ) -> tuple[Tensor, Gaussian]:
         r"""``(Cov(r, a' + delta), a' + delta)``, walking the branch once.
 
         :math:`\operatorname{Cov}(a', \delta)` and, when ``cross`` is given,
@@ -137,12 +140,12 @@ class Residual(BayesModule):
         outer = stacked if cross is None else cross + stacked[..., :rows, :]
         return outer, out
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """``Cov(r, a' + delta) = Cov(r, a') + Cov(r, delta)``."""
         return self._skip(x, cross, mode)[0]
 
     def propagate_with_cross(
-        self, cross: Tensor, x: Gaussian, mode: Mode
+        self, cross: Tensor, x: Gaussian, mode: Propagation
     ) -> tuple[Tensor, Moments]:
         """The cross-covariance and the moments of ``a' + delta`` in one walk of the branch."""
         return self._skip(x, cross, mode)

@@ -18,14 +18,15 @@ correlated even when the inputs are not). From there on the dense head is full D
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
+from ..propagation import MomentPass, Propagation
 from .base import BayesModule, Moments
 from .linear import FactorisedLayer, ScaleTransform, init_factorised_posterior
 from .registry import ConversionOptions, copy_torch_posterior, register_layer
@@ -38,8 +39,6 @@ __all__ = [
     "unsupported_conv2d_options",
     "unsupported_pool2d_options",
 ]
-
-_MC_MODES = ("sample", "local")
 
 
 def _pair(v: int | tuple[int, ...], name: str) -> tuple[int, int]:
@@ -93,7 +92,7 @@ def unsupported_pool2d_options(
     return None
 
 
-def _image_shape(owner: str, x: Moments, mode: Mode) -> tuple[int, ...]:
+def _image_shape(owner: str, x: Moments, mode: Propagation) -> tuple[int, ...]:
     """Check that ``x`` is an image batch and return the user-facing shape ``[B, C, H, W]``."""
     if isinstance(x, Gaussian) and x.is_full:
         raise ValueError(
@@ -101,7 +100,7 @@ def _image_shape(owner: str, x: Moments, mode: Mode) -> tuple[int, ...]:
             f"{tuple(x.shape)}; image stages run before the dense head (see lightning_dvi.nn.conv)"
         )
     shape = tuple(x.shape)
-    image = shape[1:] if mode in _MC_MODES and isinstance(x, Tensor) else shape
+    image = shape[1:] if mode.samples and isinstance(x, Tensor) else shape
     if len(image) != 4:
         raise ValueError(f"{owner} expects an image batch [B, C, H, W] (4-D), got shape {image}")
     return image
@@ -112,18 +111,13 @@ def _flat_samples(x: Tensor) -> tuple[Tensor, tuple[int, int]]:
     return x.reshape(s * b, *x.shape[2:]), (s, b)
 
 
-def _conv_values(
-    x: Moments, mode: Mode, weight: Tensor, bias: Tensor | None, conv: dict[str, Any]
-) -> Tensor:
-    """The convolution with given weight *values*, as a front-end hands them over.
+def _conv_values(x: Tensor, weight: Tensor, bias: Tensor | None, conv: dict[str, Any]) -> Tensor:
+    """The convolution of ``x [S, B, C, H, W]`` with given weight *values*.
 
-    ``weight`` is ``[C_out, C_in, kH, kW]`` (or one per sample, ``[S, C_out, ...]``, in the
-    Monte Carlo modes), e.g. a Pyro sample through :func:`~lightning_dvi.nn.given_weights`.
+    ``weight`` is ``[C_out, C_in, kH, kW]`` or one per sample, ``[S, C_out, ...]`` (a draw, or
+    a Pyro sample through :func:`~lightning_dvi.nn.given_weights`, whose batch of draws
+    broadcasts against ``S``).
     """
-    if isinstance(x, Gaussian):
-        raise ValueError("weight values (not moments) need a tensor input, got a Gaussian")
-    if mode not in _MC_MODES:
-        return F.conv2d(x, weight, bias, **conv)
     s = max(x.shape[0], weight.shape[0] if weight.dim() == 5 else 1)
     weight = weight.expand(s, *weight.shape[-4:])
     bias = None if bias is None else bias.expand(s, bias.shape[-1])
@@ -241,7 +235,8 @@ class BayesConv2d(FactorisedLayer):
         self.reset_parameters()
 
     # ------------------------------------------------------------------ propagation
-    def _check_input(self, x: Moments, mode: Mode) -> None:
+    def check_input(self, x: Moments, mode: Propagation) -> None:
+        """Refuse an input of another dtype than the kernels, not an image, or of other channels."""
         if x.dtype != self.weight_loc.dtype:
             raise ValueError(
                 f"BayesConv2d parameters are {self.weight_loc.dtype} but the input is "
@@ -254,33 +249,16 @@ class BayesConv2d(FactorisedLayer):
                 f"(input shape {shape}, read as [B, C, H, W])"
             )
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
-        """Diag moments (``full``/``diag``) or samples (``sample``/``local``) of the output."""
-        self._check_input(x, mode)
+    def propagate_moments(self, x: Tensor | Gaussian, mode: MomentPass) -> Gaussian:
+        """Per-pixel output moments in every storage (:func:`~lightning_dvi.moments.conv2d_moments`)."""
         w_loc, w_var, b_loc, b_var = self._moments()
         conv = {"stride": self.stride, "padding": self.padding}
-        if w_var is None:  # weight values given by a front-end (a Pyro sample): a plain conv
-            return _conv_values(x, mode, w_loc, b_loc, conv)
-        if mode in _MC_MODES:  # BayesModule.forward hands the Monte Carlo modes a tensor
-            x = cast(Tensor, x)
-            if mode == "sample":
-                return self._sample(x)
-            flat, (s, b) = _flat_samples(x)
-            mean, var = M.conv2d_deterministic(flat, w_loc, w_var, b_loc, b_var, **conv)
-            out = mean + var.sqrt() * torch.randn_like(mean)
-            return out.reshape(s, b, *out.shape[1:])
-        return M.conv2d_moments(x, w_loc, w_var, b_loc, b_var, **conv)
+        return M.conv2d_moments(x, w_loc, cast(Tensor, w_var), b_loc, b_var, **conv)
 
-    def _sample(self, x: Tensor) -> Tensor:
-        s = x.shape[0]
-        eps = torch.randn(s, *self.weight_loc.shape, dtype=x.dtype, device=x.device)
-        weight = self.weight_loc + self.weight_scale * eps
-        bias = None
-        b_scale = self.bias_scale
-        if self.bias_loc is not None and b_scale is not None:
-            b_eps = torch.randn(s, self.out_channels, dtype=x.dtype, device=x.device)
-            bias = self.bias_loc + b_scale * b_eps
-        return M.conv2d_sample(x, weight, bias, stride=self.stride, padding=self.padding)
+    def propagate_given(self, x: Tensor, weights: Mapping[str, Tensor]) -> Tensor:
+        """The convolution of ``x [S, B, C, H, W]`` with kernel values (one per sample, or shared)."""
+        conv = {"stride": self.stride, "padding": self.padding}
+        return _conv_values(x, weights["weight"], weights.get("bias"), conv)
 
     def extra_repr(self) -> str:
         """Shapes and options for ``repr``."""
@@ -314,7 +292,7 @@ class _Pool2d(BayesModule):
 
     padding = (0, 0)
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Pool a tensor (any mode) or per-pixel moments (``full``/``diag``)."""
         shape = _image_shape(self._name, x, mode)
         (kh, kw), (ph, pw) = self.kernel_size, self.padding
@@ -324,7 +302,7 @@ class _Pool2d(BayesModule):
                 f"{tuple(shape[2:])}"
             )
         if isinstance(x, Tensor):
-            if mode in _MC_MODES:
+            if mode.samples:
                 flat, (s, b) = _flat_samples(x)
                 out = self._tensor(flat)
                 return out.reshape(s, b, *out.shape[1:])
@@ -434,7 +412,7 @@ class Flatten(BayesModule):
         torch.Size([2, 48])
     """
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Reshape the last three dimensions into one."""
         _image_shape("Flatten", x, mode)
         if isinstance(x, Tensor):

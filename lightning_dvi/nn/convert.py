@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 from torch import Tensor, nn
 
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
+from ..propagation import Propagation
 from .base import BayesModule, Moments
 from .container import Sequential
 from .graph import GraphNetwork
@@ -123,7 +124,7 @@ class TorchFlatten(BayesModule):
         end = self.end_dim + offset if self.end_dim >= 0 else self.end_dim
         return start, end
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Flatten the tensor (or the diag Gaussian's mean and variance)."""
         if isinstance(x, Gaussian):
             if x.is_full:
@@ -133,13 +134,13 @@ class TorchFlatten(BayesModule):
             start, end = self._dims(0)
             flat = x.mean.flatten(start, end)
             return self._checked(Gaussian(flat, var=x.var.flatten(start, end)), flat, mode)
-        start, end = self._dims(1 if mode in ("sample", "local") else 0)
+        start, end = self._dims(1 if mode.samples else 0)
         out = x.flatten(start, end)
         return self._checked(out, out, mode)
 
-    def _checked(self, out: Moments, values: Tensor, mode: Mode) -> Moments:
+    def _checked(self, out: Moments, values: Tensor, mode: Propagation) -> Moments:
         if self.features is not None and values.shape[-1] != self.features:
-            batch = values.shape[1 if mode in ("sample", "local") else 0]
+            batch = values.shape[1 if mode.samples else 0]
             raise ValueError(
                 f"x.view(-1, {self.features}) of a batch of {batch} rows of "
                 f"{values.shape[-1]} values would change the batch size; converted networks "
@@ -147,7 +148,7 @@ class TorchFlatten(BayesModule):
             )
         return out
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """Identity on flat inputs (Residual branches carry ``[B, D]`` moments)."""
         if x.mean.dim() != 2:
             raise ValueError("Flatten inside a Residual block needs a flat [B, D] input")

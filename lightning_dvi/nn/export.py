@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from ..gaussian import Gaussian
 from ..likelihoods import ExportOptions, Likelihood, PredictiveHead
+from ..propagation import moment_propagation
 from ..transforms import Standardize
 from .base import BayesModule
 
@@ -152,7 +153,7 @@ class PredictiveModule(nn.Module):
         """Predictive of ``x [B, D_in]``: ``(mean, var)`` or class probabilities ``[B, K]``."""
         if self.standardize:
             x = (x - self.input_loc) / self.input_scale
-        out = self.net.propagate(x, self.mode)
+        out = self.net.propagate(x, moment_propagation(self.mode))
         if not isinstance(out, Gaussian):
             raise ValueError("the network output is deterministic: it has no BayesLinear layer")
         return self.head(out)
@@ -355,8 +356,7 @@ def export_predictive(
         >>> tuple(mean.shape), bool((var > 0).all())
         ((4,), True)
     """
-    if mode not in ("diag", "full"):
-        raise ValueError(f"mode must be 'diag' or 'full' for a one-pass predictive, got {mode!r}")
+    moment_propagation(mode, " for a one-pass predictive")
     temperature = 1.0
     if isinstance(net, ProvidesPredictive):
         parts = net.predictive_parts()

@@ -12,15 +12,17 @@ few thousand.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import cast
 
 import torch
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
 from ..moments import full_cov_linear as FC
-from .base import BayesModule, Moments
+from ..propagation import MomentPass, Propagation
+from .base import Moments, WeightLayer
 from .linear import (
     BayesLinear,
     ScaleTransform,
@@ -41,7 +43,7 @@ __all__ = ["BayesLinearFullCov"]
 
 
 @register_layer("linear_full_cov", kind="weight")
-class BayesLinearFullCov(BayesModule):
+class BayesLinearFullCov(WeightLayer):
     r"""Linear layer :math:`a = hW^\top + b` with :math:`\operatorname{vec}[W, b] \sim \mathcal N(\operatorname{vec}\tilde M, LL^\top)`.
 
     Unlike :class:`BayesLinear` (independent weights, so independent outputs given the input)
@@ -219,37 +221,49 @@ class BayesLinearFullCov(BayesModule):
         ]
 
     # ------------------------------------------------------------------ propagation
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
-        """Moments (``full``/``diag``) or samples (``sample``/``local``) of the output."""
+    def check_input(self, x: Moments, mode: Propagation) -> None:
+        """Refuse an input of another dtype than the weights, or of another width."""
         check_linear_input(self, x, self.weight_loc.dtype, self.in_features)
+
+    def propagate_moments(self, x: Tensor | Gaussian, mode: MomentPass) -> Gaussian:
+        """The output Gaussian, correlated across outputs (:mod:`~lightning_dvi.moments.full_cov_linear`).
+
+        Factorised moments substituted by a front-end give the factorised layer's output.
+        """
         given = substituted(self)
-        if given is not None:  # factorised moments (or values) from a front-end: no correlation
+        if given is not None:
             w_loc, w_var = given["weight"]
             b_loc, b_var = given.get("bias", (None, None))
-            if w_var is None:
-                return _affine_values(x, w_loc, b_loc)
-            if mode in ("sample", "local"):
-                raise NotImplementedError(
-                    "BayesLinearFullCov: substituted moments in a sampling mode"
-                )
-            return M.linear_moments(x, w_loc, w_var, b_loc, b_var, mode=mode)
+            return M.linear_moments(x, w_loc, cast(Tensor, w_var), b_loc, b_var, mode=mode)
         loc, tril = self.loc, self.scale_tril
-        if mode == "sample":
-            return FC.full_cov_linear_sample(cast(Tensor, x), loc, tril)
-        if mode == "local":
-            return FC.full_cov_linear_local(cast(Tensor, x), loc, tril)
         if isinstance(x, Gaussian):
-            if mode == "diag" or x.cov is None:
+            if mode.diag or x.cov is None:
                 mean, cov = FC.full_cov_linear_gaussian(x.mean, x.var, loc, tril, diagonal=True)
             else:
                 mean, cov = FC.full_cov_linear_gaussian(x.mean, x.cov, loc, tril, diagonal=False)
         else:
             mean, cov = FC.full_cov_linear_deterministic(x, loc, tril)
-        if mode == "diag":
+        if mode.diag:
             return Gaussian(mean, var=cov.diagonal(dim1=-2, dim2=-1).clone(), validate=False)
         return Gaussian(mean, cov=cov, validate=False)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_given(self, x: Tensor, weights: Mapping[str, Tensor]) -> Tensor:
+        """``x W^T + b`` for weight values (as :class:`BayesLinear`)."""
+        return _affine_values(x, weights["weight"], weights.get("bias"))
+
+    def propagate_samples(self, x: Tensor) -> Tensor:
+        """One correlated draw of :math:`[W, b]` per sample (:func:`~lightning_dvi.moments.full_cov_linear.full_cov_linear_sample`)."""
+        if substituted(self) is not None:  # factorised moments: independent draws
+            return super().propagate_samples(x)
+        return FC.full_cov_linear_sample(x, self.loc, self.scale_tril)
+
+    def propagate_local(self, x: Tensor) -> Tensor:
+        """One correlated draw per example and sample: the output's exact correlated Gaussian."""
+        if substituted(self) is not None:
+            return super().propagate_local(x)
+        return FC.full_cov_linear_local(x, self.loc, self.scale_tril)
+
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """``Cov(r, hW^T + b) = Cov(r, h) M^T`` (weights independent of ``r``)."""
         return M.cross_through_linear(cross, self.weight_loc)
 

@@ -44,7 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian, Mode, validate_mode
+from ..gaussian import Gaussian
+from ..propagation import Mode, Propagation, propagation
 from .base import BayesModule, Moments, finish, prepare_input
 from .registry import ConversionOptions, LayerSpec, layer_specs, register_layer
 from .torch_layers import build_layer, plain
@@ -52,7 +53,6 @@ from .torch_layers import build_layer, plain
 __all__ = ["GraphNetwork", "build_node_module"]
 
 _OPS = ("input", "call", "add", "cat", "output")
-_MC = ("sample", "local")
 
 
 def _spec(kind: object, where: str) -> LayerSpec:
@@ -246,7 +246,7 @@ class GraphNetwork(BayesModule):
     def forward(
         self,
         x: Moments | Sequence[Moments],
-        mode: Mode = "full",
+        mode: Mode | Propagation = "full",
         num_samples: int | None = None,
     ) -> Moments:
         """As :meth:`BayesModule.forward`; a graph of several inputs takes a tuple of them.
@@ -261,13 +261,11 @@ class GraphNetwork(BayesModule):
         """
         if isinstance(x, (Tensor, Gaussian)):
             return super().forward(x, mode, num_samples)
-        validate_mode(mode)
+        how = propagation(mode, num_samples)
         values = self._inputs(x)
         integer_ok = self.accepts_integer_input
-        out = self.propagate(
-            [prepare_input(v, mode, num_samples, integer_ok) for v in values], mode
-        )
-        return out if mode in _MC else finish(out, mode, self)
+        out = self.propagate([prepare_input(v, how, integer_ok) for v in values], how)
+        return finish(out, how, self)
 
     def _inputs(self, x: Moments | Sequence[Moments]) -> list[Moments]:
         values = [x] if isinstance(x, (Tensor, Gaussian)) else list(x)
@@ -279,7 +277,7 @@ class GraphNetwork(BayesModule):
             )
         return values
 
-    def propagate(self, x: Moments | Sequence[Moments], mode: Mode) -> Moments:
+    def propagate(self, x: Moments | Sequence[Moments], mode: Propagation) -> Moments:
         """Run the nodes in order (moments with their cross-covariances, or samples)."""
         return _Walk(self, mode).run(self._inputs(x))
 
@@ -317,7 +315,7 @@ class _Walk:
     carry a cross-covariance.
     """
 
-    def __init__(self, net: GraphNetwork, mode: Mode) -> None:
+    def __init__(self, net: GraphNetwork, mode: Propagation) -> None:
         self.net, self.mode = net, mode
         self.values: dict[str, Moments] = {}
         self.anc: dict[str, frozenset[str]] = {}
@@ -382,7 +380,7 @@ class _Walk:
     # ------------------------------------------------------------------ ops
     def _call(self, name: str, layer: BayesModule, v: str) -> None:
         x = self.values[v]
-        if self.mode in _MC or not isinstance(x, Gaussian) or not _flat(x):
+        if self.mode.samples or not isinstance(x, Gaussian) or not _flat(x):
             self._set(name, layer.propagate(x, self.mode), self.anc[v])
             return
         rows = [
@@ -470,12 +468,12 @@ class _Walk:
             )
         cross = self._get(a, b) if _flat(va) and _flat(vb) else None
         if cross is _LOST:
-            if self.mode == "full":
+            if self.mode.full:
                 self._refuse_lost(name, a, b, "the sum")
             cross = None  # the stated approximation: correlated images summed as independent
         if cross is None:
             out = M.add_independent(va, vb)
-        elif self.mode == "full":
+        elif self.mode.full:
             mean, cov = M.residual_full(
                 va.mean, M.skip_covariance(va), vb.mean, M.skip_covariance(vb), cross
             )
@@ -489,20 +487,20 @@ class _Walk:
     def _cat(self, name: str, inputs: Sequence[str], dim: int) -> None:
         values = [self.values[v] for v in inputs]
         anc = frozenset().union(*(self.anc[v] for v in inputs))
-        rank = len(values[0].shape) - (1 if self.mode in _MC else 0)
+        rank = len(values[0].shape) - (1 if self.mode.samples else 0)
         if not -rank <= dim < rank or dim % rank == 0:
             raise ValueError(
                 f"graph node {name!r}: torch.cat along dim={dim} of {rank}-D values; only a "
                 "feature dimension (not the batch dimension 0) is supported"
             )
         if not any(isinstance(v, Gaussian) for v in values):
-            shift = 1 if self.mode in _MC and dim >= 0 else 0
+            shift = 1 if self.mode.samples and dim >= 0 else 0
             self._set(name, torch.cat(values, dim + shift), anc)  # type: ignore[arg-type]  # all tensors
             return
         gaussians = [
             v if isinstance(v, Gaussian) else Gaussian(v, var=torch.zeros_like(v)) for v in values
         ]
-        if self.mode == "full" and all(_flat(g) for g in gaussians):
+        if self.mode.full and all(_flat(g) for g in gaussians):
             out = self._joint(name, inputs, gaussians)
         else:
             out = Gaussian(

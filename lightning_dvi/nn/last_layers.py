@@ -43,7 +43,8 @@ from typing import Literal
 
 from torch import Tensor, fx, nn
 
-from ..gaussian import Gaussian, Mode, validate_mode
+from ..gaussian import Gaussian
+from ..propagation import FULL, Mode, Propagation, propagation
 from .base import BayesModule, Moments, finish, prepare_input
 from .container import Sequential
 from .full_cov import BayesLinearFullCov
@@ -338,33 +339,35 @@ class LastLayerNetwork(BayesModule):
             raise TypeError(f"the backbone returned {len(out)} tensors; the head takes {inputs}")
         return out
 
-    def _head(self, feats: Tensor | tuple[Tensor, ...], mode: Mode) -> Moments:
+    def _head(self, feats: Tensor | tuple[Tensor, ...], mode: Propagation) -> Moments:
         if isinstance(feats, tuple):
             assert isinstance(self.head, GraphNetwork)  # features() checked it
             return self.head.propagate(feats, mode)
         return self.head.propagate(feats, mode)
 
-    def forward(self, x: Moments, mode: Mode = "full", num_samples: int | None = None) -> Moments:
+    def forward(
+        self, x: Moments, mode: Mode | Propagation = "full", num_samples: int | None = None
+    ) -> Moments:
         """As :meth:`BayesModule.forward`; the Monte Carlo modes run the backbone once."""
-        validate_mode(mode)
-        if mode in ("sample", "local") and isinstance(x, Tensor):
-            prepare_input(x, "full", None, integer_ok=True)  # checks only: finite, any dtype
+        how = propagation(mode, num_samples)
+        if how.samples and isinstance(x, Tensor):
+            prepare_input(x, FULL, integer_ok=True)  # checks only: finite, any dtype
             # the head expands the features (a tuple of them for a graph head) to [S, B, ...]
-            out: Tensor = self.head(self.features(x), mode=mode, num_samples=num_samples)
+            out: Tensor = self.head(self.features(x), mode=how)
             return out
         # the backbone is plain torch: it takes what the torch model took, integer token ids
         # included (only the head needs floating features)
-        moments = self.propagate(prepare_input(x, mode, num_samples, integer_ok=True), mode)
-        return finish(moments, mode, self)
+        moments = self.propagate(prepare_input(x, how, integer_ok=True), how)
+        return finish(moments, how, self)
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """The head's moments (or samples) at the backbone's features."""
         if isinstance(x, Gaussian):
             raise ValueError(
                 "LastLayerNetwork: the backbone is plain torch and needs a tensor input, "
                 "got a Gaussian"
             )
-        if mode in ("sample", "local"):  # x [S, B, ...] from an enclosing module
+        if mode.samples:  # x [S, B, ...] from an enclosing module
             feats = self.features(x.flatten(0, 1))
             return self._head(_each(feats, lambda t: t.unflatten(0, x.shape[:2])), mode)
         return self._head(self.features(x), mode)

@@ -25,20 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
 from ..moments import layer_norm as L
 from ..moments import normalization as N
+from ..propagation import Propagation
 from .base import BayesModule, Moments
 from .registry import ConversionOptions, register_layer
 
 __all__ = ["GroupNorm", "LayerNorm"]
 
-_MC_MODES = ("sample", "local")
 
-
-def _user_shape(x: Moments, mode: Mode) -> tuple[int, ...]:
+def _user_shape(x: Moments, mode: Propagation) -> tuple[int, ...]:
     shape = tuple(x.shape)
-    return shape[1:] if mode in _MC_MODES and isinstance(x, Tensor) else shape
+    return shape[1:] if mode.samples and isinstance(x, Tensor) else shape
 
 
 def _check_dtype(name: str, x: Moments, param: Tensor | None) -> None:
@@ -141,7 +140,7 @@ class LayerNorm(BayesModule):
             if bias:
                 self.bias = nn.Parameter(torch.zeros(self.normalized_shape))
 
-    def _check(self, x: Moments, mode: Mode) -> tuple[int, ...]:
+    def _check(self, x: Moments, mode: Propagation) -> tuple[int, ...]:
         user = _user_shape(x, mode)
         k = len(self.normalized_shape)
         if len(user) < k + 1 or user[-k:] != self.normalized_shape:
@@ -164,13 +163,13 @@ class LayerNorm(BayesModule):
         zero = torch.zeros_like(one) if self.bias is None else self.bias.reshape(-1)
         return one, zero
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Normalize a tensor (any mode) or a Gaussian (``full``/``diag``)."""
         user = self._check(x, mode)
         if isinstance(x, Tensor):
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         k = len(self.normalized_shape)
-        if mode == "full" and (len(user) == 2 or x.is_full) and k == 1:
+        if mode.full and (len(user) == 2 or x.is_full) and k == 1:
             g = x.to_full()
             mean, cov = L.normalize_full(g.mean, cast(Tensor, g.cov), self.eps)
             scale, shift = self._flat_affine()
@@ -184,7 +183,7 @@ class LayerNorm(BayesModule):
             mean, var = N.affine_diag(mean, var, self.weight, shift)
         return Gaussian(mean, var=var, validate=False)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         r""":math:`\operatorname{Cov}(r, y) = \operatorname{Cov}(r, a)E[\nabla y]^\top\operatorname{diag}(\gamma)`."""
         self._check(x, mode)
         if len(self.normalized_shape) != 1:
@@ -262,7 +261,7 @@ class GroupNorm(BayesModule):
             self.weight = nn.Parameter(torch.ones(num_channels))
             self.bias = nn.Parameter(torch.zeros(num_channels))
 
-    def _check(self, x: Moments, mode: Mode) -> tuple[int, ...]:
+    def _check(self, x: Moments, mode: Propagation) -> tuple[int, ...]:
         user = _user_shape(x, mode)
         if len(user) < 2 or user[1] != self.num_channels:
             raise ValueError(
@@ -277,11 +276,11 @@ class GroupNorm(BayesModule):
         _check_dtype("GroupNorm", x, self.weight)
         return user
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Normalize a tensor (any mode) or per-unit moments, group by group."""
         user = self._check(x, mode)
         if isinstance(x, Tensor):
-            if mode in _MC_MODES:
+            if mode.samples:
                 out = F.group_norm(
                     x.flatten(0, 1), self.num_groups, self.weight, self.bias, self.eps
                 )
@@ -296,7 +295,7 @@ class GroupNorm(BayesModule):
             mean, var = N.affine_diag(mean, var, scale, shift)
         return Gaussian(mean, var=var, validate=False)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """Not supported: GroupNorm keeps per-unit moments (no cross-covariance rule)."""
         raise NotImplementedError(
             "GroupNorm cannot be used inside a Residual block of flat moments; use LayerNorm"

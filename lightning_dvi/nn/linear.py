@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian, Mode
-from .base import BayesModule, Moments
+from ..gaussian import Gaussian
+from ..propagation import MomentPass, Propagation
+from .base import BayesModule, Moments, WeightLayer
 from .posterior import (
     ParameterGroup,
     WeightMoments,
@@ -34,9 +36,7 @@ __all__ = [
 ScaleTransform = Literal["softplus", "exp"]
 
 
-def _affine_values(x: Moments, weight: Tensor, bias: Tensor | None) -> Tensor:
-    if isinstance(x, Gaussian):
-        raise ValueError("weight values (not moments) need a tensor input, got a Gaussian")
+def _affine_values(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if weight.dim() > 2 and x.dim() > weight.dim():
         # one weight draw per leading sample index [S, out, in], shared by every further batch
         # dimension of x [S, B, ..., in] (tokens of a sequence): [S, 1, ..., out, in]
@@ -74,13 +74,15 @@ def _inverse_softplus(x: float) -> float:
     return x + math.log(-math.expm1(-x))
 
 
-class FactorisedLayer(BayesModule):
+class FactorisedLayer(WeightLayer):
     """What :class:`BayesLinear` and :class:`~lightning_dvi.nn.BayesConv2d` share.
 
     The factorised Gaussian posterior that :func:`init_factorised_posterior` registers (its
     attributes are declared here for the type checker), the positivity transform of the
     scales, the prior groups (:class:`~lightning_dvi.nn.HasPosterior`) and the weight moments.
-    A new weight layer may subclass it, or implement the protocol on its own.
+    A new weight layer may subclass it (and write :meth:`~WeightLayer.propagate_moments` and
+    :meth:`~WeightLayer.propagate_given`), subclass :class:`~lightning_dvi.nn.WeightLayer`, or
+    implement the protocol on its own.
     """
 
     weight_loc: nn.Parameter
@@ -275,37 +277,20 @@ class BayesLinear(FactorisedLayer):
         self.reset_parameters()
 
     # ------------------------------------------------------------------ propagation
-    def _check_input(self, x: Moments, weight_dtype: torch.dtype) -> None:
-        check_linear_input(self, x, weight_dtype, self.in_features)
+    def check_input(self, x: Moments, mode: Propagation) -> None:
+        """Refuse an input of another dtype than the weights, or of another width."""
+        check_linear_input(self, x, self.weight_loc.dtype, self.in_features)
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
-        """Moments (``full``/``diag``) or samples (``sample``/``local``) of the layer output."""
+    def propagate_moments(self, x: Tensor | Gaussian, mode: MomentPass) -> Gaussian:
+        """The output Gaussian (:func:`~lightning_dvi.moments.linear_moments`)."""
         w_loc, w_var, b_loc, b_var = self._moments()
-        self._check_input(x, w_loc.dtype)
-        if w_var is None:  # weight values given by a front-end (a Pyro sample): a plain affine map
-            return _affine_values(x, w_loc, b_loc)
-        if mode in ("sample", "local"):  # BayesModule.forward hands these modes a tensor
-            x = cast(Tensor, x)
-            if mode == "sample":
-                return self._sample(x)
-            mean, var = M.linear_deterministic(x, w_loc, w_var, b_loc, b_var)
-            return mean + var.sqrt() * torch.randn_like(mean)
-        return M.linear_moments(x, w_loc, w_var, b_loc, b_var, mode=mode)
+        return M.linear_moments(x, w_loc, cast(Tensor, w_var), b_loc, b_var, mode=mode)
 
-    def _sample(self, x: Tensor) -> Tensor:
-        # One whole weight matrix per sample: x [S, B, in] -> [S, B, out] in one bmm; further
-        # batch dimensions (x [S, B, T, in], tokens) share their sample's draw.
-        s, ones = x.shape[0], (1,) * (x.dim() - 3)
-        eps = torch.randn(s, *ones, *self.weight_loc.shape, dtype=x.dtype, device=x.device)
-        weight = self.weight_loc + self.weight_scale * eps
-        out = x @ weight.transpose(-1, -2)
-        b_scale = self.bias_scale
-        if self.bias_loc is not None and b_scale is not None:
-            b_eps = torch.randn(s, 1, *ones, self.out_features, dtype=x.dtype, device=x.device)
-            out = out + self.bias_loc + b_scale * b_eps
-        return out
+    def propagate_given(self, x: Tensor, weights: Mapping[str, Tensor]) -> Tensor:
+        """``x W^T + b`` for weight values; sequences ``x [S, B, T, in]`` share sample ``s``'s draw."""
+        return _affine_values(x, weights["weight"], weights.get("bias"))
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """``Cov(r, hW^T + b) = Cov(r, h) M^T`` (weights independent of ``r``)."""
         return M.cross_through_linear(cross, self._moments()[0])
 

@@ -33,15 +33,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
 from ..moments import normalization as N
 from ..moments.normalization import BatchRule
+from ..propagation import Propagation
 from .base import BayesModule, Moments
 from .registry import ConversionOptions, register_layer
 
 __all__ = ["BatchNorm1d", "BatchNorm2d"]
-
-_MC_MODES = ("sample", "local")
 
 
 def _check_features(name: str, num_features: int) -> int:
@@ -118,9 +117,9 @@ class _BatchNorm(BayesModule):
             return 1.0 / float(self.num_batches_tracked)
         return float(self.momentum)
 
-    def _check(self, x: Moments, mode: Mode) -> tuple[int, ...]:
+    def _check(self, x: Moments, mode: Propagation) -> tuple[int, ...]:
         shape = tuple(x.shape)
-        user = shape[1:] if mode in _MC_MODES and isinstance(x, Tensor) else shape
+        user = shape[1:] if mode.samples and isinstance(x, Tensor) else shape
         if len(user) not in self._ranks or user[1] != self.num_features:
             raise ValueError(
                 f"{self._name}({self.num_features}) expects input of shape {self._shapes} with "
@@ -182,13 +181,13 @@ class _BatchNorm(BayesModule):
         return n
 
     # ------------------------------------------------------------------ propagation
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Normalize a tensor (any mode) or a Gaussian (``full``/``diag``), per channel."""
         user = self._check(x, mode)
         rank = len(user)
         batch = self._uses_batch_statistics()
         n = self._batch_size(user) if batch else 0
-        if isinstance(x, Tensor) and mode not in _MC_MODES:  # deterministic: torch's own op
+        if isinstance(x, Tensor) and not mode.samples:  # deterministic: torch's own op
             factor = self._momentum() if self._updates_running_statistics() else 0.0
             return F.batch_norm(
                 x, self.running_mean, self.running_var, self.weight, self.bias,
@@ -203,7 +202,7 @@ class _BatchNorm(BayesModule):
             self._update(mu.mean(0), sigma2.mean(0), n)
             scale, shift = self._affine(mu, sigma2, rank)
             return scale * x + shift
-        g = x.to_diag() if mode == "diag" else x
+        g = x.to_diag() if mode.diag else x
         if batch:
             dims = (0, *range(2, rank))
             mu, sigma2 = N.batch_norm_statistics(g.mean, g.var, dims, self.batch_rule)
@@ -240,7 +239,7 @@ class _BatchNorm(BayesModule):
             mean = mean + shift
         return mean, var, slope
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         r""":math:`\operatorname{Cov}(r, y_k) = \operatorname{Cov}(r, a_k)\,g_k` (Stein's lemma).
 
         :math:`g_k = E[\partial y_k/\partial a_k]` per example and channel: the constant gain

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import moments as M
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
+from ..propagation import Propagation
 from .base import BayesModule, Moments
 from .registry import ConversionOptions, register_layer
 
@@ -83,7 +84,7 @@ class AdaptiveAvgPool2d(BayesModule):
             window.append(size // out)
         return window[0], window[1]
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Pool a tensor (any mode) or per-pixel moments (``full``/``diag``)."""
         if (isinstance(x, Gaussian) and x.is_full) or len(x.shape) < 4:
             raise ValueError(

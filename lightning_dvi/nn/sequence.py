@@ -26,16 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..gaussian import Gaussian, Mode, validate_mode
+from ..gaussian import Gaussian
 from ..moments import normalization as N
 from ..moments import rms_norm as R
+from ..propagation import Mode, Propagation, propagation
 from .base import BayesModule, Moments, finish, prepare_input
 from .linear import FactorisedLayer, init_factorised_posterior
 from .registry import ConversionOptions, register_layer
 
 __all__ = ["Embedding", "FixedEmbedding", "MeanTokens", "PositionalEncoding", "RMSNorm"]
-
-_MC = ("sample", "local")
 
 
 def _check_ids(name: str, ids: Tensor, rows: int) -> None:
@@ -55,11 +54,13 @@ class _TokenInput(BayesModule):
     accepts_integer_input = True
     image_output = False
 
-    def forward(self, x: Moments, mode: Mode = "full", num_samples: int | None = None) -> Moments:
+    def forward(
+        self, x: Moments, mode: Mode | Propagation = "full", num_samples: int | None = None
+    ) -> Moments:
         """As :meth:`BayesModule.forward`, for integer token ids ``[B, T]``."""
-        validate_mode(mode)
-        out = self.propagate(prepare_input(x, mode, num_samples, integer_ok=True), mode)
-        return out if mode in _MC else finish(out, mode, self)
+        how = propagation(mode, num_samples)
+        out = self.propagate(prepare_input(x, how, integer_ok=True), how)
+        return finish(out, how, self)
 
 
 def _from_torch_embedding(module: nn.Module, options: ConversionOptions) -> BayesModule:
@@ -140,7 +141,7 @@ class Embedding(FactorisedLayer, _TokenInput):
         )  # fmt: skip
         self.reset_parameters()
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Look up the rows' moments (or draws) of integer ids."""
         if isinstance(x, Gaussian):
             raise ValueError("Embedding takes integer token ids, got a Gaussian")
@@ -148,7 +149,7 @@ class Embedding(FactorisedLayer, _TokenInput):
         w_loc, w_var, _, _ = self._moments()
         if w_var is None:
             return F.embedding(x, w_loc)
-        if mode == "sample":
+        if mode.samples and not mode.local:
             s = x.shape[0]
             eps = torch.randn(s, *w_loc.shape, dtype=w_loc.dtype, device=w_loc.device)
             tables = w_loc + w_var.sqrt() * eps  # [S, V, D]
@@ -156,11 +157,11 @@ class Embedding(FactorisedLayer, _TokenInput):
             rows = torch.gather(tables, 1, flat.unsqueeze(-1).expand(-1, -1, tables.shape[-1]))
             return rows.reshape(*x.shape, -1)
         mean, var = F.embedding(x, w_loc), F.embedding(x, w_var)
-        if mode == "local":
+        if mode.local:
             return mean + var.sqrt() * torch.randn_like(mean)
         return Gaussian(mean, var=var, validate=False)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """Not defined: an embedding's input is integer ids, never a Gaussian."""
         raise NotImplementedError("Embedding takes integer ids; it has no cross-covariance rule")
 
@@ -189,7 +190,7 @@ class FixedEmbedding(_TokenInput):
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         self.weight = nn.Parameter(torch.randn(num_embeddings, embedding_dim))
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Look up the rows (a tensor in every mode: no variance)."""
         if isinstance(x, Gaussian):
             raise ValueError("FixedEmbedding takes integer token ids, got a Gaussian")
@@ -275,7 +276,7 @@ class RMSNorm(BayesModule):
                 f"shape {tuple(x.shape)}"
             )
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Normalize a tensor (any mode) or a Gaussian (``full``/``diag``)."""
         self._check(x)
         eps = self._eps(x)
@@ -283,7 +284,7 @@ class RMSNorm(BayesModule):
             return F.rms_norm(x, (self.normalized_shape,), self.weight, eps)
         gain = x.mean.new_ones(self.normalized_shape) if self.weight is None else self.weight
         zero = torch.zeros_like(gain)
-        if mode == "full" and x.cov is not None:
+        if mode.full and x.cov is not None:
             mean, cov = R.rms_normalize_full(x.mean, x.cov, eps)
             mean, cov = N.affine_full(mean, cov, gain, zero)
             return Gaussian(mean, cov=cov, validate=False)
@@ -291,7 +292,7 @@ class RMSNorm(BayesModule):
         mean, var = N.affine_diag(mean, var, gain, zero)
         return Gaussian(mean, var=var, validate=False)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         r""":math:`\operatorname{Cov}(r, y) = \operatorname{Cov}(r, a)E[\nabla y]^\top\operatorname{diag}(\gamma)`."""
         cov = x.cov if x.cov is not None else torch.diag_embed(x.var)
         out = cross @ R.rms_normalize_jacobian(x.mean, cov, self._eps(x)).transpose(-1, -2)
@@ -363,7 +364,7 @@ class PositionalEncoding(BayesModule):
             )
         return self.table[:t].to(x.dtype)
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Shift the means (or values) by the table; the variances are unchanged."""
         rows = self._rows(x)
         if isinstance(x, Tensor):
@@ -372,7 +373,7 @@ class PositionalEncoding(BayesModule):
             return Gaussian(x.mean + rows, cov=x.cov, validate=False)
         return Gaussian(x.mean + rows, var=x.var, validate=False)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """A deterministic shift: the cross-covariance is unchanged."""
         return cross
 
@@ -400,7 +401,7 @@ class MeanTokens(BayesModule):
         [[0.25, 0.25]]
     """
 
-    def propagate(self, x: Moments, mode: Mode) -> Moments:
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """Average the token dimension (``-2``)."""
         if x.dim() < 3 if isinstance(x, Tensor) else x.mean.dim() < 3:
             raise ValueError(f"MeanTokens expects [B, T, D], got shape {tuple(x.shape)}")
@@ -411,6 +412,6 @@ class MeanTokens(BayesModule):
             return Gaussian(x.mean.mean(-2), cov=x.cov.sum(-3) / t**2, validate=False)
         return Gaussian(x.mean.mean(-2), var=x.var.sum(-2) / t**2, validate=False)
 
-    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Mode) -> Tensor:
+    def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """Not supported: the tokens' cross-covariances with ``r`` are per token."""
         raise NotImplementedError("MeanTokens inside a Residual block is not supported")

@@ -18,7 +18,7 @@ from pyro.poutine import get_mask
 from torch import Tensor
 from torch.distributions import biject_to
 
-from ..gaussian import MOMENT_MODES, Mode
+from ..propagation import Mode, MomentPass, Propagation, moment_propagation
 from .distributions import unwrap_independent
 from .moment_tensor import MomentTensor
 
@@ -91,16 +91,14 @@ class DeterministicGuide(AutoNormal):
     def __init__(
         self,
         model: Callable[..., Any],
-        mode: Mode = "diag",
+        mode: Mode | Propagation = "diag",
         *,
         init_scale: float = 0.05,
         init_loc_fn: Callable[[dict], Tensor] = init_to_he,
         sampled_sites: Iterable[str] = (),
         create_plates: Callable[..., Any] | None = None,
     ) -> None:
-        if mode not in MOMENT_MODES:
-            raise ValueError(f"mode must be 'diag' or 'full', got {mode!r}")
-        self.mode = mode
+        self.mode: MomentPass = moment_propagation(mode)
         self.sampled_sites = frozenset(sampled_sites)
         self.weight_sites: tuple[str, ...] = ()
         super().__init__(
@@ -198,4 +196,4 @@ class DeterministicGuide(AutoNormal):
 
     def extra_repr(self) -> str:
         """Mode and site counts for ``repr``."""
-        return f"mode={self.mode!r}, weight_sites={len(self.weight_sites)}"
+        return f"mode={self.mode.name!r}, weight_sites={len(self.weight_sites)}"

@@ -31,9 +31,10 @@ from pyro.nn import PyroModule
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
 from ..nn import BayesModule, HasPosterior, bayes_layers, given_weights, has_posterior
 from ..nn.posterior import GroupMoments
+from ..propagation import Propagation, SamplePass
 from .dispatch import supported_ops_text, unsupported
 from .moment_tensor import MomentTensor, SampledTensor, union_sources
 
@@ -122,7 +123,7 @@ class PyroBayesNet(PyroModule):
         prefix = f"{self._pyro_name}." if self._pyro_name else ""
         return {path: pyro.param(prefix + path, p) for path, p in self._point}
 
-    def _propagate(self, x: Tensor | Gaussian, mode: Mode) -> Tensor | Gaussian:
+    def _propagate(self, x: Tensor | Gaussian, mode: Propagation) -> Tensor | Gaussian:
         """``net.propagate(x, mode)`` with the point parameters' ``pyro.param`` values."""
         point = self._point_values()
         if not point:
@@ -154,7 +155,7 @@ class PyroBayesNet(PyroModule):
                                 strict=True)
             )  # fmt: skip
             with given_weights(given):
-                drawn = cast(Tensor, self._propagate(x.unsqueeze(0), "sample"))
+                drawn = cast(Tensor, self._propagate(x.unsqueeze(0), SamplePass(1)))
             return drawn if batched else drawn.squeeze(0)
         if len(moments) != len(values) + isinstance(x, MomentTensor):
             raise unsupported("a PyroBayesNet with some weights given as values, not moments")
@@ -173,7 +174,7 @@ class _Propagate(nn.Module):
         super().__init__()
         self.net = net
 
-    def forward(self, x: Tensor | Gaussian, mode: Mode) -> Tensor | Gaussian:
+    def forward(self, x: Tensor | Gaussian, mode: Propagation) -> Tensor | Gaussian:
         """The declared network's propagation of ``x``."""
         return self.net.propagate(x, mode)
 

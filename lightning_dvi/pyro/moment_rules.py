@@ -26,11 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import moments as M
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
 from ..nn.activations import Sigmoid
 from ..nn.conv import MaxPool2d, unsupported_conv2d_options, unsupported_pool2d_options
 from ..nn.layer_norm import GroupNorm
 from ..nn.registry import spec_for_function
+from ..propagation import DIAG, FULL, MomentPass
 from .dispatch import Handler, op_name, register, register_resolver, unsupported
 from .moment_tensor import (
     MomentTensor,
@@ -71,7 +72,7 @@ def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Mo
     unit of independent ones) keeps only marginals and marks the result ``dvi_marginal``.
     """
     _only_moment_operand(func, x, *args, *kwargs.values())
-    full = x.dvi_mode == "full"
+    full = x.dvi_mode.full
     joint = (full or x.dvi_cov is not None) and not x.dvi_marginal  # diag mode: a head's cov
     g, exact = M.reindex_gaussian(x.moments(), func, *args, joint=joint, **kwargs)
     out = new_like(x, g, marginal=full and not exact)
@@ -127,8 +128,8 @@ def _add_moments(op: str, a: Any, b: Any) -> MomentTensor:
     )
     shape = torch.broadcast_shapes(a.shape, b.shape)
     a, b = expand_to(a, shape), expand_to(b, shape)
-    marginal = like.dvi_mode == "full" and any(is_moment(t) and t.dvi_marginal for t in (a, b))
-    marginals_only = like.dvi_mode == "diag" or marginal
+    marginal = like.dvi_mode.full and any(is_moment(t) and t.dvi_marginal for t in (a, b))
+    marginals_only = like.dvi_mode.diag or marginal
     a, b = (
         (t.moments().to_diag() if marginals_only else t.moments()) if is_moment(t) else t
         for t in (a, b)
@@ -235,7 +236,7 @@ def _matmul(func: Callable[..., Any], x: Any, weight: Any) -> MomentTensor:
     if weight.dim() != 2 or (is_moment(weight) and weight.dvi_cov is not None):
         raise unsupported(f"`{op_name(func)}` unless the right operand is a [in, out] matrix")
 
-    def moments(h: Any, w_loc: Tensor, w_var: Tensor, *bias: Any, mode: Mode) -> Gaussian:
+    def moments(h: Any, w_loc: Tensor, w_var: Tensor, *bias: Any, mode: MomentPass) -> Gaussian:
         return M.linear_moments(h, w_loc.mT, w_var.mT, *bias, mode=mode)
 
     return _layer(func, x, weight, None, moments)
@@ -256,8 +257,8 @@ def _conv2d(
     if required is not None:
         raise unsupported(f"`{op_name(func)}`", f"only {required}")
 
-    def moments(h: Any, *weights: Any, mode: Mode) -> Gaussian:
-        if mode != "diag":
+    def moments(h: Any, *weights: Any, mode: MomentPass) -> Gaussian:
+        if not mode.diag:
             raise unsupported(
                 f"`{op_name(func)}` in mode='full'",
                 "convolutions propagate per-pixel (diag) moments: use "
@@ -348,7 +349,7 @@ def _cat(func: Callable[..., Any], tensors: Any, dim: int = 0, **kwargs: Any) ->
         t.check_unlinked(op)
     d = dim % like.dim()
     last = d == like.dim() - 1
-    full = like.dvi_mode == "full"
+    full = like.dvi_mode.full
     sources = frozenset().union(*(t.dvi_sources for t in moments))
     if full and last and len(moments) > 1:
         union_sources(op, *moments)  # refuses operands that depend on the same weights
@@ -394,7 +395,7 @@ def _out_of_place(func: Callable[..., Any]) -> Callable[..., Any] | None:
 
 def marginals_only(x: Any) -> bool:
     """Whether ``x`` is a full-mode moment tensor whose covariance a shape op dropped."""
-    return bool(x.dvi_mode == "full" and x.dvi_marginal)
+    return bool(x.dvi_mode.full and x.dvi_marginal)
 
 
 def _registered_activation(func: Callable[..., Any]) -> Handler | None:
@@ -424,8 +425,8 @@ def _registered_activation(func: Callable[..., Any]) -> Handler | None:
         module = found.build_from_call(*args, **kwargs)
         if marginals_only(x) and found.kind == "activation":
             # elementwise: marginals in, marginals out (e.g. sigmoid(f.squeeze(-1)) in full mode)
-            out = module.propagate(x.moments().to_diag(), "diag")
-            result = MomentTensor(out.mean, out.var, mode="full", sources=x.dvi_sources,
+            out = module.propagate(x.moments().to_diag(), DIAG)
+            result = MomentTensor(out.mean, out.var, mode=FULL, sources=x.dvi_sources,
                                   marginal=True)  # fmt: skip
         else:
             out = module.propagate(x.gaussian(op), x.dvi_mode)

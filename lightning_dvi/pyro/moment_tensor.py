@@ -33,7 +33,8 @@ from typing import Any, TypeGuard
 import torch
 from torch import Tensor
 
-from ..gaussian import Gaussian, Mode
+from ..gaussian import Gaussian
+from ..propagation import Mode, MomentPass, Propagation, moment_propagation
 from .dispatch import LAYER_OPS, handler_for, op_name, unsupported
 
 __all__ = ["MomentTensor", "SampledTensor", "unsupported"]
@@ -56,7 +57,7 @@ class MomentTensor(Tensor):
         dvi_mean: mean (differentiable).
         dvi_var: per-element variances (always set; the diagonal of ``dvi_cov`` in full storage).
         dvi_cov: full covariance over the last dimension ``[..., D, D]`` or ``None``.
-        dvi_mode: ``"diag"`` or ``"full"``, the guide's mode.
+        dvi_mode: the guide's moment propagation (``full`` or ``diag`` storage).
         dvi_sources: names of the weight sites this tensor depends on.
         dvi_marginal: in full mode, whether only marginals are known (covariance dropped).
         dvi_link: ``None``, ``"log_softmax"``, ``"softmax"`` or ``"exp"``: the tensor stands
@@ -74,7 +75,7 @@ class MomentTensor(Tensor):
     dvi_mean: Tensor
     dvi_var: Tensor
     dvi_cov: Tensor | None
-    dvi_mode: Mode
+    dvi_mode: MomentPass
     dvi_sources: frozenset[str]
     dvi_marginal: bool
     dvi_link: str | None
@@ -87,7 +88,7 @@ class MomentTensor(Tensor):
         var: Tensor | None = None,
         cov: Tensor | None = None,
         *,
-        mode: Mode = "diag",
+        mode: Mode | Propagation = "diag",
         sources: Iterable[str] = (),
         marginal: bool = False,
         link: str | None = None,
@@ -106,7 +107,8 @@ class MomentTensor(Tensor):
         if var.shape != mean.shape:
             var = var.expand(mean.shape)
         obj.dvi_mean, obj.dvi_var, obj.dvi_cov = mean, var, cov
-        obj.dvi_mode, obj.dvi_sources, obj.dvi_marginal = mode, frozenset(sources), marginal
+        how = moment_propagation(mode, " (a MomentTensor carries moments)")
+        obj.dvi_mode, obj.dvi_sources, obj.dvi_marginal = how, frozenset(sources), marginal
         obj.dvi_link = link
         obj.dvi_logits = None
         return obj
@@ -117,7 +119,7 @@ class MomentTensor(Tensor):
     def __repr__(self) -> str:  # type: ignore[override]  # a summary: no tensor_contents keyword
         kind = "cov" if self.dvi_cov is not None else "var"
         link = f", link={self.dvi_link!r}" if self.dvi_link else ""
-        return f"MomentTensor(shape={tuple(self.shape)}, {kind}, mode={self.dvi_mode!r}{link})"
+        return f"MomentTensor(shape={tuple(self.shape)}, {kind}, mode={self.dvi_mode.name!r}{link})"
 
     @classmethod
     def __torch_function__(cls, func: _Op, types: Any, args: tuple = (), kwargs: _Kw = None) -> Any:
@@ -141,7 +143,7 @@ class MomentTensor(Tensor):
         """
         if self.dvi_link != link:
             self.check_unlinked(op)
-        if self.dvi_mode == "full" and self.dvi_marginal:
+        if self.dvi_mode.full and self.dvi_marginal:
             raise unsupported(
                 f"`{op}` on a tensor whose covariance an earlier shape op dropped",
                 "in mode='full' only ops on batch dimensions may come between the layer that "
@@ -165,7 +167,7 @@ class MomentTensor(Tensor):
             )
 
     @classmethod
-    def of(cls, g: Gaussian, mode: Mode, sources: Iterable[str]) -> MomentTensor:
+    def of(cls, g: Gaussian, mode: MomentPass, sources: Iterable[str]) -> MomentTensor:
         """The moment tensor carrying the Gaussian ``g`` (all of its covariance is known)."""
         return cls(g.mean, var=None if g.is_full else g.var, cov=g.cov, mode=mode, sources=sources)
 
