@@ -10,6 +10,19 @@
   the package outside ``likelihoods/`` whose class argument names one of the likelihood
   classes (:class:`~lightning_dvi.likelihoods.Likelihood` and its subclasses in
   ``lightning_dvi.likelihoods``); the issue's target is 0.
+- ``mode string comparisons outside the one entry point``: ``ast.Compare`` nodes anywhere in the
+  package except ``propagation.py`` (the entry point: the table from shorthand strings to
+  :class:`~lightning_dvi.propagation.Propagation` values) and ``benchmarks/`` (leaving the
+  package), where one operand is mode-like (its source's last name contains ``mode``:
+  ``mode``, ``self.mode``, ``x.dvi_mode``, ``sample_mode``, ``mode.name``) and another is a
+  propagation shorthand (``"full"``, ``"diag"``, ``"sample"``, ``"local"``), a tuple/list/set of
+  them, or a name bound to such a tuple (``_MC_MODES``, ``MONTE_CARLO_MODES``, ...); other
+  ``mode`` arguments (``"in_graph"``, ``"min"``, ``"auto"``) do not count. The issue's target
+  is 0.
+- ``(mode, num_samples) validated in``: the functions, outside ``propagation.py``, that check
+  ``num_samples`` for a propagation: a ``raise`` or a call of ``check``/``positive_int`` whose
+  string constants name ``num_samples`` together with ``mode`` or ``positive int``. Printed as
+  ``1 + k``: the entry point, plus ``k`` other functions (the issue's target: ``k = 0``).
 
 Not collected by pytest (no ``test_`` prefix); prints one ``name: value`` line per count.
 """
@@ -99,6 +112,86 @@ def likelihood_isinstance(package: Path = PACKAGE) -> list[str]:
     return hits
 
 
+MODE_STRINGS = {"full", "diag", "sample", "local"}
+
+
+def _mode_strings(node: ast.expr, constants: set[str]) -> bool:
+    """A shorthand, a tuple/list/set of shorthands, or a name bound to one."""
+    if isinstance(node, ast.Constant):
+        return node.value in MODE_STRINGS
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(_mode_strings(e, constants) for e in node.elts)
+    return isinstance(node, ast.Name) and node.id in constants
+
+
+def _mode_like(node: ast.expr) -> bool:
+    text = ast.unparse(node)
+    last = re.findall(r"[A-Za-z_]\w*", text)
+    return (bool(last) and "mode" in last[-1].lower()) or text.endswith("mode.name")
+
+
+def _sources(package: Path) -> list[Path]:
+    return [
+        p
+        for p in sorted(package.rglob("*.py"))
+        if p.name != "propagation.py" and (package / "benchmarks") not in p.parents
+    ]
+
+
+def mode_string_comparisons(package: Path | None = None) -> list[str]:
+    """``path:line`` of each comparison of a mode-like value with propagation shorthands."""
+    package = package or PACKAGE
+    hits = []
+    for path in _sources(package):
+        tree = ast.parse(path.read_text())
+        constants = {"MODES", "MOMENT_MODES", "MONTE_CARLO_MODES"} | {
+            t.id
+            for node in tree.body
+            if isinstance(node, ast.Assign) and _mode_strings(node.value, set())
+            for t in node.targets
+            if isinstance(t, ast.Name)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(_mode_like(o) for o in operands) and any(
+                    _mode_strings(o, constants) for o in operands
+                ):
+                    hits.append(f"{path.relative_to(package)}:{node.lineno}")
+    return hits
+
+
+def _strings(node: ast.AST) -> str:
+    return " ".join(
+        n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    )
+
+
+def _checks_num_samples(node: ast.AST) -> bool:
+    if isinstance(node, ast.Raise) and node.exc is not None:
+        text = _strings(node.exc)
+    elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("check", "positive_int"):
+        text = _strings(node)
+    else:
+        return False
+    return "num_samples" in text and (
+        "mode" in text or "positive int" in text or text == "num_samples"
+    )
+
+
+def num_samples_checks(package: Path | None = None) -> list[str]:
+    """``path:function`` of each function outside ``propagation.py`` that checks ``num_samples``."""
+    package = package or PACKAGE
+    hits = []
+    for path in _sources(package):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                _checks_num_samples(n) for n in ast.walk(fn)
+            ):
+                hits.append(f"{path.relative_to(package)}:{fn.name}")
+    return hits
+
+
 def counts() -> dict[str, int]:
     """Every count, by name."""
     result = {
@@ -119,9 +212,24 @@ def counts() -> dict[str, int]:
     result["isinstance on likelihood classes outside likelihoods/ (target 0)"] = len(
         likelihood_isinstance()
     )
+    result["mode string comparisons outside the one entry point (target 0)"] = len(
+        mode_string_comparisons()
+    )
+    entry = int((PACKAGE / "propagation.py").exists())
+    result[f"(mode, num_samples) validated in {entry} + k places: k (target 0)"] = len(
+        num_samples_checks()
+    )
     return result
 
 
 if __name__ == "__main__":
+    import sys
+
+    paths = [a for a in sys.argv[1:] if not a.startswith("-")]
+    if paths:  # another checkout's package, e.g. a worktree of an earlier commit
+        PACKAGE = Path(paths[0]).resolve()
     for name, value in counts().items():
         print(f"{name}: {value}")
+    if "-v" in sys.argv:
+        print("mode comparisons:", ", ".join(mode_string_comparisons(PACKAGE)))
+        print("num_samples checks:", ", ".join(num_samples_checks(PACKAGE)))
