@@ -248,17 +248,27 @@ class DVIRegressor(DVIModule):
         self.init_log_noise = float(init_log_noise)
         if self.network_built and not self.net_injected:
             self._after_build()
-        self.outcome_transform = Standardize(
-            target_loc,
-            target_scale,
-            batches_standardized=not standardize_targets,
-            resolution=resolution,
-        )
-        # The checkpoint keeps the names of the buffers before the transform owned them.
-        self.register_state_dict_post_hook(_legacy_target_keys)
-        self.register_load_state_dict_pre_hook(_transform_target_keys)
+        self._own_target_units(target_loc, target_scale, standardize_targets, resolution)
         self._sync_target_resolution()
         self._build_metrics(val_names)
+
+    def _own_target_units(
+        self,
+        loc: float | None,
+        scale: float | None,
+        standardize: bool,
+        resolution: float | str | None,
+    ) -> None:
+        """Create :attr:`outcome_transform`, the one owner of the target units.
+
+        The checkpoint keeps the names of the buffers from before the transform owned them
+        (``target_loc``/``target_scale``), through state-dict hooks.
+        """
+        self.outcome_transform = Standardize(
+            loc, scale, batches_standardized=not standardize, resolution=resolution
+        )
+        self.register_state_dict_post_hook(_legacy_target_keys)
+        self.register_load_state_dict_pre_hook(_transform_target_keys)
 
     # The transform's state, under the names users and checkpoints know.
     @property
