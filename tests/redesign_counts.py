@@ -23,6 +23,11 @@
   ``num_samples`` for a propagation: a ``raise`` or a call of ``check``/``positive_int`` whose
   string constants name ``num_samples`` together with ``mode`` or ``positive int``. Printed as
   ``1 + k``: the entry point, plus ``k`` other functions (the issue's target: ``k = 0``).
+- ``private Lightning attributes read``: attribute reads ``x._name`` (not dunders) and
+  ``getattr(x, "_name", ...)`` anywhere in the package whose object's source names a Lightning
+  object (``trainer``, ``loop``, ``strategy``, ``connector``); the issue's target is 0.
+- ``modules under lightning_dvi/benchmarks``: the benchmarks left the installed package (the
+  ``lightning_dvi_benchmarks`` distribution in ``benchmarks/``); the issue's target is 0.
 
 Not collected by pytest (no ``test_`` prefix); prints one ``name: value`` line per count.
 """
@@ -192,6 +197,33 @@ def num_samples_checks(package: Path | None = None) -> list[str]:
     return hits
 
 
+_LIGHTNING_OBJECTS = re.compile(r"trainer|loop|strategy|connector", re.IGNORECASE)
+
+
+def private_lightning_attributes(package: Path | None = None) -> list[str]:
+    """``path:line`` of each read of a private attribute of a Lightning object."""
+    package = package or PACKAGE
+    hits = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                owner, name = node.value, node.attr
+            elif (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func) in ("getattr", "hasattr", "setattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                owner, name = node.args[0], node.args[1].value
+            else:
+                continue
+            private = name.startswith("_") and not name.startswith("__")
+            if private and _LIGHTNING_OBJECTS.search(ast.unparse(owner)):
+                hits.append(f"{path.relative_to(package)}:{node.lineno}")
+    return hits
+
+
 def counts() -> dict[str, int]:
     """Every count, by name."""
     result = {
@@ -219,6 +251,10 @@ def counts() -> dict[str, int]:
     result[f"(mode, num_samples) validated in {entry} + k places: k (target 0)"] = len(
         num_samples_checks()
     )
+    result["private Lightning attributes read (target 0)"] = len(private_lightning_attributes())
+    result["modules under lightning_dvi/benchmarks (target 0)"] = len(
+        list((PACKAGE / "benchmarks").rglob("*.py"))
+    )
     return result
 
 
@@ -233,3 +269,4 @@ if __name__ == "__main__":
     if "-v" in sys.argv:
         print("mode comparisons:", ", ".join(mode_string_comparisons(PACKAGE)))
         print("num_samples checks:", ", ".join(num_samples_checks(PACKAGE)))
+        print("private Lightning attributes:", ", ".join(private_lightning_attributes(PACKAGE)))
