@@ -139,10 +139,14 @@ def rule_cost(
     warm-up, on however many threads torch has (``main`` sets one).
     """
     gen = torch.Generator().manual_seed(0)
-    projections = [
-        A.ProjectionMoments(*(t.float() if t is not None else None for t in p))
-        for p in (_layer(width, weight_std, gen) for _ in range(4))
-    ]
+
+    def single(p: A.ProjectionMoments) -> A.ProjectionMoments:
+        assert p.w_var is not None and p.b_loc is not None and p.b_var is not None
+        return A.ProjectionMoments(
+            p.w_loc.float(), p.w_var.float(), p.b_loc.float(), p.b_var.float()
+        )
+
+    projections = [single(_layer(width, weight_std, gen)) for _ in range(4)]
     mean = torch.randn(batch, tokens, width, generator=gen)
     second = None if input_var == 0 else torch.full_like(mean, input_var)
     out: dict[str, float] = {}

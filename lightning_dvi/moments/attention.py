@@ -298,7 +298,7 @@ def principal_factor(cov: Tensor) -> Tensor:
     dependence on :math:`C` is dropped.
     """
     with torch.no_grad():
-        q = torch.linalg.eigh(cov)[1]
+        q: Tensor = torch.linalg.eigh(cov)[1]
     b = q.transpose(-1, -2) @ cov @ q
     s = _sqrt(b.diagonal(0, -2, -1).clamp_min(0))
     off = b - torch.diag_embed(b.diagonal(0, -2, -1))
