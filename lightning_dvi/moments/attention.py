@@ -93,10 +93,13 @@ __all__ = [
     "ProjectionMoments",
     "attention_mask",
     "attention_weights",
+    "input_score_cov",
     "mix_tokens_diag",
     "mix_tokens_full",
+    "principal_factor",
     "self_attention_moments",
     "self_attention_weights",
+    "unscented_softmax",
     "value_weights",
 ]
 
