@@ -1,0 +1,103 @@
+"""lightning_dvi_benchmarks.transformer: the generated data, and the recipe's ``--quick`` run.
+
+Only the quick mode runs here (tiny data, seconds); its results are checked for structure and
+sense (every row, valid probabilities, accuracy above chance), never its timings. The figures
+themselves come from the full command in docs/transformer_benchmark.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dvi_benchmarks import transformer as tb
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "transformer_benchmark.py"
+
+
+def test_patches_cut_images_into_row_major_square_blocks() -> None:
+    images = torch.arange(2 * 64.0).reshape(2, 8, 8)
+    out = tb.patches(images)
+    assert out.shape == (2, 16, 4)
+    # patch (r, c) holds pixels [2r:2r+2, 2c:2c+2]
+    for r in range(4):
+        for c in range(4):
+            block = images[:, 2 * r : 2 * r + 2, 2 * c : 2 * c + 2].reshape(2, 4)
+            torch.testing.assert_close(out[:, 4 * r + c], block)
+
+
+def test_sequence_labels_follow_the_majority_rule_up_to_the_label_noise() -> None:
+    config = tb.Config(sequence_rows=(4000, 10, 10, 500))
+    task = tb.sequence_task(config)
+    x, y = task.split.x_train, task.split.y_train
+    assert int(x.max()) < tb.SEQUENCE_SYMBOLS  # in-distribution symbols only
+    counts = torch.stack([((x // 4) == g).sum(-1) for g in range(3)], -1)
+    top = counts.topk(2, dim=-1).values
+    assert bool((top[:, 0] > top[:, 1]).all())  # no ties
+    agree = float((counts.argmax(-1) == y).double().mean())
+    # Binomial(4000, 0.8): standard deviation 0.0063
+    assert abs(agree - (1 - config.label_noise)) < 0.03
+    unseen = float((task.ood >= tb.SEQUENCE_SYMBOLS).double().mean())
+    assert abs(unseen - 0.5) < 0.03
+    # the data depend on data_seed only
+    torch.testing.assert_close(tb.sequence_task(config).split.x_test, task.split.x_test)
+
+
+def test_digits_task_holds_out_one_class_as_the_ood_set() -> None:
+    task = tb.digits_task(tb.Config(held_out=3))
+    split = task.split
+    assert split.num_classes == 9 and int(split.y_train.max()) == 8
+    assert split.x_train.shape[1:] == (16, 4) and task.ood.shape[1:] == (16, 4)
+    assert len(task.ood) == 183  # every image of digit 3
+    # one global standardisation fitted on the training rows
+    assert abs(float(split.x_train.mean())) < 1e-5
+    assert abs(float(split.x_train.std()) - 1) < 1e-3
+
+
+def test_quick_recipe_run_writes_every_row_with_valid_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", [str(RECIPE), "--quick", "--json", str(out)])
+    runpy.run_path(str(RECIPE), run_name="__main__")
+    document = json.loads(out.read_text())
+    assert set(document["runs"]) == set(tb.TASKS)
+    chance = {"digits": 1 / 9, "sequence": 1 / 3}
+    for task, rows in document["runs"].items():
+        assert list(rows) == list(tb.ROWS)
+        for name, runs in rows.items():
+            (metrics,) = runs  # one seed
+            assert 0 <= metrics["ece"] <= 1 and 0 <= metrics["ood_auroc"] <= 1
+            assert math.isfinite(metrics["nll"]) and metrics["nll"] > 0
+            assert metrics["cost"] > 0 and metrics["train_s"] >= 0
+            assert metrics["acc"] > chance[task], (task, name, metrics["acc"])
+        accept = document["acceptance"][task]["posthoc_ivon"]
+        assert set(accept["checks"]) == {"nll", "ece", "cost"}
+
+
+def test_one_pass_and_monte_carlo_predictives_are_probabilities() -> None:
+    config = tb.Config.quick()
+    task = tb.digits_task(config)
+    fit = tb.fit_ivon(task, config, seed=0)
+    x = task.split.x_test[:16]
+    one_pass = tb.fit_posthoc_ivon(task, fit, config, calibrate=False).predict(x)
+    monte_carlo = tb.ivon_mc_row(task, fit, 8).predict(x)
+    for probs in (one_pass, monte_carlo):
+        assert probs.shape == (16, 9)
+        assert bool((probs >= 0).all())
+        torch.testing.assert_close(probs.sum(-1), torch.ones(16), atol=1e-5, rtol=0)
+    # the same posterior: the one-pass and 8-draw predictives agree far better than chance
+    assert float((one_pass - monte_carlo).abs().sum(-1).mean()) < 0.5
+
+
+def test_unknown_rows_and_tasks_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown rows"):
+        tb.run(tb.Config(rows=("nope",)), progress=lambda _: None)
+    with pytest.raises(ValueError, match="unknown task"):
+        tb.run(tb.Config(tasks=("images",)), progress=lambda _: None)  # type: ignore[arg-type]
