@@ -246,7 +246,8 @@ class TinyViT(_Encoder):
     def forward(self, x: Tensor) -> Tensor:
         """Class logits."""
         x = self.patch_embed(x) + self.pos_embed
-        return self.head(self.norm(self.blocks(x)).mean(dim=1))
+        out: Tensor = self.head(self.norm(self.blocks(x)).mean(dim=1))
+        return out
 
 
 class TinySequenceClassifier(_Encoder):
@@ -270,7 +271,8 @@ class TinySequenceClassifier(_Encoder):
     def forward(self, ids: Tensor) -> Tensor:
         """Class logits."""
         x = self.embed(ids) + self.pos_embed
-        return self.head(self.norm(self.blocks(x)).mean(dim=1))
+        out: Tensor = self.head(self.norm(self.blocks(x)).mean(dim=1))
+        return out
 
 
 # --------------------------------------------------------------------------- tasks
@@ -362,9 +364,10 @@ SEQUENCE_VOCAB, SEQUENCE_SYMBOLS, SEQUENCE_LENGTH, SEQUENCE_GROUPS = 16, 12, 12,
 
 def _sequences(count: int, gen: torch.Generator, label_noise: float) -> tuple[Tensor, Tensor]:
     """``count`` in-distribution sequences without a tie and their (noisy) labels."""
-    ids, labels = [], []
+    ids: list[Tensor] = []
+    labels: list[Tensor] = []
     group = SEQUENCE_SYMBOLS // SEQUENCE_GROUPS
-    while sum(len(i) for i in ids) < count:
+    while sum(int(i.shape[0]) for i in ids) < count:
         draw = torch.randint(0, SEQUENCE_SYMBOLS, (2 * count, SEQUENCE_LENGTH), generator=gen)
         counts = torch.stack([((draw // group) == g).sum(-1) for g in range(SEQUENCE_GROUPS)], -1)
         top = counts.topk(2, dim=-1).values
@@ -431,7 +434,7 @@ def fit_ivon(task: Task, config: Config, seed: int) -> IVONFit:
     optimiser state of the epoch with the lowest validation NLL of the 8-sample predictive
     are kept.
     """
-    import ivon
+    import ivon  # type: ignore[import-untyped]  # ivon-opt ships no type information
 
     split = task.split
     torch.manual_seed(seed)
@@ -483,7 +486,8 @@ def ivon_mc_probs(net: nn.Module, optimizer: Any, x: Tensor, samples: int) -> Te
 def _convert(net: nn.Module, **kwargs: Any) -> nn.Module:
     from lightning_dvi.nn import from_torch
 
-    return from_torch(copy.deepcopy(net), **kwargs)
+    converted: nn.Module = from_torch(copy.deepcopy(net), **kwargs)
+    return converted
 
 
 def _dvi_row(
@@ -866,7 +870,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         start = time.process_time()
         results = run(config)
         seconds = time.process_time() - start
-        document = {"config": asdict(config), "machine": machine(), "cpu_seconds": seconds}
+        document: dict[str, Any] = {
+            "config": asdict(config),
+            "machine": machine(),
+            "cpu_seconds": seconds,
+        }
     finally:
         torch.set_num_threads(threads)
     document["summary"] = {
@@ -874,18 +882,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for task, rows in results.items()
     }
     document["runs"] = results
-    text = []
+    text: list[str] = []
+    verdicts: dict[str, Any] = {}
     for task, rows in results.items():
         text += [f"### {task}", "", markdown_table(rows), ""]
         if {"posthoc_ivon", "ivon_mc32"} <= rows.keys():
-            document.setdefault("acceptance", {})[task] = {
+            verdicts[task] = {
                 row: acceptance(rows, row)
                 for row in ("posthoc_ivon", "posthoc_ivon_cal")
                 if row in rows
             }
+    if verdicts:
+        document["acceptance"] = verdicts
     print("\n".join(text))
-    if "acceptance" in document:
-        print(json.dumps(document["acceptance"], indent=1))
+    if verdicts:
+        print(json.dumps(verdicts, indent=1))
     if args.json is not None:
         args.json.write_text(json.dumps(document, indent=2, default=_jsonable) + "\n")
     if args.markdown is not None:
