@@ -29,6 +29,7 @@ from typing_extensions import Self
 from ..compile import CompiledELBO
 from ..gaussian import Gaussian
 from ..likelihoods import Likelihood
+from ..moments.allocator import reuse_large_allocations
 from ..nn import BayesModule, HasPosterior, bayes_layers
 from ..nn.builders import Activation
 from ..nn.export import PredictiveParts
@@ -587,8 +588,14 @@ class DVIModule(LightningModule):
         statistics. A fit trains (a frozen last-layer backbone stays in eval mode), and a
         warning names the batch norms it switched (``freeze_statistics=True`` keeps the
         running statistics on purpose).
+
+        On a CPU, large freed buffers are kept for reuse
+        (:func:`~lightning_dvi.moments.allocator.reuse_large_allocations`, env
+        ``LIGHTNING_DVI_MALLOC=system`` to leave the allocator alone).
         """
         super().on_fit_start()
+        if self.device.type == "cpu":
+            reuse_large_allocations()
         switched = enter_train_mode(self)
         if switched:
             rank_zero_warn(
