@@ -80,6 +80,7 @@ from . import baselines
 from .baselines import Fitted
 from .classification import Row, fit_dvi, summarise
 from .data import Budget, ClassificationSplit
+from .resnet_digits import machine
 
 __all__ = [
     "COLUMNS",
@@ -802,30 +803,6 @@ def acceptance(
         "row": row,
         "checks": {k: {"value": v, "bound": b, "met": bool(m)} for k, (v, b, m) in checks.items()},
         "met": all(m for _, _, m in checks.values()),
-    }
-
-
-def machine() -> dict[str, Any]:
-    """CPU model, load average, torch version and threads: what the timings depend on."""
-    import platform
-
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        load = Path("/proc/loadavg").read_text().split()[:3]
-    except OSError:
-        load = []
-    return {
-        "cpu": model,
-        "loadavg": load,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
     }
 
 
