@@ -194,6 +194,27 @@ class AllowList(Generic[_T]):
         except TypeError as err:
             raise ValueError(f"{where}: cannot build {config.get('class_path')}: {err}") from err
 
+    def instance(self, value: object, owner: str, shorthands: Iterable[str]) -> _T:
+        """A front end's non-shorthand value as an allowed object: itself, or built from its configuration.
+
+        Args:
+            value: an instance of :attr:`base`, or ``{"class_path", "init_args"}``.
+            owner: the front end's name (``"DVIRegressor"``), for messages.
+            shorthands: the shorthand names the front end also accepts, for messages.
+
+        Raises:
+            ValueError: for anything else, naming what is accepted; as :meth:`build` for a
+                refused configuration.
+        """
+        if isinstance(value, Mapping):
+            return self.build(value, f"{owner}'s {self.noun} configuration")
+        if isinstance(value, self.base):
+            return value
+        raise ValueError(
+            f"{self.noun} must be {' or '.join(map(repr, shorthands))}, a {self.base.__name__} "
+            f"or a {{'class_path', 'init_args'}} configuration, got {value!r}"
+        )
+
     def check(self, config: object, where: str) -> None:
         """Check, without building anything, that a recorded configuration is allowed.
 

@@ -174,15 +174,7 @@ def resolve_likelihood(
         if value not in names:  # the front ends' message for a bad choice
             raise ValueError(f"likelihood must be {' or '.join(map(repr, names))}, got {value!r}")
         return Resolved(SHORTHANDS[value].build(options), value, value)
-    if isinstance(value, Mapping):
-        likelihood = _ALLOWED.build(value, f"{owner}'s likelihood configuration")
-    elif isinstance(value, Likelihood):
-        likelihood = value
-    else:
-        raise ValueError(
-            f"likelihood must be {' or '.join(map(repr, names))}, a Likelihood or a "
-            f"{{'class_path', 'init_args'}} configuration, got {value!r}"
-        )
+    likelihood = _ALLOWED.instance(value, owner, names)
     if likelihood.task != task:
         raise ValueError(
             f"{owner}: {type(likelihood).__name__} is a {likelihood.task} likelihood, not a "

@@ -113,13 +113,5 @@ def resolve_prior(
             names = " or ".join(map(repr, SHORTHANDS))
             raise ValueError(f"prior must be {names}, got {value!r}")
         return ResolvedPrior(SHORTHANDS[value](options), value, value)
-    if isinstance(value, Mapping):
-        prior = _ALLOWED.build(value, f"{owner}'s prior configuration")
-    elif isinstance(value, Prior):
-        prior = value
-    else:
-        raise ValueError(
-            f"prior must be {' or '.join(map(repr, SHORTHANDS))}, a Prior or a "
-            f"{{'class_path', 'init_args'}} configuration, got {value!r}"
-        )
+    prior = _ALLOWED.instance(value, owner, SHORTHANDS)
     return ResolvedPrior(prior, prior_config(prior), None)
