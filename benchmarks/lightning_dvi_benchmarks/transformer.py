@@ -80,7 +80,7 @@ from . import baselines
 from .baselines import Fitted
 from .classification import Row, fit_dvi, summarise
 from .data import Budget, ClassificationSplit
-from .resnet_digits import machine
+from .resnet_digits import _jsonable, machine
 
 __all__ = [
     "COLUMNS",
@@ -879,12 +879,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.markdown is not None:
         args.markdown.write_text("\n".join(text))
     return document
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.tolist()
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 if __name__ == "__main__":
