@@ -220,7 +220,7 @@ def propagation(mode: Mode | Propagation = "full", num_samples: int | None = Non
 
 def _resolved(mode: object) -> Propagation | None:
     try:
-        return propagation(mode) if isinstance(mode, (str, Propagation)) else None  # type: ignore[arg-type]
+        return propagation(mode) if isinstance(mode, (str, Propagation)) else None  # type: ignore[arg-type]  # any str: a wrong one raises
     except ValueError:
         return None
 

@@ -11,13 +11,15 @@ from lightning_dvi.nn import mlp, named_parameter_groups, parameter_groups
 
 
 def test_modes_have_one_definition():
+    from lightning_dvi import propagation
     from lightning_dvi.lightning import _base
-    from lightning_dvi.pyro import guide
 
-    assert gaussian.MODES == ("full", "diag", "sample", "local")
-    assert _base.Mode is gaussian.Mode
-    assert _base._MODES is gaussian.MODES and _base._MC_MODES is gaussian.MONTE_CARLO_MODES
-    assert guide.MOMENT_MODES is gaussian.MOMENT_MODES
+    assert propagation.MODES == ("full", "diag", "sample", "local")
+    assert gaussian.MODES is propagation.MODES and gaussian.Mode is propagation.Mode
+    assert _base.Mode is propagation.Mode
+    # every mode string is resolved by the one table (issue 40 item 2)
+    assert [propagation.propagation(m, 2 if m in ("sample", "local") else None).name
+            for m in propagation.MODES] == list(propagation.MODES)  # fmt: skip
 
 
 def test_parameter_groups_have_one_walk():

@@ -281,5 +281,5 @@ class CompileAuto(Callback):
         self.decision = CompileDecision(compiled, remaining, eager, expected, recorded is not None)
         rank_zero_info(self.decision.message())
         if compiled:
-            pl_module._compile = dict(self.auto.options)  # type: ignore[assignment]
+            pl_module._compile = dict(self.auto.options)  # type: ignore[assignment]  # a DVIModule's options
             self._timing_compile = True

@@ -191,6 +191,7 @@ class BayesConv2d(FactorisedLayer):
         scale_transform: ``"softplus"`` or ``"exp"``.
 
     Examples:
+        >>> import torch
         >>> conv = BayesConv2d(1, 4, 3, padding=1)
         >>> out = conv(torch.randn(2, 1, 8, 8), mode="diag")
         >>> tuple(out.mean.shape), tuple(out.var.shape)
@@ -326,6 +327,7 @@ class AvgPool2d(_Pool2d):
     (:func:`~lightning_dvi.moments.avg_pool2d_diag`).
 
     Examples:
+        >>> import torch
         >>> from lightning_dvi import Gaussian
         >>> g = Gaussian(torch.zeros(1, 1, 2, 2), var=torch.ones(1, 1, 2, 2))
         >>> AvgPool2d(2)(g, mode="diag").var.flatten().tolist()
@@ -408,6 +410,7 @@ class Flatten(BayesModule):
     :class:`~lightning_dvi.nn.BayesLinear` in ``mode="full"`` (see the module docstring).
 
     Examples:
+        >>> import torch
         >>> Flatten()(torch.zeros(2, 3, 4, 4), mode="diag").shape
         torch.Size([2, 48])
     """

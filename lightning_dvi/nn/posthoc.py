@@ -447,7 +447,7 @@ def prior_std(
     """
     if (std is None) == (variance is None):
         raise ValueError("give exactly one of std and variance")
-    value = math.sqrt(variance) if variance is not None else float(std)  # type: ignore[arg-type]
+    value = math.sqrt(variance) if variance is not None else float(std)  # type: ignore[arg-type]  # std is set when variance is not
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"a standard deviation must be finite and >= 0, got {value}")
     return {n: torch.full_like(p.detach(), value) for n, p in module.named_parameters()}
