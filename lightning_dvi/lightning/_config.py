@@ -300,7 +300,7 @@ def make_prior(
     if isinstance(prior, str):
         one_of("prior", prior, tuple(PRIOR_SHORTHANDS))
     options = {"prior_alpha": alpha, "prior_beta": beta, "eb_mode": eb_mode}
-    resolved = resolve_prior(prior, {**options, "prior_variance": variance}, "prior=")
+    resolved = resolve_prior(prior, {**options, "prior_variance": variance}, "the model")
     if resolved.shorthand is not None:
         return resolved.prior, variance
     name = type(resolved.prior).__name__
