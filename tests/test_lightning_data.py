@@ -153,6 +153,34 @@ def test_plain_dataloader_gives_in_features_n_and_target_statistics():
     assert model.predictive(x[:5])[0].shape == (5,)
 
 
+def test_plain_loaders_are_read_without_moving_the_initialisation():
+    """Reading plain loaders in ``setup`` (public ``setup_data``) leaves the initial draw alone."""
+    x = torch.randn(40, 3)
+    y = torch.randn(40)
+
+    class Module(LightningDataModule):
+        in_features, num_train = 3, 40
+        target_loc, target_scale, targets_standardized = 0.0, 1.0, False
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+
+    initial = {}
+    for name, fit in {
+        "loaders": lambda t, m: t.fit(
+            m, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+        ),
+        "datamodule": lambda t, m: t.fit(m, Module()),
+    }.items():
+        seed_everything(3)
+        model = DVIRegressor(hidden=[8])
+        fit(_trainer(max_steps=0), model)
+        initial[name] = {k: v.clone() for k, v in model.net.state_dict().items()}
+    assert initial["loaders"].keys() == initial["datamodule"].keys()
+    for key, value in initial["loaders"].items():
+        assert torch.equal(value, initial["datamodule"][key]), key
+
+
 def test_shapes_that_cannot_be_read_are_a_clear_error():
     model = DVIRegressor(hidden=[4])
     flat = DataLoader(TensorDataset(torch.randn(8), torch.randn(8)), batch_size=4)

@@ -3,15 +3,20 @@
 Values come, in this order, from the trainer's datamodule attributes (``in_features``,
 ``num_train``, ``num_classes``; a regressor reads the target statistics through
 :class:`~lightning_dvi.transforms.TargetStatistics`), from the datamodule's or the loader's
-dataset, and from the first batch. Plain dataloaders passed to ``Trainer.fit`` are read through
-the trainer's data source for the stage, before Lightning wraps them (so under DDP every process
-sees the whole training set and computes the same statistics).
+dataset, and from the first batch. Under DDP the loader's dataset is read whole (not the
+process's shard), so every process computes the same statistics.
 
-The one private Lightning attribute the package reads is that data source (``loop._data_source``):
-no public API hands over the loaders given to ``fit()`` before the loop's ``setup_data()``, and
-calling that public method here instead moves a draw of the global RNG (the loader iterator's
-base seed) ahead of the network's initialisation, which changes a fit whose network is built from
-the data (a classifier reading ``num_classes``).
+Plain loaders are read through public Lightning API only: the stage's loop is asked to
+``setup_data()`` (what Lightning's maintainers advise for reading loaders before the loop starts),
+and the loaders are then the trainer's ``train_dataloader`` (``val_dataloaders``, ...). That call
+happens only when the datamodule does not already give the facts, and under a forked RNG, so the
+network's initialisation draws the numbers it drew before. Lightning does not set the data up a
+second time, so one draw it used to make after the initialisation (the loader iterator's base
+seed) is no longer made: a fit given plain loaders continues the RNG stream one draw earlier
+than when the loop's private data source was read (sampled modes' fixed-seed
+results change; the closed-form modes' do not). A loader that saves its own state (a
+stateful loader resumed mid-epoch) is set up before the checkpoint's loop state is restored, so
+it restarts its epoch; give such loaders through a datamodule with a ``train_dataset``.
 """
 
 from __future__ import annotations
@@ -22,15 +27,15 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 __all__ = ["DataView"]
 
 _LOOPS = {
-    "fit": "fit_loop",
-    "validate": "validate_loop",
-    "test": "test_loop",
-    "predict": "predict_loop",
+    "fit": ("fit_loop", "train_dataloader"),
+    "validate": ("validate_loop", "val_dataloaders"),
+    "test": ("test_loop", "test_dataloaders"),
+    "predict": ("predict_loop", "predict_dataloaders"),
 }
 
 
@@ -47,6 +52,12 @@ def _first_loader(loaders: Any) -> DataLoader | None:
         if found is not None:
             return found
     return None
+
+
+def _whole(loader: DataLoader | None) -> DataLoader | None:
+    if loader is None or not isinstance(loader.sampler, DistributedSampler):
+        return loader
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, collate_fn=loader.collate_fn)
 
 
 def _split(batch: Any) -> tuple[Tensor, Tensor | None]:
@@ -80,14 +91,25 @@ class DataView:
         return getattr(self.datamodule, name, None) if self.datamodule is not None else None
 
     def loader(self) -> DataLoader | None:
-        """The stage's (first) dataloader, or ``None`` when there is none."""
+        """The stage's (first) dataloader, or ``None`` when there is none.
+
+        Under a distributed sampler (DDP), a sequential loader over the same dataset, so every
+        process reads the whole split.
+        """
         if not self._loader_read:
             self._loader_read = True
-            loop = getattr(self.trainer, _LOOPS.get(self.stage, ""), None)
-            source = getattr(loop, "_data_source", None)
-            if source is not None and source.is_defined():
-                self._loader = _first_loader(source.dataloader())
+            self._loader = _whole(_first_loader(self._stage_loaders()))
         return self._loader
+
+    def _stage_loaders(self) -> Any:
+        loop_name, loaders_name = _LOOPS.get(self.stage, ("", ""))
+        loaders = getattr(self.trainer, loaders_name, None) if loaders_name else None
+        loop = getattr(self.trainer, loop_name, None)
+        if loaders is None and loop is not None:
+            with torch.random.fork_rng(devices=[]):
+                loop.setup_data()
+            loaders = getattr(self.trainer, loaders_name, None)
+        return loaders
 
     def dataset(self) -> Any:
         """The training split (``datamodule.train_dataset``) or the loader's dataset."""
