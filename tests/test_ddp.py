@@ -82,3 +82,53 @@ def test_two_process_ddp_matches_one_process(monkeypatch, warm_start, optimizer)
         torch.testing.assert_close(
             ddp_model.state_dict()[key], value, rtol=rtol, atol=atol, msg=key
         )
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """Not a TensorDataset: the targets can only be read by iterating a loader."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def _fit_plain(devices: int) -> DVIRegressor:
+    """A fit given plain loaders (no datamodule): the model reads them in ``setup``."""
+    from torch.utils.data import DataLoader
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(NUM_TRAIN, 2, generator=gen)
+    y = 5.0 + 3.0 * x[:, 0] + 0.5 * torch.randn(NUM_TRAIN, generator=gen)
+    seed_everything(0)
+    # built up front: ddp_spawn copies rank 0's state back into this object
+    model = DVIRegressor(in_features=2, hidden=[8], mode="full", lr=0.02)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=DDPStrategy(start_method="spawn", timeout=timedelta(seconds=120))
+        if devices > 1
+        else "auto",
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(_Pairs(x, y), batch_size=NUM_TRAIN // devices)
+    trainer.fit(model, train_dataloaders=loader)
+    return model
+
+
+def test_plain_loaders_under_ddp_give_every_process_the_whole_training_set(monkeypatch):
+    """Each process reads the whole training set in ``setup`` (not its sampler's shard), so the
+    target statistics and the data size are the one-process ones and the fits agree."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    single, ddp = _fit_plain(1), _fit_plain(2)
+    assert single.num_data == NUM_TRAIN
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(ddp.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=key)
