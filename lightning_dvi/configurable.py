@@ -96,9 +96,14 @@ class AllowList(Generic[_T]):
         base: the base class every allowed class derives from.
         library: the library's own classes of this kind (allowed without registration); a
             callable, so that the table is read when a configuration is built.
-        public: the public package whose name may stand for the defining module
-            (``"lightning_dvi.likelihoods"``: ``lightning_dvi.likelihoods.Poisson``).
+        public: the public package(s) whose name may stand for the defining module
+            (``"lightning_dvi.likelihoods"``: ``lightning_dvi.likelihoods.Poisson``); with
+            several, the first that contains the module gives the alias, and the first names
+            the register function in messages.
         register_hint: the name of the public function that registers a class (for messages).
+        refusal: the message for a refused class path, a format string of ``class_path`` and
+            ``where`` (``None``: the configuration message of likelihoods and priors).
+        base_name: how messages name :attr:`base` (default: its class name).
     """
 
     def __init__(
@@ -106,21 +111,28 @@ class AllowList(Generic[_T]):
         noun: str,
         base: type[_T],
         library: Callable[[], Iterable[type[_T]]],
-        public: str,
+        public: str | tuple[str, ...],
         register_hint: str,
+        refusal: str | None = None,
+        base_name: str | None = None,
     ) -> None:
         self.noun = noun
         self.base = base
         self.library = library
-        self.public = public
+        self.publics = (public,) if isinstance(public, str) else tuple(public)
+        self.public = self.publics[0]
         self.register_hint = register_hint
+        self.refusal = refusal
+        self.base_name = base_name or base.__name__
         self.registered: dict[str, type[_T]] = {}
 
     def paths(self, cls: type) -> tuple[str, ...]:
-        """The class paths naming ``cls``: where it is defined, and its alias in :attr:`public`."""
+        """The class paths naming ``cls``: where it is defined, and its alias in a public package."""
         paths = [f"{cls.__module__}.{cls.__qualname__}"]
-        if cls.__module__.startswith(f"{self.public}.") and "." not in cls.__qualname__:
-            paths.append(f"{self.public}.{cls.__qualname__}")
+        for public in self.publics:
+            if cls.__module__.startswith(f"{public}.") and "." not in cls.__qualname__:
+                paths.append(f"{public}.{cls.__qualname__}")
+                break
         return tuple(paths)
 
     def register(self, cls: _C) -> _C:
@@ -131,9 +143,7 @@ class AllowList(Generic[_T]):
         """
         given = cls  # returned as given (the check below narrows ``cls``)
         if not (isinstance(cls, type) and issubclass(cls, self.base)):
-            raise ValueError(
-                f"{self.register_hint} takes a {self.base.__name__} subclass, got {cls!r}"
-            )
+            raise ValueError(f"{self.register_hint} takes a {self.base_name} subclass, got {cls!r}")
         for path in self.paths(cls):
             self.registered[path] = cls
         return given
@@ -146,6 +156,8 @@ class AllowList(Generic[_T]):
         """
         library = {path: obj for obj in self.library() for path in self.paths(obj)}
         cls = {**library, **self.registered}.get(str(class_path))
+        if cls is None and self.refusal is not None:
+            raise ValueError(self.refusal.format(class_path=class_path, where=where))
         if cls is None:
             raise ValueError(
                 f"refusing to build the {self.noun} {class_path!r} named by {where}: only "

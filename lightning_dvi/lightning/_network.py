@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from ..configurable import AllowList
 from ..nn import BayesModule, bayes_layers, mlp
 from ..nn.builders import Activation, activation_class
 from ._validation import check, is_int, optional_positive_int, positive_float
@@ -143,19 +144,6 @@ def _input_width(net: nn.Module) -> int | None:
     return getattr(next(iter(bayes_layers(net))), "in_features", None)
 
 
-def _public_paths(cls: type) -> tuple[str, ...]:
-    """The class paths that name ``cls``: where it is defined, and its public alias."""
-    paths = [f"{cls.__module__}.{cls.__qualname__}"]
-    for public in ("lightning_dvi.nn", "lightning_dvi"):
-        if cls.__module__.startswith(f"{public}.") and "." not in cls.__qualname__:
-            paths.append(f"{public}.{cls.__qualname__}")
-            break
-    return tuple(paths)
-
-
-_REGISTERED: dict[str, type[nn.Module]] = {}
-
-
 def register_network(cls: type[_N]) -> type[_N]:
     """Allow ``cls`` to be rebuilt from a checkpoint's or configuration's ``class_path``.
 
@@ -184,17 +172,11 @@ def register_network(cls: type[_N]) -> type[_N]:
         ...                       "init_args": {"in_features": 1, "out_features": 2}})).__name__
         'Wide'
     """
-    if not (isinstance(cls, type) and issubclass(cls, BayesModule)):
-        raise ValueError(
-            f"register_network takes a lightning_dvi.nn.BayesModule subclass, got {cls!r}"
-        )
-    for path in _public_paths(cls):
-        _REGISTERED[path] = cls
-    return cls
+    return _NETWORKS.register(cls)
 
 
-def _library_networks() -> dict[str, type[nn.Module]]:
-    """This library's network classes (and registered activations), by class path."""
+def _library_networks() -> list[type[nn.Module]]:
+    """This library's network classes (and registered activations)."""
     from .. import nn as dvi_nn
     from ..nn.convert import TorchFlatten
 
@@ -209,7 +191,25 @@ def _library_networks() -> dict[str, type[nn.Module]]:
             and obj is not BayesModule
         ),
     ]
-    return {path: cls for cls in classes for path in _public_paths(cls)}
+    return classes
+
+
+_NETWORKS: AllowList[nn.Module] = AllowList(
+    "network",
+    BayesModule,
+    _library_networks,
+    ("lightning_dvi.nn", "lightning_dvi"),
+    "register_network",
+    refusal=(
+        "refusing to build {class_path!r} named by {where}: a checkpoint is data, so only "
+        "lightning_dvi's network classes and classes registered with "
+        "lightning_dvi.lightning.register_network are rebuilt from it (nothing the file names "
+        "is imported or called). To load weights you trust, build the network in code and "
+        "load its state_dict: DVIRegressor.load_from_checkpoint(path, net=MyNet(...)), or "
+        "net.load_state_dict(...)"
+    ),
+    base_name="lightning_dvi.nn.BayesModule",
+)
 
 
 def network_class(class_path: object, where: str = "the network configuration") -> type[nn.Module]:
@@ -220,17 +220,7 @@ def network_class(class_path: object, where: str = "the network configuration") 
             or a class registered with :func:`register_network`, and saying how to load trusted
             weights instead.
     """
-    cls = {**_library_networks(), **_REGISTERED}.get(str(class_path))
-    if cls is None:
-        raise ValueError(
-            f"refusing to build {class_path!r} named by {where}: a checkpoint is data, so only "
-            "lightning_dvi's network classes and classes registered with "
-            "lightning_dvi.lightning.register_network are rebuilt from it (nothing the file names "
-            "is imported or called). To load weights you trust, build the network in code and "
-            "load its state_dict: DVIRegressor.load_from_checkpoint(path, net=MyNet(...)), or "
-            "net.load_state_dict(...)"
-        )
-    return cls
+    return _NETWORKS.lookup(class_path, where)
 
 
 _PLAIN = (bool, int, float, str, type(None))
