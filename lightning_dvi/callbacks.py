@@ -8,7 +8,7 @@ the implementations live in :mod:`lightning_dvi.lightning`.
 
 from .lightning.callbacks import EmpiricalBayes, EmpiricalBayesRefresh
 from .lightning.checkpoint import RunCheckpoint
-from .lightning.early_stopping import RestoreBestWeights
+from .lightning.early_stopping import PairedEarlyStopping, RestoreBestWeights
 from .lightning.ood import OODEvaluation
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
 from .lightning.predictions import PredictionWriter
@@ -22,6 +22,7 @@ __all__ = [
     "EmpiricalBayes",
     "EmpiricalBayesRefresh",
     "OODEvaluation",
+    "PairedEarlyStopping",
     "PointEstimateWarmStart",
     "PredictionWriter",
     "PredictiveBandPlot",

@@ -128,6 +128,13 @@ class Settings:
     ``batch_size``, ``epochs``, ``min_steps``, ``max_steps``, ``final_lr_fraction``,
     ``kl_warmup``, ``kl_anneal`` and ``grad_clip`` (and early stopping when
     ``early_stopping_fraction > 0``). The rest serve both.
+
+    Which early-stopped step is restored (``selection``): ``"best"``, the best mean validation
+    NLL (Lightning's ``EarlyStopping`` with :class:`~lightning_dvi.callbacks.RestoreBestWeights`);
+    ``"paired"``, :class:`~lightning_dvi.callbacks.PairedEarlyStopping` with ``z =
+    selection_z``, ``skip = selection_skip`` and ``patience_on``: the last step that the
+    carve-out's per-row log-likelihoods do not show worse than the best by more than ``z``
+    standard errors.
     """
 
     optimizer: Literal["lbfgs", "adam"] = "lbfgs"
@@ -153,6 +160,10 @@ class Settings:
     precision: Literal["32-true", "64-true"] = "32-true"
     target_resolution: str = "auto"
     warm_start: Literal["point", "adam", "none"] = "point"
+    selection: Literal["best", "paired"] = "best"
+    selection_z: float = 1.0
+    selection_skip: int = 0
+    patience_on: Literal["best", "kept"] = "best"
 
     @property
     def regressor_resolution(self) -> float | Literal["auto"] | None:
@@ -299,7 +310,7 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
 
     Returns:
         ``{"split", "test_ll", "rmse", "seconds", "cpu_seconds", "steps", "adam_steps",
-        "warm_start_steps"}``: ``steps`` is the number of optimisation steps run (L-BFGS steps
+        "warm_start_steps", "kept_step"}``: ``steps`` is the number of optimisation steps run (L-BFGS steps
         of ``lbfgs_iterations`` iterations), ``adam_steps`` those of the ``"adam"`` warm
         start's Adam phase and ``warm_start_steps`` the ``"point"`` warm start's L-BFGS steps
         (0 if none).
@@ -309,7 +320,11 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
     torch.set_num_threads(1)
     import lightning
 
-    from lightning_dvi.callbacks import PointEstimateWarmStart, RestoreBestWeights
+    from lightning_dvi.callbacks import (
+        PairedEarlyStopping,
+        PointEstimateWarmStart,
+        RestoreBestWeights,
+    )
     from lightning_dvi.data import UCIDataModule
     from lightning_dvi.lightning import DVIRegressor
 
@@ -399,7 +414,16 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
     point = PointEstimateWarmStart(patience=s.patience)
     if lbfgs and s.warm_start == "point":  # inside the Trainer: its cost is the run's
         callbacks.append(point)
-    if early > 0:
+    paired = None
+    if early > 0 and s.selection == "paired":
+        paired = PairedEarlyStopping(
+            patience=s.patience,
+            z=s.selection_z,
+            skip=s.selection_skip,
+            patience_on=s.patience_on,
+        )
+        callbacks.append(paired)
+    elif early > 0:
         callbacks += [
             lightning.pytorch.callbacks.EarlyStopping("val/nll", patience=s.patience),
             RestoreBestWeights("val/nll"),
@@ -419,6 +443,7 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
         "steps": int(trainer_.global_step),
         "adam_steps": a,
         "warm_start_steps": 0 if point.result is None else point.result.steps,
+        "kept_step": None if paired is None else paired.kept_step,
     }
 
 

@@ -1,0 +1,256 @@
+r"""Leave-one-data-set-out selection of the regression protocol (issue 45).
+
+A protocol fixed by looking at some data sets is fitted to them; its honest score is on a set
+it was not chosen on. For each held-out set :math:`S`, one protocol is chosen from a small, fixed
+list (:data:`CANDIDATES`) by a fixed rule (:func:`choose`) on the other sets only, then scored on
+:math:`S`; every set takes the held-out place in turn.
+
+Every run is one :func:`lightning_dvi_benchmarks.uci.run_job` (the user's code path: a
+``DVIRegressor`` in ``lightning.Trainer`` on a ``UCIDataModule``), one per (candidate, set,
+split), written as one JSON line as it finishes (:func:`run_grid`), so a killed run keeps what
+it did and a rerun skips what is there. The reference is the 8000-step Adam protocol
+(``--preset adam8000``) on the same split: the shared sets' per-split figures in
+``docs/uci_results.json``, or ``adam8000`` lines in the same file (sets not in it).
+
+The rule (:func:`choose`), fixed before any figure was seen: on the selection sets, a
+candidate whose CPU seconds per split exceed ``cost_limit`` times those of ``"today"`` (the
+protocol before issue 45) on any selection set is out; among the others, the most sets
+meeting both acceptance lines (mean test LL at most ``mean_line`` below Adam's, no split more
+than ``split_line`` below Adam's on the same split) wins; ties go to the larger worst-set mean
+difference against Adam, then to the lower total CPU time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .uci import DEFAULTS, Job, Settings, dataset_folder, hidden_width, run_job
+
+__all__ = [
+    "CANDIDATES",
+    "SetScore",
+    "adam_reference",
+    "choose",
+    "leave_one_out",
+    "load_records",
+    "run_grid",
+    "score_set",
+]
+
+_TODAY = replace(DEFAULTS, selection="best", patience_on="best", selection_skip=0)
+
+# The fixed list: today's protocol and five per-run rules for which step to keep (issue 45).
+CANDIDATES: dict[str, Settings] = {
+    "today": _TODAY,
+    "skip3": replace(_TODAY, selection="paired", selection_z=0.0, selection_skip=3),
+    "paired": replace(_TODAY, selection="paired", selection_z=1.0),
+    "paired-skip3": replace(_TODAY, selection="paired", selection_z=0.5, selection_skip=3),
+    "paired-kept": replace(_TODAY, selection="paired", selection_z=1.0, patience_on="kept"),
+    "paired-carve20": replace(
+        _TODAY, selection="paired", selection_z=1.0, early_stopping_fraction=0.2
+    ),
+}
+
+
+def _key(record: Mapping[str, Any]) -> tuple[str, str, int]:
+    return str(record["candidate"]), str(record["dataset"]), int(record["split"])
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` (none if it does not exist); a torn last line is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def run_grid(
+    data_dir: str | Path,
+    datasets: Sequence[str],
+    candidates: Mapping[str, Settings],
+    splits: Sequence[int],
+    output: str | Path,
+    seed: int = 0,
+    report: Any = None,
+) -> list[dict[str, Any]]:
+    """Run every (candidate, dataset, split) not yet in ``output``, appending one JSON line each.
+
+    Returns all records of ``output`` afterwards. ``report(record)`` is called per new run.
+    """
+    done = {_key(r) for r in load_records(output)}
+    data_dir = Path(data_dir)
+    with Path(output).open("a") as out:
+        for dataset in datasets:
+            hidden = hidden_width(dataset_folder(data_dir, dataset))
+            for name, settings in candidates.items():
+                for split in splits:
+                    if (name, dataset, split) in done:
+                        continue
+                    job = Job(str(data_dir), dataset, "dvi", split, hidden, 0.0, None,
+                              replace(settings, seed=seed))  # fmt: skip
+                    result = run_job(job)
+                    record = {"candidate": name, "dataset": dataset, "seed": seed, **result,
+                              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
+                    if report is not None:
+                        report(record)
+    return load_records(output)
+
+
+def adam_reference(
+    results_json: str | Path, records: Iterable[Mapping[str, Any]] = ()
+) -> dict[str, dict[int, float]]:
+    """Per-set, per-split test LL of the 8000-step Adam protocol (method ``dvi``).
+
+    From ``results_json`` (``docs/uci_results.json``'s layout) and from ``records`` whose
+    candidate is ``"adam8000"`` (these win for a set present in both).
+    """
+    reference: dict[str, dict[int, float]] = {}
+    data = json.loads(Path(results_json).read_text())
+    for row in data["results"]:
+        if row["method"] == "dvi":
+            reference[row["dataset"]] = {
+                int(s["split"]): float(s["test_ll"]) for s in row["splits"]
+            }
+    for r in records:
+        if r["candidate"] == "adam8000":
+            reference.setdefault(f"{r['dataset']}#run", {})[int(r["split"])] = float(r["test_ll"])
+    for name in [k for k in reference if k.endswith("#run")]:
+        reference[name.removesuffix("#run")] = reference.pop(name)
+    return reference
+
+
+@dataclass(frozen=True)
+class SetScore:
+    """One candidate on one set: means over the splits both it and Adam have."""
+
+    dataset: str
+    candidate: str
+    splits: int
+    test_ll: float
+    adam: float
+    worst_split: int
+    worst_difference: float
+    cpu_seconds: float
+
+    @property
+    def difference(self) -> float:
+        """Mean test LL minus Adam's (positive: better than Adam)."""
+        return self.test_ll - self.adam
+
+    def meets(self, mean_line: float, split_line: float) -> bool:
+        """Both acceptance lines: mean at most ``mean_line`` and every split at most ``split_line`` below Adam."""
+        return self.difference >= -mean_line and self.worst_difference >= -split_line
+
+
+def score_set(
+    records: Iterable[Mapping[str, Any]],
+    reference: Mapping[str, Mapping[int, float]],
+    dataset: str,
+    candidate: str,
+    splits: Sequence[int] | None = None,
+) -> SetScore | None:
+    """The candidate's :class:`SetScore` on ``dataset`` (``None`` without a split to compare)."""
+    adam = reference.get(dataset, {})
+    rows = {int(r["split"]): r for r in records if _key(r)[:2] == (candidate, dataset)}
+    common = sorted(k for k in rows if k in adam and (splits is None or k in splits))
+    if not common:
+        return None
+    diffs = {k: float(rows[k]["test_ll"]) - adam[k] for k in common}
+    worst = min(common, key=lambda k: diffs[k])
+    return SetScore(
+        dataset=dataset,
+        candidate=candidate,
+        splits=len(common),
+        test_ll=sum(float(rows[k]["test_ll"]) for k in common) / len(common),
+        adam=sum(adam[k] for k in common) / len(common),
+        worst_split=worst,
+        worst_difference=diffs[worst],
+        cpu_seconds=sum(float(rows[k]["cpu_seconds"]) for k in common) / len(common),
+    )
+
+
+def choose(
+    scores: Mapping[str, Mapping[str, SetScore]],
+    selection_sets: Sequence[str],
+    baseline: str = "today",
+    cost_limit: float = 1.5,
+    mean_line: float = 0.03,
+    split_line: float = 0.3,
+) -> str:
+    """The candidate chosen on ``selection_sets`` by the module's rule.
+
+    Args:
+        scores: ``scores[candidate][dataset]``; a candidate missing a selection set is out.
+        selection_sets: the sets the choice may look at (never the held-out one).
+        baseline: the candidate the cost limit is relative to (always eligible).
+        cost_limit: the most CPU seconds per split, as a multiple of the baseline's, on any
+            selection set.
+        mean_line: the most nats a set's mean test LL may trail Adam's and still meet.
+        split_line: the most nats any split may trail Adam's on the same split.
+    """
+    eligible = []
+    for name, by_set in scores.items():
+        if not all(d in by_set for d in selection_sets):
+            continue
+        if name != baseline and any(
+            by_set[d].cpu_seconds > cost_limit * scores[baseline][d].cpu_seconds
+            for d in selection_sets
+        ):
+            continue
+        met = sum(by_set[d].meets(mean_line, split_line) for d in selection_sets)
+        worst = min(by_set[d].difference for d in selection_sets)
+        cost = sum(by_set[d].cpu_seconds for d in selection_sets)
+        eligible.append((-met, -worst, cost, name))
+    if not eligible:
+        raise ValueError(f"no candidate has results on every selection set {list(selection_sets)}")
+    return min(eligible)[3]
+
+
+def leave_one_out(
+    records: Sequence[Mapping[str, Any]],
+    reference: Mapping[str, Mapping[int, float]],
+    held_out_sets: Sequence[str],
+    selection_pool: Sequence[str],
+    splits: Sequence[int] | None = None,
+    **rule: Any,
+) -> list[dict[str, Any]]:
+    """For each held-out set: the choice on ``selection_pool`` minus that set, and its score there.
+
+    Returns one row per held-out set: ``dataset``, ``chosen``, ``selection_sets``, the chosen
+    candidate's :class:`SetScore` fields on the held-out set (``None`` when it was not run
+    there) and, for comparison, ``today``'s.
+    """
+    names = sorted({str(r["candidate"]) for r in records} - {"adam8000"})
+    scores: dict[str, dict[str, SetScore]] = {}
+    for name in names:
+        for dataset in {str(r["dataset"]) for r in records}:
+            s = score_set(records, reference, dataset, name, splits)
+            if s is not None:
+                scores.setdefault(name, {})[dataset] = s
+    rows = []
+    for held in held_out_sets:
+        selection = [d for d in selection_pool if d != held]
+        chosen = choose(scores, selection, **rule)
+        got = scores.get(chosen, {}).get(held)
+        today = scores.get("today", {}).get(held)
+        rows.append({
+            "dataset": held,
+            "chosen": chosen,
+            "selection_sets": selection,
+            "score": None if got is None else {**asdict(got), "difference": got.difference},
+            "today": None if today is None else {**asdict(today), "difference": today.difference},
+        })  # fmt: skip
+    return rows

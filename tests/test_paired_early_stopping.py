@@ -1,0 +1,183 @@
+"""PairedEarlyStopping (issue 45): which early-stopped step is kept, and when the run stops."""
+
+from __future__ import annotations
+
+import math
+
+import lightning
+import numpy as np
+import pytest
+import torch
+from helpers import cpu_trainer
+from scipy import stats
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dvi import DVIRegressor
+from lightning_dvi.callbacks import PairedEarlyStopping, RestoreBestWeights
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """One torch thread: a second one only contends for the 2 shared cores."""
+
+
+class _Module(torch.nn.Module):
+    """A stand-in whose ``state_dict`` names the step it was at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = torch.nn.Parameter(torch.zeros(()))
+
+
+def _feed(callback: PairedEarlyStopping, steps: list[np.ndarray]) -> list[bool]:
+    module, kept = _Module(), []
+    for k, rows in enumerate(steps):
+        with torch.no_grad():
+            module.step.fill_(k)
+        kept.append(callback.decide(torch.as_tensor(rows, dtype=torch.float64), module))
+    return kept
+
+
+@pytest.mark.parametrize("z", [0.0, 0.5, 1.0, 2.0])
+def test_a_step_is_kept_unless_the_paired_t_statistic_is_below_minus_z(z):
+    """Oracle: scipy's paired t statistic against the best step so far."""
+    rng = np.random.default_rng(0)
+    best = rng.normal(-1.0, 1.0, size=40)
+    steps = [best]
+    for shift in (0.05, 0.1, 0.2, 0.4, 0.8):  # ever more worse than the first, with noise
+        steps.append(best - shift + rng.normal(0.0, 0.5, size=40))
+    callback = PairedEarlyStopping(z=z, patience=100)
+    kept = _feed(callback, steps)
+    reference = 0  # the best mean so far
+    for k in range(1, len(steps)):
+        t = stats.ttest_rel(steps[k], steps[reference]).statistic
+        new_best = steps[k].mean() > steps[reference].mean()
+        assert kept[k] == (t >= -z or new_best), (k, t)
+        reference = k if new_best else reference
+    assert callback.best_step == reference
+    assert not all(kept) and any(kept[1:])  # the case tells the rule from "always" and "never"
+    last_kept = max(k for k, ok in enumerate(kept) if ok)
+    assert callback.kept_step == last_kept
+    # the restored weights are the last kept step's
+    assert float(callback._kept_state["step"]) == last_kept
+
+
+def test_a_larger_carve_out_resolves_a_difference_a_small_one_cannot():
+    """The same per-row shift of 0.1 nats: kept on 20 rows, refused on 2000 (the rule adapts)."""
+    rng = np.random.default_rng(1)
+    verdicts = {}
+    for n in (20, 2000):
+        best = rng.normal(-1.0, 1.0, size=n)
+        later = best - 0.1 + rng.normal(0.0, 0.5, size=n)
+        verdicts[n] = _feed(PairedEarlyStopping(z=1.0), [best, later])[1]
+    assert verdicts == {20: True, 2000: False}
+
+
+def test_skipped_first_steps_cannot_become_the_reference_best():
+    """With skip=3 a transiently good second step is not the reference the later steps must beat."""
+    rows = np.zeros(30)
+    means = [-3.0, -1.0, -2.5, -2.0, -1.9, -2.2]  # step 1 is the best mean, but skipped
+    steps = [rows + m + np.linspace(-0.01, 0.01, 30) for m in means]
+    plain, skipping = PairedEarlyStopping(z=0.0), PairedEarlyStopping(z=0.0, skip=3)
+    _feed(plain, steps)
+    _feed(skipping, steps)
+    assert plain.best_step == 1 and plain.kept_step == 1
+    assert skipping.best_step == 4 and skipping.kept_step == 4
+
+
+def test_patience_counts_new_bests_or_kept_steps():
+    """``"best"``: Lightning's count; ``"kept"``: steps the carve-out shows worse, in a row."""
+    rng = np.random.default_rng(2)
+    best = rng.normal(-1.0, 1.0, size=200)
+    # after the best, four steps indistinguishable from it, then clearly worse ones
+    wiggle = 0.01 * np.resize([1.0, -1.0], 200) - 1e-6  # mean -1e-6, t about -0.001
+    steps = [best - 1.0, best] + [best + wiggle for _ in range(4)]
+    steps += [best - 1.0] * 3
+    for on, stop_at in (("best", 4), ("kept", 8)):
+        callback = PairedEarlyStopping(patience=3, z=1.0, patience_on=on)
+        since = []
+        for k in range(len(steps)):
+            _feed_one(callback, steps[k], k)
+            since.append(callback._since)
+        first_stop = next(k for k, s in enumerate(since) if s >= 3)
+        assert first_stop == stop_at, (on, since)
+
+
+def _feed_one(callback: PairedEarlyStopping, rows: np.ndarray, k: int) -> None:
+    module = _Module()
+    with torch.no_grad():
+        module.step.fill_(k)
+    callback.decide(torch.as_tensor(rows, dtype=torch.float64), module)
+
+
+def test_a_non_finite_step_is_never_kept():
+    callback = PairedEarlyStopping(z=5.0)
+    steps = [np.full(10, -1.0), np.array([-1.0] * 9 + [math.nan])]
+    assert _feed(callback, steps) == [True, False]
+    assert callback.kept_step == 0
+
+
+def test_bad_arguments_are_refused():
+    for kwargs in ({"patience": 0}, {"z": -1.0}, {"z": math.inf}, {"skip": -1},
+                   {"patience_on": "mean"}, {"min_steps": 1.5}):  # fmt: skip
+        with pytest.raises(ValueError, match="PairedEarlyStopping"):
+            PairedEarlyStopping(**kwargs)
+
+
+def _loaders() -> tuple[DataLoader, DataLoader]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 2, generator=g)
+    y = torch.sin(2 * x[:, 0]) + 0.3 * torch.randn(60, generator=g)
+    # 15 training rows and a wide network: the validation NLL turns up within a few steps
+    return (
+        DataLoader(TensorDataset(x[:15], y[:15]), batch_size=15),
+        DataLoader(TensorDataset(x[15:], y[15:]), batch_size=45),
+    )
+
+
+def _fit(callbacks: list, epochs: int = 12) -> DVIRegressor:
+    lightning.seed_everything(0, verbose=False)
+    model = DVIRegressor(in_features=2, hidden=[64], num_data=15, optimizer="lbfgs")
+    trainer = cpu_trainer(
+        max_epochs=epochs, num_sanity_val_steps=0, callbacks=callbacks, enable_checkpointing=False
+    )
+    trainer.fit(model, *_loaders())
+    return model
+
+
+def test_in_a_fit_the_restored_weights_score_the_kept_steps_validation_rows():
+    paired = PairedEarlyStopping(patience=100, z=1.0)
+    model = _fit([paired])
+    assert len(paired.history) == 12 and paired.stopped_step is None
+    _, val = _loaders()
+    x, y = val.dataset.tensors
+    model.eval()
+    mean = float(model.predictive_log_prob(x, y).mean())
+    assert mean == pytest.approx(paired.history[paired.kept_step][0], rel=1e-6)
+    assert paired.history[paired.kept_step][1]  # it was kept
+
+
+def test_with_z_0_it_keeps_lightnings_best_step_and_stops_when_lightning_would():
+    """z=0 and patience on the best mean: the choice and stop of EarlyStopping + RestoreBestWeights."""
+    paired = PairedEarlyStopping(patience=3, z=0.0)
+    ours = _fit([paired], epochs=30)
+    restore = RestoreBestWeights("val/nll")
+    stop = lightning.pytorch.callbacks.EarlyStopping("val/nll", patience=3)
+    theirs = _fit([stop, restore], epochs=30)
+    assert paired.kept_step == paired.best_step == restore.best_epoch
+    assert paired.stopped_step == stop.stopped_epoch
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value)
+
+
+def test_state_round_trip_keeps_the_decision():
+    callback = PairedEarlyStopping(z=1.0)
+    rng = np.random.default_rng(3)
+    _feed(callback, [rng.normal(size=20) for _ in range(4)])
+    again = PairedEarlyStopping(z=1.0)
+    again.load_state_dict(callback.state_dict())
+    assert (again.best_step, again.kept_step, again.history) == (
+        callback.best_step,
+        callback.kept_step,
+        callback.history,
+    )

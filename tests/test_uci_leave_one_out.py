@@ -1,0 +1,153 @@
+"""Issue 45: the leave-one-data-set-out selection, the unseen bundled sets, the recipe over them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_dvi.data import UCIDataModule
+from lightning_dvi_benchmarks import uci
+from lightning_dvi_benchmarks import uci_leave_one_out as loo
+from lightning_dvi_benchmarks.uci_unseen import UNSEEN_REGRESSION, write_standard_layout
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "uci_leave_one_out.py"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """One torch thread: a second one only contends for the 2 shared cores."""
+
+
+def test_diabetes_in_the_standard_layout_reads_back_with_disjoint_covering_splits(tmp_path):
+    x, y = UNSEEN_REGRESSION["diabetes"]()
+    assert x.shape == (442, 10) and y.shape == (442,)
+    folder = write_standard_layout(tmp_path / "diabetes", x, y, n_splits=3)
+    for k in range(3):
+        train = np.loadtxt(folder / f"index_train_{k}.txt", dtype=int)
+        test = np.loadtxt(folder / f"index_test_{k}.txt", dtype=int)
+        assert len(test) == 44 and not set(train) & set(test)
+        assert sorted([*train, *test]) == list(range(442))
+    dm = UCIDataModule(str(tmp_path), "diabetes", split=2)
+    dm.setup("fit")
+    dm.setup("test")
+    assert dm.num_train == 398 and dm.in_features == 10
+    rows = np.loadtxt(folder / "index_test_2.txt", dtype=int)
+    np.testing.assert_allclose(dm.test_dataset.tensors[1].numpy().reshape(-1), y[rows], rtol=1e-9)
+    # the same folder on every machine: the splits come from the seed alone
+    again = write_standard_layout(tmp_path / "again", x, y, n_splits=3)
+    assert (again / "index_test_1.txt").read_text() == (folder / "index_test_1.txt").read_text()
+
+
+def _record(candidate: str, dataset: str, split: int, ll: float, cpu: float = 1.0) -> dict:
+    return {"candidate": candidate, "dataset": dataset, "split": split, "test_ll": ll,
+            "cpu_seconds": cpu, "steps": 3}  # fmt: skip
+
+
+def test_the_choice_never_looks_at_the_held_out_set():
+    """Candidate "b" wins on sets A and B, "c" only on the held-out C: C gets "b"'s score."""
+    reference = {d: {0: 0.0, 1: 0.0} for d in "ABC"}
+    records = []
+    for d in "ABC":
+        for k in (0, 1):
+            records.append(_record("today", d, k, -0.1))
+            records.append(_record("b", d, k, 0.0 if d != "C" else -0.5))
+            records.append(_record("c", d, k, -0.2 if d != "C" else 0.5))
+    rows = loo.leave_one_out(records, reference, ["C", "A"], ["A", "B", "C"])
+    c, a = rows
+    assert c["chosen"] == "b" and c["selection_sets"] == ["A", "B"]
+    assert c["score"]["difference"] == pytest.approx(-0.5)
+    assert c["today"]["difference"] == pytest.approx(-0.1)
+    # on B and C each of b and c meets one set; c trails Adam less on its worse one
+    assert a["chosen"] == "c" and a["selection_sets"] == ["B", "C"]
+
+
+def test_the_rule_counts_sets_meeting_both_lines_then_the_worst_mean_then_cost():
+    def scores(by: dict) -> dict:
+        out = {}
+        for name, sets in by.items():
+            for d, (diff, worst, cpu) in sets.items():
+                out.setdefault(name, {})[d] = loo.SetScore(d, name, 10, diff, 0.0, 0, worst, cpu)
+        return out
+
+    table = {
+        "today": {"A": (-0.05, -0.5, 1.0), "B": (0.0, -0.1, 1.0)},
+        "fast": {"A": (-0.02, -0.2, 1.4), "B": (0.01, -0.1, 1.4)},  # meets both lines on both
+        "dear": {"A": (0.05, -0.1, 2.0), "B": (0.05, -0.1, 1.0)},  # better, but 2x on A
+        "edgy": {"A": (-0.02, -0.31, 1.0), "B": (0.2, 0.0, 1.0)},  # a split past 0.3 on A
+    }
+    assert loo.choose(scores(table), ["A", "B"]) == "fast"
+    assert loo.choose(scores(table), ["A", "B"], cost_limit=3.0) == "dear"
+    assert loo.choose(scores(table), ["B"]) == "edgy"  # all meet on B: the best worst mean
+    tie = {"today": table["today"], "x": table["fast"], "y": table["fast"]}
+    tie["y"] = {d: (a, b, c * 0.9) for d, (a, b, c) in table["fast"].items()}
+    assert loo.choose(scores(tie), ["A", "B"]) == "y"  # equal quality: the cheaper
+
+
+def test_score_set_compares_split_by_split_and_names_the_worst():
+    reference = {"A": {0: -1.0, 1: -2.0, 2: -3.0}}
+    records = [_record("p", "A", 0, -1.1), _record("p", "A", 1, -1.5), _record("p", "A", 5, 9.0)]
+    s = loo.score_set(records, reference, "A", "p")
+    assert s.splits == 2 and s.worst_split == 0 and s.worst_difference == pytest.approx(-0.1)
+    assert s.difference == pytest.approx((-1.1 - 1.5) / 2 - (-1.5))
+    assert loo.score_set(records, reference, "B", "p") is None
+
+
+def test_adam_runs_in_the_records_give_the_reference_of_a_set_without_figures(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"results": [
+        {"dataset": "A", "method": "dvi", "splits": [{"split": 0, "test_ll": -1.0}]},
+        {"dataset": "A", "method": "mcvi", "splits": [{"split": 0, "test_ll": -9.0}]},
+    ]}))  # fmt: skip
+    reference = loo.adam_reference(path, [_record("adam8000", "D", 3, -0.5)])
+    assert reference == {"A": {0: -1.0}, "D": {3: -0.5}}
+
+
+def test_the_recipe_runs_resumes_and_reports_on_toy_sets(tmp_path, capsys):
+    """Two toy sets, two candidates, one split each, through the real runner; a rerun runs nothing."""
+    rng = np.random.default_rng(0)
+    for name in ("one", "two"):
+        x = rng.normal(size=(80, 3))
+        y = 5.0 + x[:, 0] - 2 * x[:, 1] + 0.3 * rng.normal(size=80)
+        write_standard_layout(tmp_path / "data" / name, x, y, n_splits=1)
+    spec = importlib.util.spec_from_file_location("uci_leave_one_out_recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules["uci_leave_one_out_recipe"] = recipe
+    spec.loader.exec_module(recipe)
+    short = {k: replace(v, max_steps=3, patience=2) for k, v in loo.CANDIDATES.items()}
+    recipe.CANDIDATES = {k: short[k] for k in ("today", "paired")}
+    reference = tmp_path / "ref.json"
+    reference.write_text(json.dumps({"results": [
+        {"dataset": d, "method": "dvi", "splits": [{"split": 0, "test_ll": -1.0}]}
+        for d in ("one", "two")
+    ]}))  # fmt: skip
+    out = tmp_path / "loo.jsonl"
+    argv = ["--data-dir", str(tmp_path / "data"), "--datasets", "one,two", "--candidates",
+            "today,paired", "--splits", "1", "--output", str(out), "--reference", str(reference),
+            "--report", "--held-out", "one,two", "--selection-pool", "one,two",
+            "--json", str(tmp_path / "loo.json")]  # fmt: skip
+    assert recipe.main(argv) == 0
+    lines = loo.load_records(out)
+    assert {(r["candidate"], r["dataset"]) for r in lines} == {
+        (c, d) for c in ("today", "paired") for d in ("one", "two")
+    }
+    assert all(r["split"] == 0 and r["seed"] == 0 and r["steps"] <= 3 for r in lines)
+    assert {r["kept_step"] is None for r in lines if r["candidate"] == "today"} == {True}
+    rows = json.loads((tmp_path / "loo.json").read_text())
+    assert [r["selection_sets"] for r in rows] == [["two"], ["one"]]
+    assert "chosen" in capsys.readouterr().out
+    recipe.main(argv)  # everything is in the file: nothing runs again
+    assert len(loo.load_records(out)) == 4
+
+
+def test_every_candidate_is_a_runner_setting_and_today_is_the_pre_issue_45_protocol():
+    today = loo.CANDIDATES["today"]
+    assert today.selection == "best" and today.patience == 5
+    assert replace(uci.PRESETS["lbfgs"], selection="best", patience_on="best",
+                   selection_skip=0) == today  # fmt: skip
+    assert len(loo.CANDIDATES) == len({v for v in loo.CANDIDATES.values()})
