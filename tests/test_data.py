@@ -265,6 +265,17 @@ def test_toy_module_attributes_splits_and_grid():
     assert len(on_test.predict_dataloader().dataset) == 7 and on_test.val_dataloader() == []
 
 
+def test_the_toy_data_declare_their_truth_and_other_data_do_not():
+    from lightning_dvi.data import KnownTruth, toy_noise_std
+
+    toy = ToyHeteroscedasticDataModule(num_train=5)
+    assert isinstance(toy, KnownTruth) and not isinstance(DigitsDataModule(), KnownTruth)
+    x = torch.linspace(-0.5, 0.5, 11, dtype=torch.float64)
+    mean, std = toy.true_mean_and_noise_std(x)
+    torch.testing.assert_close(mean, toy_mean(x))
+    torch.testing.assert_close(std, toy_noise_std(x))
+
+
 def test_toy_module_rejects_bad_arguments():
     for kwargs in (
         {"num_train": 0},

@@ -11,7 +11,7 @@ True``). Those three members are the declared protocol
 """
 
 from ..transforms import TargetStatistics
-from ._base import EpochSeededSampler
+from ._base import EpochSeededSampler, KnownTruth
 from .csv import CSVDataModule, read_tabular
 from .digits import DigitsDataModule
 from .toy import make_toy_heteroscedastic, toy_mean, toy_noise_std, toy_true_log_likelihood
@@ -22,6 +22,7 @@ __all__ = [
     "CSVDataModule",
     "DigitsDataModule",
     "EpochSeededSampler",
+    "KnownTruth",
     "TargetStatistics",
     "ToyHeteroscedasticDataModule",
     "UCIDataModule",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -16,9 +16,23 @@ __all__ = [
     "EpochSeededSampler",
     "GatherTensorDataset",
     "InMemoryDataModule",
+    "KnownTruth",
     "ResumableDataLoader",
     "fit_standardizer",
 ]
+
+
+@runtime_checkable
+class KnownTruth(Protocol):
+    """A datamodule of generated data that knows its true regression function and noise.
+
+    Plots and reports draw the truth next to a fit when the datamodule declares it (the toy
+    data do); nothing else depends on it.
+    """
+
+    def true_mean_and_noise_std(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(E[y | x], std[y | x])`` at 1-D inputs ``x`` (original units, any shape)."""
+        ...
 
 
 class GatherTensorDataset(TensorDataset):

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from ._base import InMemoryDataModule
-from .toy import make_toy_heteroscedastic, toy_mean, toy_true_log_likelihood
+from .toy import make_toy_heteroscedastic, toy_mean, toy_noise_std, toy_true_log_likelihood
 
 __all__ = ["ToyHeteroscedasticDataModule"]
 
@@ -91,6 +91,16 @@ class ToyHeteroscedasticDataModule(InMemoryDataModule):
         """``(x [num_grid, 1], noiseless mean [num_grid])`` over ``[-0.5, 0.5]``, float32."""
         x = torch.linspace(-0.5, 0.5, self.num_grid, dtype=torch.float64).unsqueeze(-1)
         return x.float(), toy_mean(x[:, 0]).float()
+
+    def true_mean_and_noise_std(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(toy_mean(x), toy_noise_std(x))``: the data's truth (:class:`~lightning_dvi.data.KnownTruth`).
+
+        Examples:
+            >>> mean, std = ToyHeteroscedasticDataModule().true_mean_and_noise_std(torch.zeros(1))
+            >>> bool(std > 0)
+            True
+        """
+        return toy_mean(x), toy_noise_std(x)
 
     def reference_metrics(self) -> dict[str, float]:
         """Reference values the CLI prints next to the test metrics (a data module's hook).

@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from ..data import ToyHeteroscedasticDataModule, toy_mean, toy_noise_std
+from ..data import KnownTruth
 
 __all__ = ["CalibrationPlot", "PredictiveBandPlot", "ReliabilityDiagram"]
 
@@ -136,8 +136,8 @@ class PredictiveBandPlot(Callback):
                 label=r"epistemic: mean $\pm$ 2 $\sqrt{\mathrm{Var}[m]}$",
             )
         ax.plot(grid_x, mean, c="C0", lw=2, label="predictive mean")
-        if isinstance(datamodule, ToyHeteroscedasticDataModule):
-            true_mean, noise = toy_mean(grid_x), toy_noise_std(grid_x)
+        if isinstance(datamodule, KnownTruth):
+            true_mean, noise = datamodule.true_mean_and_noise_std(grid_x)
             ax.plot(grid_x, true_mean, "k--", lw=1, label="true mean")
             ax.plot(grid_x, true_mean + 2 * noise, "k:", lw=1, label=r"true $\pm$ 2 noise std")
             ax.plot(grid_x, true_mean - 2 * noise, "k:", lw=1)
