@@ -227,13 +227,14 @@ def main(argv: list[str] | None = None) -> dict:
         """The model and a guide whose parameters have names of their own in the param store.
 
         A PyroModule guide names its parameters after its class, so two DeterministicGuides in
-        one store would share them: each run gets a subclass named after it.
+        one store would share them: each run's guide gets the prefix ``<class>_<run>``
+        (DeterministicGuide's ``name``; for AutoNormal, which has none, a subclass so named).
         """
         pyro.set_rng_seed(args.seed)
         model = Classifier(x.shape[1], classes, "categorical")
-        base = DeterministicGuide if kind != "autonormal" else AutoNormal
-        named = type(f"{base.__name__}_{kind}", (base,), {})
-        return model, named(model)
+        if kind == "autonormal":
+            return model, type(f"AutoNormal_{kind}", (AutoNormal,), {})(model)
+        return model, DeterministicGuide(model, name=f"DeterministicGuide_{kind}")
 
     # Each run: (model, guide, advance(k), iterations per round). The guides are built before
     # timing starts (their first call), then the runs advance in interleaved rounds, so that

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -202,3 +203,55 @@ def test_masks_deterministic_sites_and_independent_obs_are_handled():
     guide_subset = DeterministicGuide(subset)
     loss_subset = DeterministicELBO().loss(subset, guide_subset, x[keep], y[keep])
     assert loss_masked == pytest.approx(loss_subset, rel=1e-5)
+
+
+def test_named_guides_keep_their_own_parameters():
+    # Two guides of one model in one param store (a diag and a full guide side by side): with
+    # their own names, training one leaves the other's parameters untouched.
+    x, y = toy(32)
+    model = BNN(noise="fixed")
+    diag = DeterministicGuide(model, name="diag_guide")
+    full = DeterministicGuide(model, "full", name="full_guide")
+    svis = [SVI(model, g, pyro.optim.Adam({"lr": 0.05}), DeterministicELBO()) for g in (diag, full)]
+    for svi in svis:
+        svi.step(x, y)
+    keys = list(pyro.get_param_store())
+    assert len(keys) == 2 * 2 * len(diag.weight_sites)
+    assert all(
+        k.startswith(("diag_guide.locs.", "diag_guide.scales.")) for k in keys[: len(keys) // 2]
+    )
+    assert all(
+        k.startswith(("full_guide.locs.", "full_guide.scales.")) for k in keys[len(keys) // 2 :]
+    )
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    for _ in range(3):
+        svis[0].step(x, y)
+    after = dict(pyro.get_param_store().items())
+    assert all(torch.equal(before[k], after[k].detach()) for k in keys if k.startswith("full_"))
+    assert not any(torch.equal(before[k], after[k].detach()) for k in keys if k.startswith("diag_"))
+    with pytest.raises(ValueError, match="non-empty string"):
+        DeterministicGuide(model, name="")
+
+
+def test_a_second_guide_with_the_same_prefix_warns_that_they_share():
+    x, y = toy(32)
+    model = BNN(noise="fixed")
+    first = DeterministicGuide(model)
+    svi = SVI(model, first, pyro.optim.Adam({"lr": 0.05}), DeterministicELBO())
+    for _ in range(3):
+        svi.step(x, y)
+    second = DeterministicGuide(model, "full")
+    with pytest.warns(UserWarning, match="share their parameters"):
+        second.moment_posteriors(x, y)
+    # Pyro's param store returns the first guide's trained values to the second.
+    for name in first.weight_sites:
+        with torch.no_grad():
+            assert torch.equal(
+                first._get_loc_and_scale(name)[0], second._get_loc_and_scale(name)[0]
+            )
+    # A cleared store (a deliberate replacement) or a guide of its own name does not warn.
+    pyro.clear_param_store()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DeterministicGuide(model).moment_posteriors(x, y)
+        DeterministicGuide(model, name="other").moment_posteriors(x, y)

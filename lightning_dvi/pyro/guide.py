@@ -3,6 +3,8 @@ r"""DeterministicGuide: a mean-field Normal guide whose weight sites support a D
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from typing import Any, cast
@@ -49,6 +51,26 @@ def init_to_he(site: dict) -> Tensor:
     return value
 
 
+#: Every DeterministicGuide whose parameters exist (set up), to warn when two share a prefix.
+_SET_UP: weakref.WeakSet[DeterministicGuide] = weakref.WeakSet()
+
+
+def _warn_if_shared(guide: DeterministicGuide) -> None:
+    """Warn when another live, set-up guide's parameters hold ``guide``'s param-store prefix."""
+    prefix = guide._pyro_name
+    stored = any(key.startswith(prefix + ".") for key in pyro.get_param_store())
+    if stored and any(other is not guide and other._pyro_name == prefix for other in _SET_UP):
+        warnings.warn(
+            f"another DeterministicGuide already uses the param-store prefix {prefix!r}: the "
+            "two guides share their parameters (pyro.param returns the stored values), so "
+            "training one changes the other. Give each guide its own name, e.g. "
+            "DeterministicGuide(model, name='guide_full'), or call pyro.clear_param_store() "
+            "before building a replacement.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 class DeterministicGuide(AutoNormal):
     r"""Mean-field Normal guide that also runs a deterministic (DVI) moment pass of the model.
 
@@ -83,6 +105,13 @@ class DeterministicGuide(AutoNormal):
         sampled_sites: names of Normal-prior sites to treat by one sample rather than by moments
             (e.g. a log noise scale that the model exponentiates).
         create_plates: as for AutoNormal (e.g. to share a subsampling plate with the model).
+        name: the prefix of the guide's parameters in Pyro's param store
+            (``"<name>.locs.<site>"``, ``"<name>.scales.<site>"``). Default: the class name,
+            as Pyro's autoguides do, so that a saved param store loads into a new guide. Two
+            guides with the same prefix *share* their parameters (Pyro's ``pyro.param`` returns
+            the stored value): give each guide of one session its own ``name``, e.g. a diag and
+            a full guide compared side by side. Setting up a guide whose prefix a live,
+            already set-up DeterministicGuide uses warns.
 
     Examples:
         >>> # guide = DeterministicGuide(model); svi = SVI(model, guide, optim, DeterministicELBO())
@@ -97,6 +126,7 @@ class DeterministicGuide(AutoNormal):
         init_loc_fn: Callable[[dict], Tensor] = init_to_he,
         sampled_sites: Iterable[str] = (),
         create_plates: Callable[..., Any] | None = None,
+        name: str | None = None,
     ) -> None:
         self.mode: MomentPass = moment_propagation(mode)
         self.sampled_sites = frozenset(sampled_sites)
@@ -107,6 +137,10 @@ class DeterministicGuide(AutoNormal):
             init_scale=float(init_scale),
             create_plates=create_plates,
         )
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"name must be a non-empty string, got {name!r}")
+            self._pyro_name = name  # the prefix of every parameter created at setup
 
     # ------------------------------------------------------------------ setup
     def _is_weight_site(self, site: dict) -> bool:
@@ -114,6 +148,7 @@ class DeterministicGuide(AutoNormal):
 
     def _setup_prototype(self, *args: Any, **kwargs: Any) -> None:
         # AutoNormal already refuses discrete latents (ValueError with Pyro's own advice).
+        _warn_if_shared(self)
         super()._setup_prototype(*args, **kwargs)
         assert self.prototype_trace is not None  # set by AutoNormal._setup_prototype
         self.weight_sites = tuple(
@@ -124,6 +159,7 @@ class DeterministicGuide(AutoNormal):
         unknown = self.sampled_sites - set(self.prototype_trace.nodes)
         if unknown:
             raise ValueError(f"sampled_sites not found in the model: {sorted(unknown)}")
+        _SET_UP.add(self)
 
     # ------------------------------------------------------------------ sampling
     def _sample_transformed(self, name: str, site: dict) -> Tensor:
