@@ -33,7 +33,10 @@ Rows (every one after ``deterministic`` starts from a trained network):
   posterior :math:`\mathcal N(m, \operatorname{diag}(1 / (\lambda(h + \delta))))` (effective
   sample size :math:`\lambda`, Hessian estimate :math:`h`, weight decay :math:`\delta`), handed
   to the converted network as it is; ``posthoc_ivon_cal`` the same with one scale factor
-  calibrated on the validation NLL;
+  calibrated on the validation NLL; ``posthoc_ivon_ln1`` the same posterior with every
+  LayerNorm's first-order form (``layer_norm_route="first_order"``), and
+  ``posthoc_ivon_fast`` with that and SUQ's attention rule (``attention_rule="mean"``): the
+  cheap rule set of :func:`~lightning_dvi.nn.posthoc.set_rules`;
 * ``ivon_mc8``, ``ivon_mc32``: the Monte Carlo predictive of that same IVON posterior,
   :math:`\frac1S\sum_s\operatorname{softmax}f(x; w_s)`, :math:`w_s` drawn by IVON's own
   ``sampled_params``, with :math:`S = 8` and :math:`32`.
@@ -112,6 +115,8 @@ ROWS = (
     "posthoc_det",
     "posthoc_ivon",
     "posthoc_ivon_cal",
+    "posthoc_ivon_ln1",
+    "posthoc_ivon_fast",
     "ivon_mc8",
     "ivon_mc32",
 )
@@ -595,11 +600,31 @@ def fit_posthoc_deterministic(task: Task, base: Fitted, config: Config) -> Fitte
     return _calibrated(net, task, config, time.process_time() - start, details)
 
 
-def ivon_posterior(fit: IVONFit) -> nn.Module:
-    """The converted network with IVON's posterior: means its weights, stds from its state."""
+#: The moment rules of the rows that set them (:func:`lightning_dvi.nn.posthoc.set_rules`).
+RULES: dict[str, dict[str, str]] = {
+    "posthoc_ivon_ln1": {"layer_norm_route": "first_order"},
+    "posthoc_ivon_fast": {"layer_norm_route": "first_order", "attention_rule": "mean"},
+}
+
+
+def ivon_posterior(fit: IVONFit, **rules: Any) -> nn.Module:
+    """The converted network with IVON's posterior: means its weights, stds from its state.
+
+    ``rules``: ``attention_rule``/``layer_norm_route`` of
+    :func:`~lightning_dvi.nn.posthoc.from_torch_posterior` (default: the library's).
+    """
     from lightning_dvi.nn import posthoc
 
-    return posthoc.from_torch_posterior(fit.net, posthoc.ivon_std(fit.optimizer, fit.net)).eval()
+    std = posthoc.ivon_std(fit.optimizer, fit.net)
+    return posthoc.from_torch_posterior(fit.net, std, **rules).eval()
+
+
+def fit_posthoc_ivon_rules(fit: IVONFit, row: str) -> Fitted:
+    """Rows ``posthoc_ivon_ln1`` and ``posthoc_ivon_fast``: IVON's stds as they are, cheaper rules."""
+    start = time.process_time()
+    net = ivon_posterior(fit, **RULES[row])
+    seconds = time.process_time() - start
+    return Fitted(moment_probs(net), seconds, fit.best_epoch, net=net, details=dict(RULES[row]))
 
 
 def fit_posthoc_ivon(task: Task, fit: IVONFit, config: Config, calibrate: bool) -> Fitted:
@@ -669,6 +694,55 @@ def predictive_costs(
     return {name: statistics.median(t) / reference for name, t in times.items()}
 
 
+def module_times(
+    net: nn.Module, x: Tensor, mode: str = "diag", repeats: int = 5
+) -> dict[str, float]:
+    """CPU milliseconds per module of a declared network's moment pass (medians of ``repeats``).
+
+    Every module's ``propagate`` and ``propagate_cross`` are timed while the network runs on
+    ``x`` (``time.process_time``, inclusive of the children they call); keys are
+    ``"<module name> (<class>)"`` and ``"<module name> (<class>) cross"``, and ``"total"`` for the
+    whole pass under ``torch.no_grad``. One warm-up pass first. The instance attributes that
+    wrap the methods are removed afterwards.
+    """
+    from lightning_dvi.nn import BayesModule
+
+    runs: dict[str, list[float]] = {}
+    current: dict[str, float] = {}
+
+    def timed(key: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                current[key] = current.get(key, 0.0) + time.process_time() - start
+
+        return call
+
+    wrapped: list[BayesModule] = []
+    for name, module in net.named_modules():
+        if isinstance(module, BayesModule) and module is not net:
+            label = f"{name} ({type(module).__name__})"
+            module.propagate = timed(label, module.propagate)  # type: ignore[method-assign]  # timing wrapper, removed below
+            module.propagate_cross = timed(f"{label} cross", module.propagate_cross)  # type: ignore[method-assign]  # as above
+            wrapped.append(module)
+    try:
+        with torch.no_grad():
+            net(x, mode=mode)
+            for _ in range(max(repeats, 1)):
+                current.clear()
+                start = time.process_time()
+                net(x, mode=mode)
+                current["total"] = time.process_time() - start
+                for key, value in current.items():
+                    runs.setdefault(key, []).append(value)
+    finally:
+        for module in wrapped:
+            del module.propagate, module.propagate_cross
+    return {key: 1e3 * statistics.median(values) for key, values in runs.items()}
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -718,12 +792,16 @@ def run_seed(
         fitted["ddvi_whole"] = fit_whole(task, base, config, seed)
     if "posthoc_det" in wanted:
         fitted["posthoc_det"] = fit_posthoc_deterministic(task, base, config)
-    if wanted & {"posthoc_ivon", "posthoc_ivon_cal", *(f"ivon_mc{s}" for s in config.mc_samples)}:
+    ivon_rows = {"posthoc_ivon", "posthoc_ivon_cal", *RULES}
+    if wanted & {*ivon_rows, *(f"ivon_mc{s}" for s in config.mc_samples)}:
         ivon_fit = fit_ivon(task, config, seed)
         if "posthoc_ivon" in wanted:
             fitted["posthoc_ivon"] = fit_posthoc_ivon(task, ivon_fit, config, calibrate=False)
         if "posthoc_ivon_cal" in wanted:
             fitted["posthoc_ivon_cal"] = fit_posthoc_ivon(task, ivon_fit, config, calibrate=True)
+        for row in RULES:
+            if row in wanted:
+                fitted[row] = fit_posthoc_ivon_rules(ivon_fit, row)
         for samples in config.mc_samples:
             if f"ivon_mc{samples}" in wanted:
                 fitted[f"ivon_mc{samples}"] = ivon_mc_row(task, ivon_fit, samples)
@@ -866,7 +944,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if {"posthoc_ivon", "ivon_mc32"} <= rows.keys():
             verdicts[task] = {
                 row: acceptance(rows, row)
-                for row in ("posthoc_ivon", "posthoc_ivon_cal")
+                for row in ("posthoc_ivon", "posthoc_ivon_cal", *RULES)
                 if row in rows
             }
     if verdicts:

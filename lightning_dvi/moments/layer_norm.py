@@ -78,6 +78,8 @@ Measured against Monte Carlo in ``docs/moments.md`` ("Normalization layers").
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -85,7 +87,15 @@ from torch import Tensor
 from ._quadrature import constant, fixed_rule
 from .special import flush
 
-__all__ = ["normalize_diag", "normalize_diag_with_slope", "normalize_full", "normalize_jacobian"]
+__all__ = [
+    "ROUTES",
+    "LayerNormRoute",
+    "normalize_cross_diag",
+    "normalize_diag",
+    "normalize_diag_with_slope",
+    "normalize_full",
+    "normalize_jacobian",
+]
 
 TIGHT_RATIO = 1e-6
 """Below this input-variance/spread ratio :math:`\\rho` the tight (linearized) form is used."""
@@ -135,8 +145,18 @@ def _tight_ratio(trace: Tensor, m: Tensor, eps: float) -> Tensor:
     return trace / ((m * m).sum(-1) + d * eps)
 
 
-def _normalize_diag(mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The body of :func:`normalize_diag_with_slope` (float64 inputs)."""
+def _traced() -> bool:
+    """Whether a tracer (``torch.compile``, ``torch.export``, ``torch.jit.trace``) runs the call."""
+    return bool(
+        torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+    )
+
+
+_Parts3 = tuple[Tensor, Tensor, Tensor]
+
+
+def _exact_diag(mean: Tensor, var: Tensor, eps: float) -> _Parts3:
+    """``(E[y], Var(y), E[dy_i/da_i])`` by the rank-one tilt and the quadrature (float64 inputs)."""
     d = mean.shape[-1]
     m = _centre(mean)
     trace = var.sum(-1) * (1 - 1 / d)
@@ -159,9 +179,15 @@ def _normalize_diag(mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tens
     out_var = (ey2 - ey * ey).clamp_min(0)
     # E[dy_i/da_i] = (1 - 1/D) E[s^-1/2] - E[z_i^2 s^-3/2] / D
     w_3half = _weights(base, t, 1.5)
-    slope = (1 - 1 / d) * _weights(base, t, 0.5).sum(0).unsqueeze(-1)
+    slope = (1 - 1 / d) * w_half.squeeze(-1).sum(0).unsqueeze(-1)
     slope = slope - (w_3half.unsqueeze(-1) * (var_t + m_t * m_t)).sum(0) / d
-    # the tight form
+    return ey, out_var, slope
+
+
+def _first_order_diag(mean: Tensor, var: Tensor, eps: float) -> _Parts3:
+    r"""``(m^, diag(J diag(v) J), diag(J))`` of the first-order form (module docstring), O(D)."""
+    d = mean.shape[-1]
+    m = _centre(mean)
     s0 = (m * m).mean(-1, keepdim=True) + eps
     mh = m / s0.sqrt()
     mv = (mh * var).sum(-1, keepdim=True)
@@ -171,11 +197,81 @@ def _normalize_diag(mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tens
         - 2 * (1 + mh * mh) * var / d
         + (var.sum(-1, keepdim=True) + 2 * mh * mv + mh * mh * m2v) / d**2
     ) / s0
-    tight = (_tight_ratio(trace, m, eps) < TIGHT_RATIO).unsqueeze(-1)
-    mean_out = torch.where(tight, mh, ey)
-    var_out = torch.where(tight, lin_var.clamp_min(0), out_var)
-    slope_out = torch.where(tight, (1 - 1 / d - mh * mh / d) / s0.sqrt(), slope)
-    return mean_out, var_out, slope_out
+    return mh, lin_var.clamp_min(0), (1 - 1 / d - mh * mh / d) / s0.sqrt()
+
+
+def _is_tight(mean: Tensor, var: Tensor, eps: float) -> Tensor:
+    """``rho < TIGHT_RATIO`` per normalized vector ``[...]`` (diagonal input covariance)."""
+    d = mean.shape[-1]
+    return _tight_ratio(var.sum(-1) * (1 - 1 / d), _centre(mean), eps) < TIGHT_RATIO
+
+
+LayerNormRoute = Literal["auto", "first_order"]
+"""How a diag normalization is computed: ``"auto"``, the exact route unless the input variance is
+negligible (:data:`TIGHT_RATIO`); ``"first_order"``, the first-order form everywhere."""
+ROUTES: tuple[LayerNormRoute, ...] = ("auto", "first_order")
+
+
+def _check_route(route: str) -> None:
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+
+
+def _routed(
+    exact: Callable[..., tuple[Tensor, ...]],
+    first_order: Callable[..., tuple[Tensor, ...]],
+    args: tuple[Tensor, ...],
+    tight: Tensor,
+    route: str,
+) -> tuple[Tensor, ...]:
+    """The execution policy: each vector by the route it needs, and only that one computed.
+
+    ``args`` are ``[..., *]`` tensors sharing the leading shape of ``tight`` ``[...]``.
+    ``"first_order"`` computes only the first-order form. ``"auto"`` decides per tensor first:
+    all vectors tight, the first-order form alone; none, the exact route alone; a mix, each
+    route on its own vectors (boolean indexing, eager mode). A traced call cannot branch on
+    values, so it computes both routes on every vector and selects (``torch.where``).
+    """
+    _check_route(route)
+    if route == "first_order":
+        return first_order(*args)
+    if _traced():
+        both = zip(exact(*args), first_order(*args), strict=True)
+        out = []
+        for e, f in both:
+            mask = tight.reshape(tight.shape + (1,) * (e.dim() - tight.dim()))
+            out.append(torch.where(mask, f.to(e.dtype), e))
+        return tuple(out)
+    n_tight = int(tight.sum())
+    if n_tight == 0:
+        return exact(*args)
+    if n_tight == tight.numel():
+        return first_order(*args)
+    exact_part = exact(*(a[~tight] for a in args))
+    first_part = first_order(*(a[tight] for a in args))
+    out = []
+    for e, f in zip(exact_part, first_part, strict=True):
+        whole = e.new_zeros(tight.shape + e.shape[1:])
+        whole[~tight] = e
+        whole[tight] = f.to(e.dtype)
+        out.append(whole)
+    return tuple(out)
+
+
+def _normalize_diag(
+    mean: Tensor, var: Tensor, eps: float, route: str = "auto"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The body of :func:`normalize_diag_with_slope`: the exact route in float64, or the first-order form."""
+
+    def exact(mu: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        return _exact_diag(mu.double(), v.double(), eps)
+
+    def first(mu: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        return _first_order_diag(mu, v, eps)
+
+    tight = _is_tight(mean.detach(), var.detach(), eps) if route == "auto" else mean.new_ones(())
+    out_mean, out_var, slope = _routed(exact, first, (mean, var), tight, route)
+    return out_mean, out_var, slope
 
 
 _JITTER = 1e-7
@@ -236,64 +332,146 @@ def _linear_jacobian(m: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return mh, jac
 
 
-def _normalize_full(mean: Tensor, cov: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The body of :func:`normalize_full` (float64 inputs)."""
-    vec, m, parts = _tilted(mean, cov, eps, (0.5, 1.0))
+def _exact_full(mean: Tensor, cov: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(E[y], Cov(y))`` by the eigendecomposition and the quadrature (float64 inputs)."""
+    vec, _, parts = _tilted(mean, cov, eps, (0.5, 1.0))
     first, second = parts[0.5][0], parts[1.0][1]
     ey = (vec @ first.unsqueeze(-1)).squeeze(-1)
     ey2 = vec @ second @ vec.transpose(-1, -2)
-    out = ey2 - ey.unsqueeze(-1) * ey.unsqueeze(-2)
-    mh, jac = _linear_jacobian(m, eps)
-    lin = jac @ cov @ jac
+    return ey, ey2 - ey.unsqueeze(-1) * ey.unsqueeze(-2)
+
+
+def _first_order_full(mean: Tensor, cov: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(m^, J cov J)`` of the first-order form."""
+    mh, jac = _linear_jacobian(_centre(mean), eps)
+    return mh, jac @ cov @ jac
+
+
+def _is_tight_full(mean: Tensor, cov: Tensor, eps: float) -> Tensor:
     trace = torch.diagonal(cov, 0, -2, -1).sum(-1) - cov.sum((-2, -1)) / mean.shape[-1]
-    tight = _tight_ratio(trace, m, eps) < TIGHT_RATIO
-    mean_out = torch.where(tight.unsqueeze(-1), mh, ey)
-    cov_out = torch.where(tight.unsqueeze(-1).unsqueeze(-1), lin, out)
-    cov_out = 0.5 * (cov_out + cov_out.transpose(-1, -2))
-    return mean_out, cov_out
+    return _tight_ratio(trace, _centre(mean), eps) < TIGHT_RATIO
 
 
-def _normalize_jacobian(mean: Tensor, cov: Tensor, eps: float) -> Tensor:
-    """The body of :func:`normalize_jacobian` (float64 inputs)."""
+def _normalize_full(
+    mean: Tensor, cov: Tensor, eps: float, route: str = "auto"
+) -> tuple[Tensor, Tensor]:
+    """The body of :func:`normalize_full` (float64 inputs)."""
+    tight = _is_tight_full(mean.detach(), cov.detach(), eps) if route == "auto" else mean
+    mean_out, cov_out = _routed(
+        lambda mu, c: _exact_full(mu, c, eps),
+        lambda mu, c: _first_order_full(mu, c, eps),
+        (mean, cov),
+        tight,
+        route,
+    )
+    return mean_out, 0.5 * (cov_out + cov_out.transpose(-1, -2))
+
+
+def _exact_jacobian(mean: Tensor, cov: Tensor, eps: float) -> Tensor:
+    """``E[grad y]`` ``[..., D, D]`` by the eigendecomposition and the quadrature (float64)."""
     d = mean.shape[-1]
-    vec, m, parts = _tilted(mean, cov, eps, (0.5, 1.5))
+    vec, _, parts = _tilted(mean, cov, eps, (0.5, 1.5))
     e_half, second = parts[0.5][2], parts[1.5][1]
     inner = vec @ second @ vec.transpose(-1, -2)
     eye = torch.eye(d, dtype=mean.dtype, device=mean.device)
     exact = e_half.unsqueeze(-1).unsqueeze(-1) * eye - inner / d
-    exact = exact - exact.mean(-1, keepdim=True)  # (.) C
-    _, jac = _linear_jacobian(m, eps)
-    trace = torch.diagonal(cov, 0, -2, -1).sum(-1) - cov.sum((-2, -1)) / d
-    tight = (_tight_ratio(trace, m, eps) < TIGHT_RATIO).unsqueeze(-1).unsqueeze(-1)
-    return torch.where(tight, jac, exact)
+    return exact - exact.mean(-1, keepdim=True)  # (.) C
+
+
+def _normalize_jacobian(mean: Tensor, cov: Tensor, eps: float, route: str = "auto") -> Tensor:
+    """The body of :func:`normalize_jacobian` (float64 inputs)."""
+    tight = _is_tight_full(mean.detach(), cov.detach(), eps) if route == "auto" else mean
+    (jac,) = _routed(
+        lambda mu, c: (_exact_jacobian(mu, c, eps),),
+        lambda mu, _: (_linear_jacobian(_centre(mu), eps)[1],),
+        (mean, cov),
+        tight,
+        route,
+    )
+    return jac
+
+
+def _exact_jacobian_diag(mean: Tensor, var: Tensor, eps: float) -> Tensor:
+    r"""``E[grad y]`` ``[..., D, D]`` for a diagonal input covariance, without an eigendecomposition.
+
+    Under the tilt (module docstring) :math:`E_\tau[zz^\top] = C\operatorname{Cov}_\tau(a)C +
+    E_\tau[z]E_\tau[z]^\top` with :math:`\operatorname{Cov}_\tau(a) = \operatorname{diag}(w) +
+    wr^\top/\sum_i q_i`, so :math:`E[zz^\top s^{-3/2}] = C\big(\operatorname{diag}(\sum_k
+    \omega_kw_k) + UV^\top\big)C + \sum_k\omega_k E_{\tau_k}[z]E_{\tau_k}[z]^\top`, products over
+    the :math:`Q` nodes (:math:`O(QD^2)` per vector, float64 inputs).
+    """
+    d = mean.shape[-1]
+    m = _centre(mean)
+    trace = var.sum(-1) * (1 - 1 / d)
+    s_bar = (m * m).mean(-1) + trace / d + eps
+    t, base = _grid(s_bar, eps, mean.dtype)
+    tau = (t / d).unsqueeze(-1)
+    q = flush(1 / (1 + 2 * tau * var))  # [Q, ..., D]
+    w = var * q
+    sq = q.sum(-1, keepdim=True)
+    dm = m - (q * m).sum(-1, keepdim=True) / sq
+    log_z = 0.5 * q.log().sum(-1) - 0.5 * (sq.squeeze(-1) / d).log()
+    base = base + log_z - tau.squeeze(-1) * (q * dm * dm).sum(-1)
+    m_t = _centre(q * dm)  # E_tau[z]
+    e_half = _weights(base, t, 0.5).sum(0)  # E[s^-1/2]
+    omega = _weights(base, t, 1.5).unsqueeze(-1)  # [Q, ..., 1]
+    u = (omega * w / sq).movedim(0, -1)  # [..., D, Q]
+    v = (1 - q).movedim(0, -1)
+    mq = m_t.movedim(0, -1)
+    tilted = torch.diag_embed((omega * w).sum(0)) + u @ v.transpose(-1, -2)
+    tilted = _centre(_centre(tilted).transpose(-1, -2))  # C (.) C
+    second = tilted + (mq * omega.movedim(0, -1)) @ mq.transpose(-1, -2)
+    eye = torch.eye(d, dtype=mean.dtype, device=mean.device)
+    jac = e_half.unsqueeze(-1).unsqueeze(-1) * eye - second / d
+    return jac - jac.mean(-1, keepdim=True)  # (.) C
+
+
+def _cross_exact_diag(cross: Tensor, mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor]:
+    jac = _exact_jacobian_diag(mean.double(), var.double(), eps)
+    return ((cross.double() @ jac.transpose(-1, -2)).to(cross.dtype),)
+
+
+def _cross_first_order(cross: Tensor, mean: Tensor, eps: float) -> tuple[Tensor]:
+    r"""``cross @ J`` with :math:`J = (C - \hat m\hat m^\top/D)/\sqrt{s_0}` applied, not built."""
+    d = mean.shape[-1]
+    m = _centre(mean)
+    s0 = (m * m).mean(-1, keepdim=True) + eps
+    mh = m / s0.sqrt()
+    along = (cross @ mh.unsqueeze(-1)) * mh.unsqueeze(-2) / d  # (cross m^) m^T / D
+    return ((_centre(cross) - along) / s0.sqrt().unsqueeze(-1),)
 
 
 def _wide(x: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
     return x.double(), second.double()
 
 
-def normalize_diag(mean: Tensor, var: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+def normalize_diag(
+    mean: Tensor, var: Tensor, eps: float = 1e-5, route: LayerNormRoute = "auto"
+) -> tuple[Tensor, Tensor]:
     r"""Mean and variance of :math:`y = Ca/\sqrt{\lVert Ca\rVert^2/D + \epsilon}` over the last dim.
 
     :math:`a \sim \mathcal N(\mu, \operatorname{diag}(v))` (independent units): the exact
-    route by the rank-one tilt, or the tight form (module docstring). Computed in float64 and
-    returned in the input's dtype (the variance is a difference of second moments).
+    route by the rank-one tilt (computed in float64, since the variance is a difference of
+    second moments), or the first-order form (module docstring); returned in the input's dtype.
 
     Args:
         mean: :math:`\mu` ``[..., D]``.
         var: :math:`v \ge 0` ``[..., D]``.
         eps: :math:`\epsilon > 0`.
+        route: ``"auto"`` (the exact route unless :math:`\rho <` :data:`TIGHT_RATIO`, decided
+            per tensor before anything is computed) or ``"first_order"`` (the first-order form
+            for every vector, :math:`O(D)` per vector, in the input's dtype).
 
     Returns:
         ``(mean, var)`` of :math:`y`, each ``[..., D]`` (the output units are correlated; these
         are their marginals).
     """
-    out_mean, out_var, _ = _normalize_diag(*_wide(mean, var), eps)
+    out_mean, out_var, _ = _normalize_diag(mean, var, eps, route)
     return flush(out_mean.to(mean.dtype)), flush(out_var.to(mean.dtype))
 
 
 def normalize_diag_with_slope(
-    mean: Tensor, var: Tensor, eps: float = 1e-5
+    mean: Tensor, var: Tensor, eps: float = 1e-5, route: LayerNormRoute = "auto"
 ) -> tuple[Tensor, Tensor, Tensor]:
     r""":func:`normalize_diag` and the expected self-derivative :math:`E[\partial y_i/\partial a_i]`.
 
@@ -307,41 +485,88 @@ def normalize_diag_with_slope(
 
     (the diagonal of :func:`normalize_jacobian` for a diagonal :math:`\Sigma`), by the same
     quadrature (:math:`p = 1/2, 3/2`), or :math:`(1 - \frac1D - \hat m_i^2/D)/\sqrt{s_0}` in the
-    tight form.
+    first-order form.
+
+    Args:
+        mean: :math:`\mu` ``[..., D]``.
+        var: :math:`v \ge 0` ``[..., D]``.
+        eps: :math:`\epsilon > 0`.
+        route: as :func:`normalize_diag`.
 
     Returns:
         ``(mean, var, slope)``, each ``[..., D]``.
     """
-    out_mean, out_var, slope = _normalize_diag(*_wide(mean, var), eps)
+    out_mean, out_var, slope = _normalize_diag(mean, var, eps, route)
     dtype = mean.dtype
     return flush(out_mean.to(dtype)), flush(out_var.to(dtype)), flush(slope.to(dtype))
 
 
-def normalize_full(mean: Tensor, cov: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+def normalize_full(
+    mean: Tensor, cov: Tensor, eps: float = 1e-5, route: LayerNormRoute = "auto"
+) -> tuple[Tensor, Tensor]:
     r"""Mean and covariance of :math:`y = Ca/\sqrt{\lVert Ca\rVert^2/D + \epsilon}`.
 
     :math:`a \sim \mathcal N(\mu, \Sigma)` with any covariance: the exact route through the
-    eigendecomposition of :math:`C\Sigma C`, or the tight form (module docstring); computed in
-    float64.
+    eigendecomposition of :math:`C\Sigma C`, or the first-order form (module docstring);
+    computed in float64.
 
     Args:
         mean: :math:`\mu` ``[..., D]``.
         cov: :math:`\Sigma` ``[..., D, D]``.
         eps: :math:`\epsilon > 0`.
+        route: as :func:`normalize_diag` (``"first_order"``: :math:`J\Sigma J`, no
+            eigendecomposition).
 
     Returns:
         ``(mean [..., D], cov [..., D, D])`` of :math:`y`.
     """
-    out_mean, out_cov = _normalize_full(*_wide(mean, cov), eps)
+    out_mean, out_cov = _normalize_full(*_wide(mean, cov), eps, route)
     return flush(out_mean.to(mean.dtype)), flush(out_cov.to(mean.dtype))
 
 
-def normalize_jacobian(mean: Tensor, cov: Tensor, eps: float = 1e-5) -> Tensor:
+def normalize_jacobian(
+    mean: Tensor, cov: Tensor, eps: float = 1e-5, route: LayerNormRoute = "auto"
+) -> Tensor:
     r""":math:`E[\nabla_a y]` ``[..., D, D]``, which maps :math:`\operatorname{Cov}(r, a)` to :math:`\operatorname{Cov}(r, y)`.
 
     Stein's lemma (exact for :math:`r, a` jointly Gaussian):
     :math:`\operatorname{Cov}(r, y) = \operatorname{Cov}(r, a)\,E[\nabla y]^\top` with
     :math:`E[\nabla y] = \big(E[s^{-1/2}]I - \tfrac1D E[zz^\top s^{-3/2}]\big)C`; :math:`J` of
-    the tight form where :math:`\rho` is below :data:`TIGHT_RATIO`.
+    the first-order form where :math:`\rho` is below :data:`TIGHT_RATIO` or ``route`` is
+    ``"first_order"``. For a diagonal :math:`\Sigma`, :func:`normalize_cross_diag` applies it
+    without an eigendecomposition.
     """
-    return flush(_normalize_jacobian(*_wide(mean, cov), eps).to(mean.dtype))
+    return flush(_normalize_jacobian(*_wide(mean, cov), eps, route).to(mean.dtype))
+
+
+def normalize_cross_diag(
+    cross: Tensor, mean: Tensor, var: Tensor, eps: float = 1e-5, route: LayerNormRoute = "auto"
+) -> Tensor:
+    r""":math:`\operatorname{Cov}(r, y) = \operatorname{Cov}(r, a)\,E[\nabla_a y]^\top` for :math:`a \sim \mathcal N(\mu, \operatorname{diag}(v))`.
+
+    The same :math:`E[\nabla y]` as :func:`normalize_jacobian` at
+    :math:`\Sigma = \operatorname{diag}(v)`, without an eigendecomposition: the exact route
+    sums the tilted second moments over the quadrature nodes (:math:`O(QD^2)` per vector, in
+    float64); the first-order form applies
+    :math:`J = (C - \hat m\hat m^\top/D)/\sqrt{s_0}` to ``cross`` in :math:`O(D_rD)`
+    without building it.
+
+    Args:
+        cross: :math:`\operatorname{Cov}(r, a)` ``[..., D_r, D]``.
+        mean: :math:`\mu` ``[..., D]``.
+        var: :math:`v \ge 0` ``[..., D]``.
+        eps: :math:`\epsilon > 0`.
+        route: as :func:`normalize_diag`.
+
+    Returns:
+        :math:`\operatorname{Cov}(r, y)` ``[..., D_r, D]``, in ``cross``'s dtype.
+    """
+    tight = _is_tight(mean.detach(), var.detach(), eps) if route == "auto" else mean
+    (out,) = _routed(
+        lambda c, mu, v: _cross_exact_diag(c, mu, v, eps),
+        lambda c, mu, _: _cross_first_order(c, mu, eps),
+        (cross, mean, var),
+        tight,
+        route,
+    )
+    return flush(out.to(cross.dtype))

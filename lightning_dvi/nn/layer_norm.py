@@ -103,6 +103,12 @@ class LayerNorm(BayesModule):
         eps: :math:`\epsilon`.
         elementwise_affine: learn :math:`\gamma` (and :math:`\beta`), point parameters.
         bias: learn :math:`\beta` (with ``elementwise_affine``).
+        route: ``"auto"`` (the exact moments unless the input variance is negligible) or
+            ``"first_order"`` (the linearization :math:`y \approx \hat m + J(a - \mu)` for
+            every vector: :math:`O(D)` per token in diag mode, no quadrature, and its
+            cross-covariance for a skip connection in :math:`O(D^2)`); see
+            :mod:`lightning_dvi.moments.layer_norm`. The attribute can be set after
+            construction.
 
     Examples:
         >>> from lightning_dvi import Gaussian
@@ -121,8 +127,12 @@ class LayerNorm(BayesModule):
         eps: float = 1e-5,
         elementwise_affine: bool = True,
         bias: bool = True,
+        route: L.LayerNormRoute = "auto",
     ) -> None:
         super().__init__()
+        if route not in L.ROUTES:
+            raise ValueError(f"LayerNorm: route must be one of {L.ROUTES}, got {route!r}")
+        self.route: L.LayerNormRoute = route
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
         self.normalized_shape = tuple(int(d) for d in shape)
         if not self.normalized_shape or min(self.normalized_shape) < 1:
@@ -171,12 +181,14 @@ class LayerNorm(BayesModule):
         k = len(self.normalized_shape)
         if mode.full and (len(user) == 2 or x.is_full) and k == 1:
             g = x.to_full()
-            mean, cov = L.normalize_full(g.mean, cast(Tensor, g.cov), self.eps)
+            mean, cov = L.normalize_full(g.mean, cast(Tensor, g.cov), self.eps, self.route)
             scale, shift = self._flat_affine()
             mean, cov = N.affine_full(mean, cov, scale.to(mean), shift.to(mean))
             return Gaussian(mean, cov=cov, validate=False)
         flat = (*user[:-k], -1)
-        mean, var = L.normalize_diag(x.mean.reshape(flat), x.var.reshape(flat), self.eps)
+        mean, var = L.normalize_diag(
+            x.mean.reshape(flat), x.var.reshape(flat), self.eps, self.route
+        )
         mean, var = mean.reshape(user), var.reshape(user)
         if self.weight is not None:
             shift = self.bias if self.bias is not None else torch.zeros_like(self.weight)
@@ -188,9 +200,11 @@ class LayerNorm(BayesModule):
         self._check(x, mode)
         if len(self.normalized_shape) != 1:
             raise ValueError("LayerNorm inside a Residual block normalizes over one dimension")
-        cov = x.cov if x.cov is not None else torch.diag_embed(x.var)
-        jac = L.normalize_jacobian(x.mean, cov, self.eps)
-        out = cross @ jac.transpose(-1, -2)
+        if x.cov is None:  # diag moments: no [D, D] covariance, no eigendecomposition
+            out = L.normalize_cross_diag(cross, x.mean, x.var, self.eps, self.route)
+        else:
+            jac = L.normalize_jacobian(x.mean, x.cov, self.eps, self.route)
+            out = cross @ jac.transpose(-1, -2)
         return out if self.weight is None else out * self.weight
 
     def extra_repr(self) -> str:
@@ -198,6 +212,7 @@ class LayerNorm(BayesModule):
         return (
             f"{self.normalized_shape}, eps={self.eps}, "
             f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}"
+            + ("" if self.route == "auto" else f", route={self.route!r}")
         )
 
 

@@ -54,6 +54,8 @@ from torch import Tensor, nn
 
 from ..gaussian import Gaussian
 from ..likelihoods import Likelihood
+from ..moments.attention import AttentionRule
+from ..moments.layer_norm import LayerNormRoute
 from ..propagation import moment_propagation
 from .base import BayesModule
 from .convert import from_torch
@@ -71,6 +73,7 @@ __all__ = [
     "predictive_nll",
     "prior_std",
     "scale_posterior",
+    "set_rules",
 ]
 
 StdSource = Mapping[str, Tensor] | float
@@ -180,6 +183,8 @@ def from_torch_posterior(
     strict: bool = True,
     last_layers: int | None = None,
     head_covariance: Literal["diag", "full"] = "diag",
+    attention_rule: AttentionRule | None = None,
+    layer_norm_route: LayerNormRoute | None = None,
     **layer_kwargs: Any,
 ) -> BayesModule:
     r"""Convert a trained torch network with a diagonal Gaussian posterior :math:`\mathcal N(w, \sigma^2)`.
@@ -201,6 +206,12 @@ def from_torch_posterior(
             layers get a posterior).
         head_covariance: as :func:`~lightning_dvi.nn.from_torch` (``"full"``: a diagonal
             :math:`L` at these standard deviations, for training further).
+        attention_rule: the moment rule of every attention layer (:func:`set_rules`;
+            ``None``: the default, :data:`~lightning_dvi.nn.DEFAULT_ATTENTION_RULE`).
+        layer_norm_route: the route of every LayerNorm (:func:`set_rules`; ``None``:
+            ``"auto"``, the exact moments). ``attention_rule="mean"`` with
+            ``layer_norm_route="first_order"`` is the cheap one-pass predictive measured in
+            ``docs/transformer_benchmark.md``.
         **layer_kwargs: forwarded to every declared weight layer (``prior_variance``, ...).
 
     Returns:
@@ -249,7 +260,64 @@ def from_torch_posterior(
             f"no standard deviation given for {sorted(missing)}, which get a posterior "
             "(give them, or strict=False for point values)"
         )
+    set_rules(net, attention_rule=attention_rule, layer_norm_route=layer_norm_route)
     return net
+
+
+def set_rules(
+    net: nn.Module,
+    *,
+    attention_rule: AttentionRule | None = None,
+    layer_norm_route: LayerNormRoute | None = None,
+) -> int:
+    r"""Set the moment rules of every attention layer and LayerNorm of a converted network.
+
+    The rules trade accuracy for cost in the one-pass predictive (measured in
+    ``docs/transformer_benchmark.md``): ``attention_rule="mean"`` (SUQ's: attention weights
+    from the query and key means, the variance carried by the values; about two extra batched
+    matrix products over the mean pass) and ``layer_norm_route="first_order"`` (the
+    linearization :math:`y \approx \hat m + J(a - \mu)`, :math:`O(D)` per token, no
+    quadrature). ``None`` leaves a kind as it is.
+
+    Args:
+        net: a declared network (e.g. from :func:`from_torch_posterior`), changed in place.
+        attention_rule: for every :class:`~lightning_dvi.nn.MultiheadAttention`
+            (:data:`lightning_dvi.moments.attention.ATTENTION_RULES`).
+        layer_norm_route: for every :class:`~lightning_dvi.nn.LayerNorm`
+            (:data:`lightning_dvi.moments.layer_norm.ROUTES`).
+
+    Returns:
+        The number of modules changed.
+
+    Raises:
+        ValueError: for an unknown rule or route.
+
+    Examples:
+        >>> from lightning_dvi.nn import LayerNorm
+        >>> net = nn.Sequential(LayerNorm(4), LayerNorm(4))
+        >>> set_rules(net, layer_norm_route="first_order"), net[1].route
+        (2, 'first_order')
+    """
+    from ..moments.attention import ATTENTION_RULES
+    from ..moments.layer_norm import ROUTES
+    from .attention import MultiheadAttention, TransformerEncoderLayer
+    from .layer_norm import LayerNorm
+
+    if attention_rule is not None and attention_rule not in ATTENTION_RULES:
+        raise ValueError(f"attention_rule must be one of {ATTENTION_RULES}, got {attention_rule!r}")
+    if layer_norm_route is not None and layer_norm_route not in ROUTES:
+        raise ValueError(f"layer_norm_route must be one of {ROUTES}, got {layer_norm_route!r}")
+    changed = 0
+    for module in net.modules():
+        if attention_rule is not None and isinstance(module, MultiheadAttention):
+            module.rule = attention_rule
+            changed += 1
+        elif attention_rule is not None and isinstance(module, TransformerEncoderLayer):
+            module.options["rule"] = attention_rule  # its description; the layer is a child
+        elif layer_norm_route is not None and isinstance(module, LayerNorm):
+            module.route = layer_norm_route
+            changed += 1
+    return changed
 
 
 def _names_of(index: Tensor, spans: list[tuple[str, int, int]]) -> set[str]:
