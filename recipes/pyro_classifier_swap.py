@@ -20,6 +20,7 @@ Run:  .venv/bin/python recipes/pyro_classifier_swap.py --data digits --steps 150
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -36,16 +37,31 @@ from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide
 
 
 class Classifier(PyroModule):
-    """``x -> relu(W1 x + b1) -> W2 h + b2``, Normal(0, 1) priors, one observed site."""
+    """``x -> relu(W1 x + b1) -> W2 h + b2``, Normal priors, one observed site.
 
-    def __init__(self, d_in: int, outputs: int, likelihood: str, hidden: int = 64) -> None:
+    ``prior="standard"`` (the tutorial's): every weight and bias ``Normal(0, 1)``.
+    ``prior="fan_in"``: each weight matrix ``Normal(0, 1/fan_in)`` (Neal's scaling, the prior
+    that keeps a unit's prior pre-activation variance of order one whatever the layer's
+    width), biases ``Normal(0, 1)``.
+    """
+
+    def __init__(
+        self, d_in: int, outputs: int, likelihood: str, hidden: int = 64, prior: str = "standard"
+    ) -> None:
         super().__init__()
+        if prior not in ("standard", "fan_in"):
+            raise ValueError(f"prior must be 'standard' or 'fan_in', got {prior!r}")
         self.likelihood = likelihood
+
+        def weight(fan_out: int, fan_in: int) -> PyroSample:
+            scale = 1.0 if prior == "standard" else fan_in**-0.5
+            return PyroSample(dist.Normal(0.0, scale).expand([fan_out, fan_in]).to_event(2))
+
         self.fc1 = PyroModule[nn.Linear](d_in, hidden)
-        self.fc1.weight = PyroSample(dist.Normal(0.0, 1.0).expand([hidden, d_in]).to_event(2))
+        self.fc1.weight = weight(hidden, d_in)
         self.fc1.bias = PyroSample(dist.Normal(0.0, 1.0).expand([hidden]).to_event(1))
         self.fc2 = PyroModule[nn.Linear](hidden, outputs)
-        self.fc2.weight = PyroSample(dist.Normal(0.0, 1.0).expand([outputs, hidden]).to_event(2))
+        self.fc2.weight = weight(outputs, hidden)
         self.fc2.bias = PyroSample(dist.Normal(0.0, 1.0).expand([outputs]).to_event(1))
 
     def forward(self, x: Tensor, y: Tensor | None = None) -> Tensor:
@@ -89,7 +105,7 @@ def class_probs(model: Classifier, guide: nn.Module, x: Tensor, draws: int) -> T
 def build(args: argparse.Namespace, kind: str, x: Tensor) -> tuple[Classifier, nn.Module, SVI]:
     """The model, guide and SVI of one run (``kind``: ``"dvi"`` or ``"autonormal"``)."""
     outputs = 1 if args.likelihood == "bernoulli" else args.classes
-    model = Classifier(x.shape[1], outputs, args.likelihood)
+    model = Classifier(x.shape[1], outputs, args.likelihood, prior=args.prior)
     if kind == "dvi":
         guide: nn.Module = DeterministicGuide(model)
         loss: pyro.infer.ELBO = DeterministicELBO()
@@ -124,24 +140,14 @@ def evaluate(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Train both guides on the same model, data and seed; print one table row each."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", choices=("digits", "cancer", "parity"), default="digits")
-    parser.add_argument("--likelihood", choices=("categorical", "bernoulli"), default="categorical")
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--check-draws", type=int, default=20)
-    parser.add_argument("--predictive", type=int, default=500)
-    parser.add_argument("--guides", default="dvi,autonormal")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (timings)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    print(
-        f"{args.data}, {args.likelihood}, {args.steps} steps, seed {args.seed}, "
-        f"{args.threads} thread(s), load {os.getloadavg()[0]:.2f}"
-    )
+def train(
+    args: argparse.Namespace,
+) -> tuple[tuple, dict[str, tuple[Classifier, nn.Module, SVI]], dict[str, float], dict[str, float]]:
+    """Train every guide of ``args.guides`` on its own copy of the model, steps interleaved.
+
+    Returns ``((x, y_obs, x_test, y_test), {kind: (model, guide, svi)}, cpu, wall)`` with the
+    CPU and wall seconds of each guide's steps after the first.
+    """
     x, y, x_te, y_te = load(args.data, args.seed)
     args.classes = int(y.max()) + 1
     y_obs = y.float() if args.likelihood == "bernoulli" else y
@@ -158,6 +164,41 @@ def main(argv: list[str] | None = None) -> None:
             svi.step(x, y_obs)
             cpu[kind] += time.process_time() - c
             wall[kind] += time.perf_counter() - w
+    return (x, y_obs, x_te, y_te), runs, cpu, wall
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The recipe's options (shared with the diagnosis recipes that import it)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", choices=("digits", "cancer", "parity"), default="digits")
+    parser.add_argument("--likelihood", choices=("categorical", "bernoulli"), default="categorical")
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check-draws", type=int, default=20)
+    parser.add_argument("--predictive", type=int, default=500)
+    parser.add_argument("--guides", default="dvi,autonormal")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (timings)")
+    parser.add_argument("--json", default=None, help="append one JSON line per guide here")
+    parser.add_argument(
+        "--prior",
+        choices=("standard", "fan_in"),
+        default="standard",
+        help="the model's weight prior, the same for both guides (see Classifier)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train both guides on the same model, data and seed; print one table row each."""
+    args = make_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(
+        f"{args.data}, {args.likelihood}, {args.prior} prior, {args.steps} steps, seed {args.seed}, "
+        f"{args.threads} thread(s), load {os.getloadavg()[0]:.2f}"
+    )
+    data, runs, cpu, wall = train(args)
+    x, y_obs, x_te, y_te = data
     print(
         "| guide + loss | reported loss | true loss (Trace_ELBO, s.e.) | true / reported | "
         "test acc | test NLL | wall ms/step | CPU ms/step |"
@@ -175,6 +216,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{wall_ms:.2f} | {cpu_ms:.2f} |",
             flush=True,
         )
+        if args.json:
+            options = {k: getattr(args, k) for k in ("data", "likelihood", "prior", "steps", "lr")}
+            row = {**options, "seed": args.seed, "guide": kind, **r, "cpu_ms": cpu_ms}
+            with open(args.json, "a") as out:
+                out.write(json.dumps(row) + "\n")
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
