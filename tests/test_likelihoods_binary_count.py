@@ -174,3 +174,40 @@ def test_regressor_with_a_count_likelihood(tmp_path) -> None:
     log_p = model.predictive_log_prob(x, counts)
     assert np.isfinite(log_p.numpy()).all() and log_p.max() <= 0
     assert float(model.target_scale) == 1.0 and float(model.target_loc) == 0.0
+
+
+def test_a_count_regressor_ignores_the_statistics_a_datamodule_or_the_cli_declares(tmp_path):
+    """Counts are modelled in their own units: a datamodule's (or the CLI's linked) target
+    statistics describe them but are never applied (they once mapped the counts to y s + m)."""
+    from lightning.pytorch import LightningDataModule
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(160, 2, generator=gen)
+    counts = torch.poisson((0.3 * x[:, 0] + 1.5).exp(), generator=gen)
+
+    class Counts(LightningDataModule):
+        in_features, num_train = 2, 160
+        target_loc, target_scale = float(counts.mean()), float(counts.std(correction=0))
+        targets_standardized = False
+        train_dataset = TensorDataset(x, counts)
+
+        def train_dataloader(self):
+            return DataLoader(self.train_dataset, batch_size=40)
+
+    model = DVIRegressor(
+        likelihood="poisson", standardize_targets=False, hidden=[8], lr=1e-2,
+        target_loc=Counts.target_loc, target_scale=Counts.target_scale,  # as the CLI links them
+    )  # fmt: skip
+    cpu_trainer(max_epochs=5, default_root_dir=tmp_path).fit(model, Counts())
+    assert float(model.target_loc) == 0.0 and float(model.target_scale) == 1.0
+    mean, _ = model.predictive(x)
+    with torch.no_grad():  # the likelihood's own predictive of the counts, not mapped by y s + m
+        own = model.likelihood.predictive(model.net(x, mode=model.propagation.closed_form()))
+    torch.testing.assert_close(mean, own.mean.to(mean.dtype), rtol=1e-6, atol=1e-6)
+    assert np.isfinite(model.predictive_log_prob(x, counts).numpy()).all()
+
+    Counts.targets_standardized = True
+    with pytest.raises(ValueError, match="counts are modelled in their own units"):
+        cpu_trainer(max_steps=1, default_root_dir=tmp_path).fit(
+            DVIRegressor(likelihood="poisson", standardize_targets=False, hidden=[8]), Counts()
+        )

@@ -117,7 +117,9 @@ class DVIRegressor(DVIModule):
     \tilde\sigma^2 s^2`, so the reported NLL is per point in the original units (the
     standardised NLL plus :math:`\log s`). For data that are already standardised pass
     ``standardize_targets=False`` (then ``target_loc``/``target_scale``, default 0 and 1, only map
-    predictions back); a datamodule with ``targets_standardized = True`` says the same. The
+    predictions back); a datamodule with ``targets_standardized = True`` says the same. A count
+    likelihood (``"poisson"``) models the targets in their own units: its transform is the
+    identity, and statistics given as arguments or by a datamodule are not applied. The
     statistics live in persistent float64 buffers and the hyper-parameters, so checkpoints
     carry them.
 
@@ -248,7 +250,10 @@ class DVIRegressor(DVIModule):
         self.init_log_noise = float(init_log_noise)
         if self.network_built and not self.net_injected:
             self._after_build()
-        self._own_target_units(target_loc, target_scale, standardize_targets, resolution)
+        if lik.standardizes_targets:
+            self._own_target_units(target_loc, target_scale, standardize_targets, resolution)
+        else:  # counts, in their own units: the identity (statistics describe, never map)
+            self._own_target_units(None, None, standardize_targets, resolution)
         self._sync_target_resolution()
         self._build_metrics(val_names)
 
@@ -333,7 +338,15 @@ class DVIRegressor(DVIModule):
             self.standardize_targets = not flag
             self.hparams["standardize_targets"] = self.standardize_targets
         given = self.hparams.get("target_loc"), self.hparams.get("target_scale")
-        if data is not None:
+        if counts:
+            if flag:
+                raise ValueError(
+                    f"DVIRegressor: the {self.likelihood.target_units} are modelled in their own "
+                    "units, but the datamodule says its batches hold standardised targets "
+                    "(targets_standardized=True)"
+                )
+            # the datamodule's statistics describe the counts; nothing maps them
+        elif data is not None:
             from_data = float(data.target_loc), float(data.target_scale)
             for name, old, new in zip(
                 ("target_loc", "target_scale"), given, from_data, strict=True
