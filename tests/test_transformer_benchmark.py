@@ -88,12 +88,47 @@ def test_one_pass_and_monte_carlo_predictives_are_probabilities() -> None:
     x = task.split.x_test[:16]
     one_pass = tb.fit_posthoc_ivon(task, fit, config, calibrate=False).predict(x)
     monte_carlo = tb.ivon_mc_row(task, fit, 8).predict(x)
-    for probs in (one_pass, monte_carlo):
+    fast = tb.fit_posthoc_ivon_rules(fit, "posthoc_ivon_fast").predict(x)
+    for probs in (one_pass, monte_carlo, fast):
         assert probs.shape == (16, 9)
         assert bool((probs >= 0).all())
         torch.testing.assert_close(probs.sum(-1), torch.ones(16), atol=1e-5, rtol=0)
     # the same posterior: the one-pass and 8-draw predictives agree far better than chance
     assert float((one_pass - monte_carlo).abs().sum(-1).mean()) < 0.5
+    assert float((fast - monte_carlo).abs().sum(-1).mean()) < 0.5
+
+
+def test_module_times_cover_every_module_and_leave_the_network_as_it_was() -> None:
+    from lightning_dvi.nn import BayesModule, posthoc
+
+    torch.manual_seed(0)
+    net = tb.TinyViT(tokens=4, patch_dim=4, width=8, heads=2, layers=1, classes=3)
+    converted = posthoc.from_torch_posterior(net, 0.01, layer_norm_route="first_order").eval()
+    x = torch.randn(2, 4, 4)
+    with torch.no_grad():
+        before = converted(x, mode="diag")
+    times = tb.module_times(converted, x, repeats=2)
+    labels = {
+        f"{n} ({type(m).__name__})"
+        for n, m in converted.named_modules()
+        if isinstance(m, BayesModule)
+    }
+    assert "total" in times
+    assert {k.removesuffix(" cross") for k in times} - {"total"} <= labels
+    kinds = {k.removesuffix(" cross").split(" (")[1] for k in times if k != "total"}
+    assert {"LayerNorm)", "MultiheadAttention)", "GELU)", "BayesLinear)", "Residual)"} <= kinds
+    assert any(key.endswith(" cross") for key in times)  # the skip connections' rules
+    assert all(v >= 0 for v in times.values())
+    for module in converted.modules():
+        assert "propagate" not in vars(module) and "propagate_cross" not in vars(module)
+    with torch.no_grad():
+        after = converted(x, mode="diag")
+    torch.testing.assert_close(after.mean, before.mean)
+    torch.testing.assert_close(after.var, before.var)
+    report = {"forward_ms": 2.0, "rules": {"a": {"m (X)": 4.0, "total": 8.0}, "b": {"total": 1.0}}}
+    table = tb.module_table(report)
+    assert "| m (X) | 4.0 (2.0) | 0.0 (0.0) |" in table
+    assert "| total | 8.0 (4.0) | 1.0 (0.5) |" in table
 
 
 def test_unknown_rows_and_tasks_are_refused() -> None:

@@ -743,6 +743,64 @@ def module_times(
     return {key: 1e3 * statistics.median(values) for key, values in runs.items()}
 
 
+def torch_forward_ms(net: nn.Module, x: Tensor, repeats: int = 5) -> float:
+    """CPU milliseconds of ``net(x)`` and a softmax under ``torch.no_grad`` (median, one warm-up)."""
+    times = []
+    with torch.no_grad():
+        torch.softmax(net(x), -1)
+        for _ in range(max(repeats, 1)):
+            start = time.process_time()
+            torch.softmax(net(x), -1)
+            times.append(time.process_time() - start)
+    return 1e3 * statistics.median(times)
+
+
+def module_report(
+    config: Config, task_name: TaskName = "digits", seed: int = 0, repeats: int = 5
+) -> dict[str, Any]:
+    """Per-module CPU ms of the IVON posterior's diag moment pass under each rule set.
+
+    Trains ``task_name``'s network by IVON (``seed``), converts it with the library's rules
+    (``posthoc_ivon``) and with those of :data:`RULES`, and times every module
+    (:func:`module_times`) on ``config.timing_rows`` test rows, against the torch network's
+    forward pass on the same rows (:func:`torch_forward_ms`).
+
+    Returns:
+        ``{"forward_ms": float, "rules": {row: {module: ms}}}``.
+    """
+    task = _task(task_name, config)
+    fit = fit_ivon(task, config, seed)
+    x = task.split.x_test[: config.timing_rows]
+    out: dict[str, Any] = {"forward_ms": torch_forward_ms(fit.net, x, repeats), "rules": {}}
+    for row, rules in {"posthoc_ivon": {}, **RULES}.items():
+        out["rules"][row] = module_times(ivon_posterior(fit, **rules), x, repeats=repeats)
+    return out
+
+
+def module_table(report: Mapping[str, Any], min_ms: float = 0.2) -> str:
+    """:func:`module_report` as a markdown table: CPU ms and multiples of the torch forward pass.
+
+    Modules below ``min_ms`` under every rule set are left out (the total keeps them).
+    """
+    rules: Mapping[str, Mapping[str, float]] = report["rules"]
+    forward = float(report["forward_ms"])
+    names = list(next(iter(rules.values())))
+    keep = [
+        n for n in names if n == "total" or max(r.get(n, 0.0) for r in rules.values()) >= min_ms
+    ]
+    keep = [n for n in keep if n != "total"] + ["total"]
+    head = " | ".join(f"{row} ms (x fwd)" for row in rules)
+    lines = [f"| module | {head} |", "|" + "---|" * (len(rules) + 1)]
+    for name in keep:
+        cells = []
+        for r in rules.values():
+            ms = r.get(name, 0.0)
+            cells.append(f"{ms:.1f} ({ms / forward:.1f})")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    lines.append(f"| torch forward pass | {forward:.2f} ms |" + " |" * (len(rules) - 1))
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -895,6 +953,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", help=f"comma-separated rows (default: all of {list(ROWS)})")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--module-times",
+        action="store_true",
+        help="instead of the table: per-module CPU ms of the IVON posterior's moment pass "
+        "under each rule set (first task, seed 0)",
+    )
     parser.add_argument("--markdown", type=Path, help="write the tables here")
     return parser
 
@@ -921,6 +985,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    if args.module_times:
+        try:
+            report = module_report(config, config.tasks[0], config.seeds[0])
+        finally:
+            torch.set_num_threads(threads)
+        report["machine"] = machine()
+        print(module_table(report))
+        if args.json is not None:
+            args.json.write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
+        return report
     try:
         start = time.process_time()
         results = run(config)
