@@ -70,6 +70,9 @@ from lightning_dvi_benchmarks.data import (
 OLD_DEFAULTS = {
     "mode": "full", "prior": "empirical_bayes", "kl_weight": 1.0, "likelihood_method": "clark",
 }  # fmt: skip
+# the candidates of the ``selected`` row (``lightning_dvi_benchmarks.classification``
+# ``.fit_dvi_selected``): DVIClassifier()'s defaults and the untempered ELBO with a tighter prior
+SELECT_CANDIDATES = ({}, {"kl_weight": 1.0, "prior_variance": 0.1})
 MFVI = {"mode": "local", "prior": "gaussian", "num_samples": 1, "kl_weight": 1.0}  # N(0, 1), KL 1
 ROWS = {
     "plain": Row("plain"),
@@ -88,9 +91,16 @@ ROWS = {
     ),  # DVIClassifier() until [128, 128]
     "true_defaults_lr1e-3": Row("dvi", hidden=(64,), settings={"lr": 1e-3}),  # before the lr
     "plain_64": Row("plain", hidden=(64,)),
+    # issue 41 item 4: per run, the defaults or the untempered ELBO under an N(0, 0.1) prior,
+    # each with its posterior scales fitted on the validation NLL; the lower validation NLL kept
+    "selected": Row("dvi_select", hidden=(128, 128), settings={"candidates": SELECT_CANDIDATES}),
+    "plain_wd_128": Row("plain_tuned", hidden=(128, 128)),  # plain_wd of DVIClassifier()'s shape
 }
 # rows with their own network (DVIClassifier()'s and the plain twins), whatever the protocol's
-FIXED_SHAPE = ("true_defaults", "plain_128", "true_defaults_64", "true_defaults_lr1e-3", "plain_64")
+FIXED_SHAPE = (
+    "true_defaults", "plain_128", "true_defaults_64", "true_defaults_lr1e-3", "plain_64",
+    "selected", "plain_wd_128",
+)  # fmt: skip
 PROTOCOLS = {
     "mlp": (lambda: digits_split("standardized"), Budget(), "mlp", list(ROWS)),
     "scaled": (lambda: digits_split("scaled"), Budget(), "mlp", list(ROWS)),
@@ -116,7 +126,7 @@ SWEEP = [
 ]
 
 # the ``unseen`` protocol: its rows and table columns
-UNSEEN_ROWS = ["plain_128", "true_defaults"]
+UNSEEN_ROWS = ["plain_128", "true_defaults", "selected"]
 UNSEEN_METRICS = ("acc", "nll", "ece", "ece_floor", "confidence", "brier", "train_s")
 
 
@@ -172,6 +182,12 @@ def reliability_plot(runs: dict[str, list[dict]], title: str, path: Path) -> Non
     fig.savefig(path, dpi=90, bbox_inches="tight")
 
 
+def _is_dvi(key: str) -> bool:
+    """Whether a result key (``"<row>[ <settings>] (<set>)"``) names a DVI row."""
+    row = ROWS.get(key.split(" ", 1)[0])
+    return row is not None and row.kind in ("dvi", "dvi_select")
+
+
 def unseen_report(results: dict[str, list[dict]], sets: list[str]) -> str:
     """Per-seed rows and issue 41's acceptance for every DVI row against ``plain_128``, per set.
 
@@ -186,7 +202,7 @@ def unseen_report(results: dict[str, list[dict]], sets: list[str]) -> str:
     ]
     for case in sets:
         plain = results.get(f"plain_128 ({case})")
-        dvi = [key for key in results if key.endswith(f" ({case})") and "defaults" in key]
+        dvi = [key for key in results if key.endswith(f" ({case})") and _is_dvi(key)]
         for key in [f"plain_128 ({case})", *dvi]:
             for seed, run in enumerate(results.get(key, [])):
                 lines.append(
@@ -314,6 +330,10 @@ def main() -> None:
             for name, row in rows.items():
                 if row.kind == "dvi":
                     rows[name] = Row("dvi", row.arch, row.hidden, {**row.settings, **extra})
+                    keys[name] = f"{name} {args.dvi_settings}" + (f" ({case})" if several else "")
+                elif row.kind == "dvi_select":  # on every candidate
+                    chosen = [{**c, **extra} for c in row.settings["candidates"]]
+                    rows[name] = Row(row.kind, row.arch, row.hidden, {"candidates": chosen})
                     keys[name] = f"{name} {args.dvi_settings}" + (f" ({case})" if several else "")
         if args.interleave:  # seed by seed, the rows' order reversed every other seed
             for seed in range(args.seeds):

@@ -167,3 +167,61 @@ def test_unseen_protocol_runs_end_to_end(tmp_path, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit):
         _benchmark_module().main()
     assert "unknown sets" in capsys.readouterr().err
+
+
+def _selected(split: ClassificationSplit, **settings: object) -> baselines.Fitted:
+    from lightning_dvi_benchmarks.classification import Row, fit_dvi_selected
+
+    row = Row("dvi_select", hidden=(8,), settings=settings)
+    return fit_dvi_selected(split, Budget(epochs=3, lr=1e-2, batch_size=64), 0, row)
+
+
+def test_selected_row_leaves_the_reference_only_on_a_paired_gain_of_z_standard_errors() -> None:
+    from lightning_dvi.nn.posthoc import scale_posterior
+
+    split = teacher_split(num_train=200, num_val=120, num_test=50, num_classes=3)
+    # the reference barely trains (lr 1e-4): the second candidate should beat it clearly
+    candidates = [{"lr": 1e-4}, {"lr": 1e-2, "kl_weight": 1.0, "prior_variance": 0.3}]
+    stay = _selected(split, candidates=candidates, z=1e9)  # no gain is that large
+    move = _selected(split, candidates=candidates, z=-1e9)  # every candidate qualifies
+    assert stay.details["chosen"] == 0 and stay.details["chosen_settings"] == candidates[0]
+    scores = move.details["val_nll"]
+    assert scores == stay.details["val_nll"]  # the same fits (seeded)
+    assert move.details["chosen"] == int(np.argmin(scores)) == 1
+    # oracle: the paired per-row gain and its standard error, from the two kept predictives
+    rows = split.y_val.numpy()[:, None]
+    ref, best = (
+        np.log(np.take_along_axis(f.predict(split.x_val).double().numpy(), rows, 1)[:, 0])
+        for f in (stay, move)
+    )
+    diff = best - ref
+    assert -ref.mean() == pytest.approx(scores[0], abs=1e-6)
+    assert -best.mean() == pytest.approx(scores[1], abs=1e-6)
+    assert move.details["val_gain"][1] == pytest.approx(diff.mean(), abs=1e-6)
+    se = diff.std(ddof=1) / np.sqrt(len(diff))
+    assert move.details["val_gain_se"][1] == pytest.approx(se, rel=1e-6)
+    assert move.details["val_gain"][0] == 0.0
+    # the default z = 2 follows the rule on these numbers
+    rule = _selected(split, candidates=candidates)
+    assert rule.details["chosen"] == int(diff.mean() > 2 * se)
+    # each fitted factor is no worse on the validation rows than the trained scales (factor 1)
+    for fitted in (stay, move):
+        model, chosen = fitted.net, fitted.details["chosen"]
+        assert model is not None
+        scale_posterior(model.net, 1.0 / fitted.details["scale_factor"][chosen])
+        nll = baselines.nll(model.predictive(split.x_val), split.y_val)
+        assert nll >= scores[chosen] - 1e-6
+
+
+def test_selected_row_without_calibration_scores_the_trained_predictive() -> None:
+    from lightning_dvi_benchmarks.classification import Row, fit_dvi_selected
+
+    split = teacher_split(num_train=150, num_val=80, num_test=40, num_classes=3)
+    fitted = _selected(split, candidates=[{"lr": 1e-2}], calibrate=False)
+    assert fitted.details["scale_factor"] == [1.0] and fitted.details["chosen"] == 0
+    probs = fitted.predict(split.x_val)
+    nll = baselines.nll(probs, split.y_val)
+    assert fitted.details["val_nll"][0] == pytest.approx(nll, abs=1e-6)
+    for bad in ({}, {"candidates": []}, {"candidates": [{}], "other": 1}):
+        with pytest.raises(ValueError, match="dvi_select needs"):
+            fit_dvi_selected(split, Budget(epochs=1), 0, Row("dvi_select", settings=bad))

@@ -17,7 +17,13 @@ Row kinds:
 * ``"mc_dropout"``: MC dropout with the rate chosen on the validation NLL;
 * ``"laplace"``: last-layer Laplace on the weight-decay-tuned plain network;
 * ``"dvi"``: :class:`~lightning_dvi.DVIClassifier`, every other setting passed to it as is
-  (``{}``: the library's defaults), trained by ``lightning.Trainer``.
+  (``{}``: the library's defaults), trained by ``lightning.Trainer``;
+* ``"dvi_select"``: one ``"dvi"`` fit per candidate of ``settings["candidates"]`` (a sequence
+  of ``DVIClassifier`` settings), each followed, with ``settings["calibrate"]`` (default
+  ``True``), by one factor on its posterior standard deviations fitted on the validation NLL
+  (:func:`~lightning_dvi.nn.calibrate_scales`); the first candidate is kept unless another
+  beats its validation NLL by ``settings["z"]`` (default 2) paired standard errors
+  (:func:`fit_dvi_selected`; time: all of them).
 
 Architectures: ``"mlp"`` (``hidden`` widths) or ``"cnn"`` (:class:`lightning_dvi.nn.CNN` and its
 plain twin; image inputs).
@@ -50,13 +56,14 @@ __all__ = [
     "Row",
     "evaluate",
     "fit_dvi",
+    "fit_dvi_selected",
     "markdown_table",
     "run_row",
     "run_row_pooled",
     "summarise",
 ]
 
-RowKind = Literal["plain", "plain_tuned", "ensemble", "mc_dropout", "laplace", "dvi"]
+RowKind = Literal["plain", "plain_tuned", "ensemble", "mc_dropout", "laplace", "dvi", "dvi_select"]
 #: Metrics of a run, in table order (``train_s``: CPU seconds of training).
 METRICS = ("acc", "nll", "ece", "brier", "ood_auroc", "ood_auroc_mi", "train_s")
 #: Metrics of a pooled run (:func:`run_row_pooled`), in table order.
@@ -163,6 +170,82 @@ def fit_dvi(
     return Fitted(model.predictive, seconds, history.best_epoch, samples, details, model)
 
 
+def fit_dvi_selected(
+    split: ClassificationSplit, budget: Budget, seed: int, row: Row, mc_eval: int = 64
+) -> Fitted:
+    r"""The ``"dvi_select"`` row: a ``DVIClassifier`` setting chosen per run on the validation rows.
+
+    Every candidate :math:`m` of ``row.settings["candidates"]`` is trained by :func:`fit_dvi`
+    (its weights of the validation-best epoch). With ``row.settings["calibrate"]`` (default
+    ``True``) one factor :math:`c_m` on its posterior standard deviations,
+    :math:`\sigma \leftarrow c_m\sigma`, is then fitted on the validation rows
+    (:func:`~lightning_dvi.nn.calibrate_scales`, the closed-form predictive's NLL; the means are
+    not touched). With :math:`\ell_{m,n} = \log p_{m,c_m}(y_n \mid x_n)` on the
+    :math:`N` validation rows, candidate :math:`m` beats the first (the reference, :math:`m=0`)
+    when its mean paired gain clears ``row.settings["z"]`` (default 2) standard errors,
+
+    .. math::
+        \bar d_m = \frac1N\sum_n (\ell_{m,n} - \ell_{0,n}) > z\,
+        \frac{\operatorname{sd}_n(\ell_{m,n} - \ell_{0,n})}{\sqrt N},
+
+    and the kept candidate is the one with the lowest validation NLL
+    :math:`-\frac1N\sum_n\ell_{m,n}` among those that beat the reference, else the reference:
+    a per-run choice on held-out rows (as the plain rows choose their epoch) that leaves the
+    reference only on evidence, not on a few confidently misclassified validation rows. The
+    test rows are never seen. ``train_seconds``: every candidate's training and calibration.
+    ``details``: the kept candidate's index and settings, every candidate's validation NLL,
+    factor, paired gain over the reference and its standard error.
+
+    Raises:
+        ValueError: without candidates, or with settings other than ``candidates``,
+            ``calibrate`` and ``z``.
+    """
+    from lightning_dvi.nn.posthoc import calibrate_scales
+
+    options = dict(row.settings)
+    candidates = [dict(c) for c in options.pop("candidates", ())]
+    calibrate = bool(options.pop("calibrate", True))
+    z = float(options.pop("z", 2.0))
+    if not candidates or options:
+        raise ValueError(
+            "dvi_select needs settings {'candidates': [...], 'calibrate': bool, 'z': float}, "
+            f"got {row.settings!r}"
+        )
+    fits, log_probs, factors, seconds = [], [], [], 0.0
+    target = split.y_val.long().unsqueeze(-1)
+    for settings in candidates:
+        fitted = fit_dvi(split, budget, seed, Row("dvi", row.arch, row.hidden, settings), mc_eval)
+        model = fitted.net
+        assert model is not None
+        start = time.process_time()
+        factor = 1.0
+        if calibrate:
+            factor = calibrate_scales(model.net, model.likelihood, split.x_val, split.y_val).factor
+        probs = model.predictive(split.x_val).double()
+        log_probs.append(probs.gather(-1, target).squeeze(-1).clamp_min(1e-12).log())
+        seconds += fitted.train_seconds + time.process_time() - start
+        fits.append(fitted)
+        factors.append(float(factor))
+    scores = [float(-lp.mean()) for lp in log_probs]
+    gains = [float((lp - log_probs[0]).mean()) for lp in log_probs]
+    errors = [float((lp - log_probs[0]).std() / math.sqrt(len(lp))) for lp in log_probs]
+    winners = [m for m in range(1, len(fits)) if gains[m] > z * errors[m]]
+    best = min(winners, key=scores.__getitem__) if winners else 0
+    kept = fits[best]
+    kept.train_seconds = seconds
+    kept.details = {
+        **kept.details,
+        "settings": dict(row.settings),
+        "chosen": best,
+        "chosen_settings": candidates[best],
+        "val_nll": scores,
+        "scale_factor": factors,
+        "val_gain": gains,
+        "val_gain_se": errors,
+    }
+    return kept
+
+
 def _factory(row: Row, split: ClassificationSplit) -> Callable[[float], nn.Module]:
     """Builds the row's plain network for a dropout rate."""
     if row.arch == "cnn":
@@ -187,6 +270,8 @@ def fit_row(split: ClassificationSplit, row: Row, budget: Budget, seed: int) -> 
         return baselines.fit_last_layer_laplace(split, base, **opts)
     if row.kind == "dvi":
         return fit_dvi(split, budget, seed, row)
+    if row.kind == "dvi_select":
+        return fit_dvi_selected(split, budget, seed, row)
     raise ValueError(f"unknown row kind {row.kind!r}")
 
 
