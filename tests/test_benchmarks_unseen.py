@@ -176,41 +176,48 @@ def _selected(split: ClassificationSplit, **settings: object) -> baselines.Fitte
     return fit_dvi_selected(split, Budget(epochs=3, lr=1e-2, batch_size=64), 0, row)
 
 
-def test_selected_row_leaves_the_reference_only_on_a_paired_gain_of_z_standard_errors() -> None:
-    from lightning_dvi.nn.posthoc import scale_posterior
+def _val_log_probs(fitted: baselines.Fitted, split: ClassificationSplit) -> np.ndarray:
+    probs = fitted.predict(split.x_val).double().numpy()
+    return np.log(np.take_along_axis(probs, split.y_val.numpy()[:, None], 1)[:, 0])
 
+
+def test_selected_row_leaves_the_reference_only_on_a_paired_gain_of_z_standard_errors() -> None:
     split = teacher_split(num_train=200, num_val=120, num_test=50, num_classes=3)
     # the reference barely trains (lr 1e-4): the second candidate should beat it clearly
     candidates = [{"lr": 1e-4}, {"lr": 1e-2, "kl_weight": 1.0, "prior_variance": 0.3}]
     stay = _selected(split, candidates=candidates, z=1e9)  # no gain is that large
-    move = _selected(split, candidates=candidates, z=-1e9)  # every candidate qualifies
-    assert stay.details["chosen"] == 0 and stay.details["chosen_settings"] == candidates[0]
-    scores = move.details["val_nll"]
-    assert scores == stay.details["val_nll"]  # the same fits (seeded)
-    assert move.details["chosen"] == int(np.argmin(scores)) == 1
-    # oracle: the paired per-row gain and its standard error, from the two kept predictives
-    rows = split.y_val.numpy()[:, None]
-    ref, best = (
-        np.log(np.take_along_axis(f.predict(split.x_val).double().numpy(), rows, 1)[:, 0])
-        for f in (stay, move)
-    )
-    diff = best - ref
-    assert -ref.mean() == pytest.approx(scores[0], abs=1e-6)
-    assert -best.mean() == pytest.approx(scores[1], abs=1e-6)
-    assert move.details["val_gain"][1] == pytest.approx(diff.mean(), abs=1e-6)
+    move = _selected(split, candidates=candidates, z=0.0)  # any gain will do
+    assert stay.details["chosen"] == 0 and stay.details["chosen_factor"] == 1.0
+    assert stay.details["chosen_settings"] == candidates[0]
+    table = move.details["variants"]
+    assert table == stay.details["variants"]  # the same fits (seeded)
+    # per candidate: as trained (factor 1), then calibrated
+    assert [(v["candidate"], v["factor"] == 1.0) for v in table] == [
+        (0, True),
+        (0, False),
+        (1, True),
+        (1, False),
+    ]
+    for trained, calibrated in (table[0:2], table[2:4]):
+        assert calibrated["val_nll"] <= trained["val_nll"] + 1e-6  # the factor's optimum
+    best = min(range(4), key=lambda v: table[v]["val_nll"])
+    assert best >= 2 and move.details["chosen"] == 1
+    assert move.details["chosen_factor"] == table[best]["factor"]
+    # oracle: the kept predictives' validation NLL, paired gain and its standard error
+    ref, kept = _val_log_probs(stay, split), _val_log_probs(move, split)
+    diff = kept - ref
+    assert -ref.mean() == pytest.approx(table[0]["val_nll"], abs=1e-6)
+    assert -kept.mean() == pytest.approx(table[best]["val_nll"], abs=1e-5)
+    assert table[best]["val_gain"] == pytest.approx(diff.mean(), abs=1e-5)
     se = diff.std(ddof=1) / np.sqrt(len(diff))
-    assert move.details["val_gain_se"][1] == pytest.approx(se, rel=1e-6)
-    assert move.details["val_gain"][0] == 0.0
+    assert table[best]["val_gain_se"] == pytest.approx(se, rel=1e-3)
+    assert table[0]["val_gain"] == 0.0
     # the default z = 2 follows the rule on these numbers
     rule = _selected(split, candidates=candidates)
-    assert rule.details["chosen"] == int(diff.mean() > 2 * se)
-    # each fitted factor is no worse on the validation rows than the trained scales (factor 1)
-    for fitted in (stay, move):
-        model, chosen = fitted.net, fitted.details["chosen"]
-        assert model is not None
-        scale_posterior(model.net, 1.0 / fitted.details["scale_factor"][chosen])
-        nll = baselines.nll(model.predictive(split.x_val), split.y_val)
-        assert nll >= scores[chosen] - 1e-6
+    wins = [v for v in range(1, 4) if table[v]["val_gain"] > 2 * table[v]["val_gain_se"]]
+    expected = min([0, *wins], key=lambda v: table[v]["val_nll"])
+    assert rule.details["chosen"] == table[expected]["candidate"]
+    assert rule.details["chosen_factor"] == table[expected]["factor"]
 
 
 def test_selected_row_without_calibration_scores_the_trained_predictive() -> None:
@@ -218,10 +225,10 @@ def test_selected_row_without_calibration_scores_the_trained_predictive() -> Non
 
     split = teacher_split(num_train=150, num_val=80, num_test=40, num_classes=3)
     fitted = _selected(split, candidates=[{"lr": 1e-2}], calibrate=False)
-    assert fitted.details["scale_factor"] == [1.0] and fitted.details["chosen"] == 0
-    probs = fitted.predict(split.x_val)
-    nll = baselines.nll(probs, split.y_val)
-    assert fitted.details["val_nll"][0] == pytest.approx(nll, abs=1e-6)
+    ((variant,),) = [fitted.details["variants"]]
+    assert variant["factor"] == 1.0 and fitted.details["chosen"] == 0
+    nll = baselines.nll(fitted.predict(split.x_val), split.y_val)
+    assert variant["val_nll"] == pytest.approx(nll, abs=1e-6)
     for bad in ({}, {"candidates": []}, {"candidates": [{}], "other": 1}):
         with pytest.raises(ValueError, match="dvi_select needs"):
             fit_dvi_selected(split, Budget(epochs=1), 0, Row("dvi_select", settings=bad))

@@ -19,10 +19,11 @@ Row kinds:
 * ``"dvi"``: :class:`~lightning_dvi.DVIClassifier`, every other setting passed to it as is
   (``{}``: the library's defaults), trained by ``lightning.Trainer``;
 * ``"dvi_select"``: one ``"dvi"`` fit per candidate of ``settings["candidates"]`` (a sequence
-  of ``DVIClassifier`` settings), each followed, with ``settings["calibrate"]`` (default
-  ``True``), by one factor on its posterior standard deviations fitted on the validation NLL
-  (:func:`~lightning_dvi.nn.calibrate_scales`); the first candidate is kept unless another
-  beats its validation NLL by ``settings["z"]`` (default 2) paired standard errors
+  of ``DVIClassifier`` settings), each with, if ``settings["calibrate"]`` (default ``True``),
+  a variant whose posterior standard deviations carry one factor fitted on the validation NLL
+  (:func:`~lightning_dvi.nn.calibrate_scales`); the first candidate as trained is kept unless
+  another variant beats its validation NLL by ``settings["z"]`` (default 2) paired standard
+  errors
   (:func:`fit_dvi_selected`; time: all of them).
 
 Architectures: ``"mlp"`` (``hidden`` widths) or ``"cnn"`` (:class:`lightning_dvi.nn.CNN` and its
@@ -177,30 +178,32 @@ def fit_dvi_selected(
 
     Every candidate :math:`m` of ``row.settings["candidates"]`` is trained by :func:`fit_dvi`
     (its weights of the validation-best epoch). With ``row.settings["calibrate"]`` (default
-    ``True``) one factor :math:`c_m` on its posterior standard deviations,
-    :math:`\sigma \leftarrow c_m\sigma`, is then fitted on the validation rows
+    ``True``) each also gets a calibrated variant: one factor :math:`c_m` on its posterior
+    standard deviations, :math:`\sigma \leftarrow c_m\sigma`, fitted on the validation rows
     (:func:`~lightning_dvi.nn.calibrate_scales`, the closed-form predictive's NLL; the means are
-    not touched). With :math:`\ell_{m,n} = \log p_{m,c_m}(y_n \mid x_n)` on the
-    :math:`N` validation rows, candidate :math:`m` beats the first (the reference, :math:`m=0`)
-    when its mean paired gain clears ``row.settings["z"]`` (default 2) standard errors,
+    not touched). With :math:`\ell_{v,n} = \log p_v(y_n \mid x_n)` for variant :math:`v` on
+    the :math:`N` validation rows, a variant beats the reference :math:`r` (the first
+    candidate as trained, :math:`c = 1`) when its mean paired gain clears ``row.settings["z"]``
+    (default 2) standard errors,
 
     .. math::
-        \bar d_m = \frac1N\sum_n (\ell_{m,n} - \ell_{0,n}) > z\,
-        \frac{\operatorname{sd}_n(\ell_{m,n} - \ell_{0,n})}{\sqrt N},
+        \bar d_v = \frac1N\sum_n (\ell_{v,n} - \ell_{r,n}) > z\,
+        \frac{\operatorname{sd}_n(\ell_{v,n} - \ell_{r,n})}{\sqrt N},
 
-    and the kept candidate is the one with the lowest validation NLL
-    :math:`-\frac1N\sum_n\ell_{m,n}` among those that beat the reference, else the reference:
+    and the kept variant is the one with the lowest validation NLL
+    :math:`-\frac1N\sum_n\ell_{v,n}` among those that beat the reference, else the reference:
     a per-run choice on held-out rows (as the plain rows choose their epoch) that leaves the
     reference only on evidence, not on a few confidently misclassified validation rows. The
     test rows are never seen. ``train_seconds``: every candidate's training and calibration.
-    ``details``: the kept candidate's index and settings, every candidate's validation NLL,
-    factor, paired gain over the reference and its standard error.
+    ``details``: the kept candidate's index, settings and factor, and per variant (candidate,
+    factor) its validation NLL, paired gain over the reference and that gain's standard error.
 
     Raises:
         ValueError: without candidates, or with settings other than ``candidates``,
             ``calibrate`` and ``z``.
     """
-    from lightning_dvi.nn.posthoc import calibrate_scales
+    from lightning_dvi.lightning import DVIClassifier
+    from lightning_dvi.nn.posthoc import calibrate_scales, scale_posterior
 
     options = dict(row.settings)
     candidates = [dict(c) for c in options.pop("candidates", ())]
@@ -211,37 +214,52 @@ def fit_dvi_selected(
             "dvi_select needs settings {'candidates': [...], 'calibrate': bool, 'z': float}, "
             f"got {row.settings!r}"
         )
-    fits, log_probs, factors, seconds = [], [], [], 0.0
     target = split.y_val.long().unsqueeze(-1)
-    for settings in candidates:
+
+    def log_probs(model: DVIClassifier) -> Tensor:
+        probs = model.predictive(split.x_val).double()
+        return probs.gather(-1, target).squeeze(-1).clamp_min(1e-12).log()
+
+    fits: list[Fitted] = []
+    variants: list[tuple[int, float, Tensor]] = []  # (candidate, factor, validation log p)
+    seconds = 0.0
+    for m, settings in enumerate(candidates):
         fitted = fit_dvi(split, budget, seed, Row("dvi", row.arch, row.hidden, settings), mc_eval)
         model = fitted.net
-        assert model is not None
+        assert isinstance(model, DVIClassifier)
         start = time.process_time()
-        factor = 1.0
+        variants.append((m, 1.0, log_probs(model)))
         if calibrate:
             factor = calibrate_scales(model.net, model.likelihood, split.x_val, split.y_val).factor
-        probs = model.predictive(split.x_val).double()
-        log_probs.append(probs.gather(-1, target).squeeze(-1).clamp_min(1e-12).log())
+            variants.append((m, float(factor), log_probs(model)))
+            scale_posterior(model.net, 1.0 / factor)  # back to the trained scales
         seconds += fitted.train_seconds + time.process_time() - start
         fits.append(fitted)
-        factors.append(float(factor))
-    scores = [float(-lp.mean()) for lp in log_probs]
-    gains = [float((lp - log_probs[0]).mean()) for lp in log_probs]
-    errors = [float((lp - log_probs[0]).std() / math.sqrt(len(lp))) for lp in log_probs]
-    winners = [m for m in range(1, len(fits)) if gains[m] > z * errors[m]]
-    best = min(winners, key=scores.__getitem__) if winners else 0
-    kept = fits[best]
+    reference = variants[0][2]
+    table = []
+    for m, factor, lp in variants:
+        diff = lp - reference
+        se = float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else math.inf
+        table.append(
+            {"candidate": m, "factor": factor, "val_nll": float(-lp.mean()),
+             "val_gain": float(diff.mean()), "val_gain_se": se}
+        )  # fmt: skip
+    gains = [v for v in range(1, len(table)) if table[v]["val_gain"] > z * table[v]["val_gain_se"]]
+    best = min([0, *gains], key=lambda v: table[v]["val_nll"])
+    chosen, factor = int(table[best]["candidate"]), float(table[best]["factor"])
+    kept = fits[chosen]
+    model = kept.net
+    assert isinstance(model, DVIClassifier)
+    if factor != 1.0:
+        scale_posterior(model.net, factor)
     kept.train_seconds = seconds
     kept.details = {
         **kept.details,
         "settings": dict(row.settings),
-        "chosen": best,
-        "chosen_settings": candidates[best],
-        "val_nll": scores,
-        "scale_factor": factors,
-        "val_gain": gains,
-        "val_gain_se": errors,
+        "chosen": chosen,
+        "chosen_settings": candidates[chosen],
+        "chosen_factor": factor,
+        "variants": table,
     }
     return kept
 
