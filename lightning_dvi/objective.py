@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .gaussian import Gaussian
+from ._checks import deferred_value_checks
+from .gaussian import Gaussian, all_finite
 from .likelihoods import Likelihood
 from .nn.linear import shared_scales
 from .priors import Prior
@@ -157,8 +158,22 @@ def elbo(
     """
     how = propagation(mode, num_samples)
     check_arguments(num_data, kl_weight, x, y)
-    with shared_scales():  # the network and the KL compute softplus(raw scale) once
-        return _elbo(net, likelihood, prior, x, y, num_data, how, kl_weight, check_finite)
+    # the network and the KL compute softplus(raw scale) and its square once, in one node;
+    # with check_finite, the finite check of the loss stands in for those of x and y
+    with shared_scales(net), deferred_value_checks(check_finite):
+        try:
+            return _elbo(net, likelihood, prior, x, y, num_data, how, kl_weight, check_finite)
+        except FloatingPointError:
+            _name_bad_values(likelihood, x, y)
+            raise
+
+
+def _name_bad_values(likelihood: Likelihood, x: Tensor, y: Tensor) -> None:
+    """Raise the input or target check's own ``ValueError`` if ``x`` or ``y`` is not finite."""
+    if isinstance(x, Tensor) and x.dtype.is_floating_point and not all_finite(x):
+        raise ValueError("input contains NaN or Inf")
+    if isinstance(y, Tensor) and y.dtype.is_floating_point and not all_finite(y):
+        raise ValueError(f"{type(likelihood).__name__}: targets contain NaN or Inf")
 
 
 def expected_log_likelihood_and_kl(

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from .._checks import value_checks_enabled
 from ..gaussian import Gaussian, all_finite
 from ..moments.layers import as_storage
 from ..propagation import DIAG, Mode, MomentPass, Propagation, SamplePass, propagation
@@ -220,8 +221,9 @@ def prepare_input(x: Moments, mode: Propagation, integer_ok: bool = False) -> Mo
             f"input must be a floating tensor [..., D], got {x.dtype} {tuple(x.shape)}{hint}"
         )
     # A host read: skipped while torch.compile traces (it would split the graph);
-    # lightning_dvi.compile runs it once per call outside the compiled region.
-    if not integer and not all_finite(x):
+    # lightning_dvi.compile runs it once per call outside the compiled region. Inside the ELBO
+    # (lightning_dvi._checks) the loss's finite check covers it, and names it on failure.
+    if not integer and value_checks_enabled() and not all_finite(x):
         raise ValueError("input contains NaN or Inf")
     if isinstance(mode, SamplePass):
         return x.unsqueeze(0).expand(mode.num_samples, *x.shape)

@@ -114,6 +114,18 @@ class FactorisedLayer(WeightLayer):
     def _scale(self, raw: Tensor, which: str) -> Tensor:
         return cached_scale(self, raw, which, self._positive)
 
+    def raw_scales(self) -> list[tuple[str, Tensor]]:
+        """``(group name, raw scale)`` of the softplus-transformed scales (none for ``exp``).
+
+        What :func:`~lightning_dvi.nn.shared_scales` computes up front for a whole network.
+        """
+        if self.scale_transform != "softplus":
+            return []
+        out = [("weight", self.weight_raw_scale)]
+        if self.bias_raw_scale is not None:
+            out.append(("bias", self.bias_raw_scale))
+        return out
+
     @property
     def weight_scale(self) -> Tensor:
         """Posterior standard deviations of the weights ``[out, in]``."""

@@ -17,8 +17,11 @@ are. It carries two things a layer consults, both optional:
 * ``weights``: per layer, substituted moments (or values) of its groups, which a front-end that
   holds the posterior elsewhere hands to the declared network (:func:`given_weights`, used by
   the Pyro pass);
-* ``scales``: a cache of ``softplus(raw_scale)`` per raw parameter, so the network pass and
-  the prior's KL of one ELBO step compute each scale once (:func:`shared_scales`).
+* ``scales``: a cache of ``softplus(raw_scale)`` per raw parameter (and of each group's
+  variance ``scale**2``), so the network pass and the prior's KL of one ELBO step compute each
+  once (:func:`shared_scales`); given the network, the block computes every layer's softplus
+  scales and variances up front in one :class:`SoftplusScales` node with a closed-form
+  backward.
 
 Layers read them with :func:`posterior_moments` and :func:`cached_scale`. Nothing is stored
 per thread or per layer; leaving the block pops the context and drops its cache, so no graph
@@ -30,17 +33,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "GroupMoments",
     "HasPosterior",
     "ParameterGroup",
     "PosteriorContext",
+    "SoftplusScales",
     "WeightMoments",
     "cached_scale",
     "given_weights",
@@ -147,6 +152,8 @@ class PosteriorContext:
             layer: _as_groups(given) for layer, given in (weights or {}).items()
         }
         self.scales: dict[tuple[int, int, bool, str], Tensor] | None = {} if share_scales else None
+        # id(scale) -> (scale, scale**2): the variance of a cached scale, computed once
+        self.variances: dict[int, tuple[Tensor, Tensor]] = {}
 
     def __enter__(self) -> PosteriorContext:
         _STACK.append(self)
@@ -162,6 +169,7 @@ class PosteriorContext:
             raise RuntimeError("PosteriorContext exited out of order")
         _STACK.pop()
         self.scales = None
+        self.variances = {}
 
 
 def _active() -> Iterator[PosteriorContext]:
@@ -184,7 +192,7 @@ def given_weights(weights: Mapping[nn.Module, WeightMoments | GroupMoments]) -> 
     return PosteriorContext(weights=weights)
 
 
-def shared_scales() -> PosteriorContext:
+def shared_scales(net: nn.Module | None = None) -> PosteriorContext:
     """Within the block, each layer computes its posterior scales once and reuses them.
 
     :func:`lightning_dvi.objective.elbo` opens it around the network pass and the prior's KL,
@@ -194,9 +202,98 @@ def shared_scales() -> PosteriorContext:
     is dropped when the block exits, so no graph outlives the step. Nested blocks share the
     outer cache. Not used while ``torch.compile`` traces (the compiler deduplicates the ops
     itself).
+
+    Args:
+        net: if given, the block computes the softplus scales and variances of all of its
+            layers that declare them (:meth:`raw_scales`, e.g.
+            :class:`~lightning_dvi.nn.BayesLinear`) up front, in one :class:`SoftplusScales`
+            node: one ``softplus`` per tensor, one batched square, and a backward of a few
+            batched ops for all of them, instead of autograd's per-tensor nodes.
     """
     nested = any(ctx.scales is not None for ctx in _active())
-    return PosteriorContext(share_scales=not nested and not torch.compiler.is_compiling())
+    ctx = PosteriorContext(share_scales=not nested and not torch.compiler.is_compiling())
+    if net is not None and ctx.scales is not None:
+        _prefill(ctx, net)
+    return ctx
+
+
+class SoftplusScales(torch.autograd.Function):
+    r"""``softplus`` of several raw tensors and the squares of the results, in one node.
+
+    Forward: :math:`s_i = \log(1 + e^{r_i})` (``F.softplus``, the same values as each layer's
+    own transform) and :math:`v_i = s_i^2` (one batched ``_foreach_mul``). Backward, with
+    :math:`\partial s/\partial r = \operatorname{sigmoid}(r)`:
+
+    .. math::
+        \bar r_i = (\bar s_i + 2 s_i \bar v_i)\,\operatorname{sigmoid}(r_i),
+
+    two batched ``_foreach`` ops for all tensors when every output got a gradient (the
+    training step; :math:`\operatorname{sigmoid}(r_i)` and :math:`s_i\operatorname{sigmoid}(r_i)`
+    are kept from the forward), a per-tensor loop otherwise.
+    The slope is :math:`\operatorname{sigmoid}(r)` everywhere, also past ``F.softplus``'s
+    linear threshold (:math:`r > 20`, where autograd's slope of the returned :math:`r` is 1):
+    a relative difference below :math:`2\cdot 10^{-9}` there, at posterior scales above 20. Inputs: the ``k`` raw tensors; outputs: the
+    ``k`` scales, then the ``k`` variances.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *raws: Tensor) -> tuple[Tensor, ...]:
+        """The ``k`` scales ``softplus(r_i)``, then their ``k`` squares."""
+        ctx.set_materialize_grads(False)
+        scales = [F.softplus(r) for r in raws]
+        variances = torch._foreach_mul(scales, scales)
+        # sigmoid(r) and 2 s sigmoid(r), not the raw inputs: saved inputs cost a detach each
+        slopes = torch._foreach_sigmoid(list(raws))
+        ctx.save_for_backward(*slopes, *torch._foreach_mul(scales, slopes))
+        return (*scales, *variances)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        """``(g_s + 2 s g_v) sigmoid(r)`` per raw tensor (``None`` where neither output is used)."""
+        saved = ctx.saved_tensors
+        k = len(saved) // 2
+        slopes, half_dv = list(saved[:k]), list(saved[k:])  # sigmoid(r), s sigmoid(r)
+        g_s, g_v = list(grads[:k]), list(grads[k:])
+        if all(g is not None for g in grads):
+            out = torch._foreach_mul(cast(list[Tensor], g_s), slopes)
+            torch._foreach_addcmul_(out, cast(list[Tensor], g_v), half_dv, value=2)
+            return tuple(out)
+        result: list[Tensor | None] = []
+        for slope, q, gsi, gvi in zip(slopes, half_dv, g_s, g_v, strict=True):
+            if gvi is None:
+                result.append(None if gsi is None else gsi * slope)
+            else:
+                result.append(
+                    torch.mul(gvi, q).mul_(2)
+                    if gsi is None
+                    else torch.addcmul(gsi * slope, gvi, q, value=2)
+                )
+        return tuple(result)
+
+
+def _prefill(ctx: PosteriorContext, net: nn.Module) -> None:
+    """Put every softplus scale of ``net`` (and its square) into ``ctx``'s caches at once."""
+    assert ctx.scales is not None
+    entries: list[tuple[nn.Module, str, Tensor]] = []
+    for layer in net.modules():
+        raw_scales = getattr(layer, "raw_scales", None)
+        if raw_scales is None:
+            continue
+        entries.extend((layer, which, raw) for which, raw in raw_scales())
+    if not entries:
+        return
+    grad = torch.is_grad_enabled()
+    raws = [raw for _, _, raw in entries]
+    if grad and any(r.requires_grad for r in raws):
+        out = SoftplusScales.apply(*raws)
+    else:
+        scales = [F.softplus(r) for r in raws]
+        out = (*scales, *torch._foreach_mul(scales, scales))
+    k = len(entries)
+    for (layer, which, raw), scale, var in zip(entries, out[:k], out[k:], strict=True):
+        ctx.scales[(id(layer), raw._version, grad, which)] = scale
+        ctx.variances[id(scale)] = (scale, var)
 
 
 def cached_scale(
@@ -240,7 +337,20 @@ def posterior_moments(layer: HasPosterior) -> GroupMoments:
     given = substituted(layer) if isinstance(layer, nn.Module) else None
     if given is not None:
         return given
-    return {g.name: (g.loc, g.scale * g.scale) for g in layer.parameter_groups()}
+    return {g.name: (g.loc, _variance(g.scale)) for g in layer.parameter_groups()}
+
+
+def _variance(scale: Tensor) -> Tensor:
+    """``scale * scale``, computed once per scale tensor within a :func:`shared_scales` block."""
+    ctx = next((c for c in _active() if c.scales is not None), None)
+    if ctx is None:
+        return scale * scale
+    hit = ctx.variances.get(id(scale))
+    if hit is not None and hit[0] is scale:
+        return hit[1]
+    var = scale * scale
+    ctx.variances[id(scale)] = (scale, var)
+    return var
 
 
 def _scale_from_raw(raw: Tensor, transform: str) -> Tensor:
