@@ -123,7 +123,10 @@ class _ReluDiag(torch.autograd.Function):
         out_var = torch.where(pos, 1 - pw, pw).sub_(pu_sq * torch.add(pu, relu, alpha=2))
         out_var = torch.threshold_(out_var.mul_(var_c), cut, 0.0)
         cdf = torch.threshold_(torch.where(pos, 1 - half, half), cut, 0.0)
-        ctx.save_for_backward(cdf, torch.threshold_(pdf.div_(sd), cut, 0.0), out_mean, var)
+        # 2 E[h], not the output E[h] itself: a saved output costs a detach when saved and when
+        # unpacked, and the backward wants the doubled value
+        dens = torch.threshold_(pdf.div_(sd), cut, 0.0)
+        ctx.save_for_backward(cdf, dens, out_mean * 2, var)
         return out_mean, out_var
 
     @staticmethod
@@ -131,22 +134,23 @@ class _ReluDiag(torch.autograd.Function):
     def backward(
         ctx: FunctionCtx, g_mean: Tensor | None, g_var: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None]:
-        cdf, dens, out_mean, var = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
+        cdf, dens, mean2, var = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
         # the module docstring's four derivatives, contracted with (g_mean, g_var) in few ops:
-        # grad_m = g_mean Phi + 2 t (1 - Phi), grad_v = g_var Phi + dens (g_mean / 2 - t),
-        # t = g_var E[h], dens = phi / sigma
+        # grad_m = g_mean Phi + 2 t (1 - Phi) = 2t + Phi (g_mean - 2t),
+        # grad_v = g_var Phi + dens (g_mean - 2t) / 2, t = g_var E[h], dens = phi / sigma
         if g_var is None:
             if g_mean is None:
                 return None, None
             grad_m, grad_v = g_mean * cdf, torch.mul(g_mean, dens).mul_(0.5)
         else:
-            t = g_var * out_mean
+            t2 = g_var * mean2
             if g_mean is None:
-                grad_m = (1 - cdf).mul_(t).mul_(2)
-                grad_v = (g_var * cdf).addcmul_(dens, t, value=-1)
+                grad_m = (1 - cdf).mul_(t2)
+                grad_v = (g_var * cdf).addcmul_(dens, t2, value=-0.5)
             else:
-                grad_m = torch.addcmul(g_mean * cdf, t, 1 - cdf, value=2)
-                grad_v = torch.addcmul(g_var * cdf, dens, torch.sub(g_mean, t, alpha=2), value=0.5)
+                s = g_mean - t2
+                grad_m = torch.addcmul(t2, cdf, s)
+                grad_v = torch.addcmul(g_var * cdf, dens, s, value=0.5)
         # the variance floor has zero derivative below it
         return flush(grad_m), flush(grad_v.mul_(var >= floors(var.dtype)[0]))
 
