@@ -14,6 +14,10 @@ Printed per guide: the final loss the objective reports, the "true" loss of the 
 error), test accuracy and NLL of the posterior predictive (``Predictive`` with ``--predictive``
 weight draws, the mixture of the class probabilities), wall and CPU time per step.
 
+``--prior fan_in`` changes the model for both guides alike (weight matrices
+``Normal(0, 1/fan_in)``; see :class:`Classifier`); ``--json PATH`` appends one JSON line per
+guide (options, seed, the printed figures).
+
 Run:  .venv/bin/python recipes/pyro_classifier_swap.py --data digits --steps 1500 --seed 0
 """
 
