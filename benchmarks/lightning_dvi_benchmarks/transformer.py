@@ -988,9 +988,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.module_times:
         try:
             report = module_report(config, config.tasks[0], config.seeds[0])
+            report["machine"] = machine()
         finally:
             torch.set_num_threads(threads)
-        report["machine"] = machine()
         print(module_table(report))
         if args.json is not None:
             args.json.write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
