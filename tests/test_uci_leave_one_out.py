@@ -151,3 +151,9 @@ def test_every_candidate_is_a_runner_setting_and_today_is_the_pre_issue_45_proto
     assert replace(uci.PRESETS["lbfgs"], selection="best", patience_on="best",
                    selection_skip=0) == today  # fmt: skip
     assert len(loo.CANDIDATES) == len({v for v in loo.CANDIDATES.values()})
+
+
+def test_the_runners_default_is_the_leave_one_out_choice():
+    """Issue 45: the default protocol is the candidate chosen leave-one-data-set-out."""
+    assert uci.DEFAULTS == uci.PRESETS["lbfgs"] == loo.CANDIDATES["paired-skip3"]
+    assert uci.PRESETS["lbfgs-best"] == loo.CANDIDATES["today"]

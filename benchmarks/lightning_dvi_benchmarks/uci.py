@@ -17,13 +17,18 @@ Protocols (:data:`PRESETS`):
   step) on the full ELBO, early stopping on a seeded carve-out of ``early_stopping_fraction`` of
   the training rows: validation NLL after every step, stop after ``patience`` steps without
   improvement (5: chosen on UCI splits 5-9, which issue 31's acceptance does not use; see
-  docs/benchmarks.md), restore the best step's weights
-  (:class:`~lightning_dvi.callbacks.RestoreBestWeights`), at most ``max_steps`` steps.
+  docs/benchmarks.md), at most ``max_steps`` steps. The step restored is chosen per run
+  (issue 45, :class:`~lightning_dvi.callbacks.PairedEarlyStopping`, ``z=0.5, skip=3``): the
+  last step whose per-row carve-out log-likelihoods are not worse than the best step's by more
+  than half a standard error of their paired difference, the first three ELBO steps never
+  being the reference best; chosen leave-one-data-set-out (docs/uci_protocol.md).
   ``precision`` is the Trainer's (``"64-true"`` trains in float64). The targets are
   dequantised at their decimal grid (``target_resolution="auto"``,
   :func:`~lightning_dvi.lightning.regressor.target_grid_step`: wine's integer quality scores
   made the noise collapse on splits 7 and 8, test LL -12 and -77, docs/benchmarks.md);
   ``target_resolution="none"`` turns it off, a number sets the step in the targets' units.
+* ``"lbfgs-best"``: the same, restoring the step of the best mean validation NLL
+  (:class:`~lightning_dvi.callbacks.RestoreBestWeights`; the default until issue 45).
 * ``"lbfgs-adam"``: the same, with ``warm_start="adam"`` (the protocol of issue 31's second to
   sixth passes): on training sets of at most ``adam_max_rows`` rows, ``adam_steps`` full-batch
   Adam steps (learning rate ``lr``, the KL off for the first ``kl_warmup`` of them and ramped in
@@ -160,9 +165,9 @@ class Settings:
     precision: Literal["32-true", "64-true"] = "32-true"
     target_resolution: str = "auto"
     warm_start: Literal["point", "adam", "none"] = "point"
-    selection: Literal["best", "paired"] = "best"
-    selection_z: float = 1.0
-    selection_skip: int = 0
+    selection: Literal["best", "paired"] = "paired"
+    selection_z: float = 0.5
+    selection_skip: int = 3
     patience_on: Literal["best", "kept"] = "best"
 
     @property
@@ -175,7 +180,8 @@ class Settings:
 
 PRESETS: dict[str, Settings] = {
     "lbfgs": Settings(),
-    "lbfgs-adam": Settings(warm_start="adam"),
+    "lbfgs-best": Settings(selection="best", selection_skip=0),
+    "lbfgs-adam": Settings(warm_start="adam", selection="best", selection_skip=0),
     "adam8000": Settings(
         optimizer="adam",
         early_stopping_fraction=0.0,
