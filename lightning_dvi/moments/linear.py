@@ -279,15 +279,50 @@ def _linear_full_from_diag_formula(
     k, d = w_loc.shape[-2:]
     pairs = None
     if w_loc.dim() == 2 and k <= NARROW_OUTPUTS:
-        # the [D, K^2] products M_kd M_ld once, then one [..., D] x [D, K^2] matmul: 1.2-3.5x
-        # faster forward+backward than the per-example [K, D] x [D, K] products for a K = 10
-        # head (B = 128..1401, D = 64..400, one CPU thread)
-        pairs = (w_loc.mT.unsqueeze(-1) * w_loc.mT.unsqueeze(-2)).reshape(d, k * k)
-        out_cov = (var @ pairs).reshape(*var.shape[:-1], k, k)
+        # the [D, K(K+1)/2] products M_kd M_ld of the distinct pairs k <= l once, then one
+        # [..., D] x [D, K(K+1)/2] matmul, spread to the K^2 entries by one index_select: exactly
+        # symmetric with no symmetrize pass. 1.2-3.5x faster forward+backward than the
+        # per-example [K, D] x [D, K] products for a K = 10 head (B = 128..1401, D = 64..400,
+        # one CPU thread)
+        first, second_of_pair, spread = _pair_index(k, w_loc.device)
+        w_t = w_loc.t()
+        pairs = w_t.index_select(1, first) * w_t.index_select(1, second_of_pair)
+        flat = (var if var.dim() == 2 else var.reshape(-1, d)) @ pairs
+        out_cov = flat.index_select(1, spread).view(*var.shape[:-1], k, k)
     else:
-        out_cov = (w_loc * var.unsqueeze(-2)) @ w_loc.transpose(-1, -2)
-    out_cov = symmetrize(out_cov)
+        out_cov = symmetrize((w_loc * var.unsqueeze(-2)) @ w_loc.transpose(-1, -2))
     return _affine(mean, w_loc, b_loc), _plus_diagonal(out_cov, diag), second, pairs
+
+
+_PAIR_INDEX: dict[tuple[int, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _pair_fold(k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[K^2, K(K+1)/2]`` 0/1 matrix: entry ``(k, l)`` of a ``[K, K]`` block to its pair."""
+    key = (k, device, dtype)
+    hit = _PAIR_FOLD.get(key)
+    if hit is None:
+        spread = _pair_index(k, torch.device("cpu"))[2]
+        hit = torch.zeros(k * k, k * (k + 1) // 2, dtype=dtype)
+        hit[torch.arange(k * k), spread] = 1.0
+        hit = _PAIR_FOLD[key] = hit.to(device)
+    return hit
+
+
+_PAIR_FOLD: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
+
+
+def _pair_index(k: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows ``k``, ``l`` of the distinct pairs ``k <= l``, and each of the ``K^2`` entries' pair."""
+    key = (k, device)
+    hit = _PAIR_INDEX.get(key)
+    if hit is None:
+        rows, cols = torch.triu_indices(k, k)
+        entry = torch.empty(k, k, dtype=torch.long)
+        entry[rows, cols] = torch.arange(rows.numel())
+        entry[cols, rows] = torch.arange(rows.numel())
+        hit = _PAIR_INDEX[key] = (rows.to(device), cols.to(device), entry.reshape(-1).to(device))
+    return hit
 
 
 class _LinearFullFromDiag(torch.autograd.Function):
@@ -326,7 +361,9 @@ class _LinearFullFromDiag(torch.autograd.Function):
                 d_mean = torch.addcmul(g_mean @ w_loc, _rows(mean), through_v, value=2)
                 d_mean = d_mean if mean.dim() == 2 else d_mean.view(mean.shape)
             if need[1]:
-                d_var = torch.addmm(through_v, g_flat, pairs.t())
+                # the distinct pairs' gradient summed over the K^2 entries that share one
+                g_pairs = g_flat @ _pair_fold(k, g_flat.dtype, g_flat.device)
+                d_var = torch.addmm(through_v, g_pairs, pairs.t())
                 d_var = d_var if var.dim() == 2 else d_var.view(var.shape)
         if need[2]:
             # sum_l (H_kld + H_lkd) M_ld with H = g_flat^T v: the cov term, then the mean term

@@ -121,7 +121,7 @@ class FactorisedLayer(WeightLayer):
         """
         if self.scale_transform != "softplus":
             return []
-        out = [("weight", self.weight_raw_scale)]
+        out: list[tuple[str, Tensor]] = [("weight", self.weight_raw_scale)]
         if self.bias_raw_scale is not None:
             out.append(("bias", self.bias_raw_scale))
         return out
