@@ -250,10 +250,7 @@ class DVIRegressor(DVIModule):
         self.init_log_noise = float(init_log_noise)
         if self.network_built and not self.net_injected:
             self._after_build()
-        if lik.standardizes_targets:
-            self._own_target_units(target_loc, target_scale, standardize_targets, resolution)
-        else:  # counts, in their own units: the identity (statistics describe, never map)
-            self._own_target_units(None, None, standardize_targets, resolution)
+        self._own_target_units(target_loc, target_scale, standardize_targets, resolution)
         self._sync_target_resolution()
         self._build_metrics(val_names)
 
@@ -267,8 +264,11 @@ class DVIRegressor(DVIModule):
         """Create :attr:`outcome_transform`, the one owner of the target units.
 
         The checkpoint keeps the names of the buffers from before the transform owned them
-        (``target_loc``/``target_scale``), through state-dict hooks.
+        (``target_loc``/``target_scale``), through state-dict hooks. A count likelihood's
+        targets stay in their own units: the identity, whatever statistics are given.
         """
+        if not self.likelihood.standardizes_targets:
+            loc = scale = None  # statistics describe counts, never map them
         self.outcome_transform = Standardize(
             loc, scale, batches_standardized=not standardize, resolution=resolution
         )
