@@ -226,7 +226,7 @@ class PairedEarlyStopping(Callback):
             return
         x, y = batch[0], batch[1]
         with torch.no_grad():
-            rows = pl_module.predictive_log_prob(x, y)  # type: ignore[operator]
+            rows = pl_module.predictive_log_prob(x, y)  # type: ignore[operator]  # a DVIRegressor (checked above)
         self._rows.append(rows.detach().double().reshape(-1))
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -38,6 +38,9 @@ Python of one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -299,14 +302,14 @@ _PAIR_INDEX: dict[tuple[int, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
 
 def _pair_fold(k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``[K^2, K(K+1)/2]`` 0/1 matrix: entry ``(k, l)`` of a ``[K, K]`` block to its pair."""
-    key = (k, device, dtype)
-    hit = _PAIR_FOLD.get(key)
-    if hit is None:
+
+    def build() -> Tensor:
         spread = _pair_index(k, torch.device("cpu"))[2]
-        hit = torch.zeros(k * k, k * (k + 1) // 2, dtype=dtype)
-        hit[torch.arange(k * k), spread] = 1.0
-        hit = _PAIR_FOLD[key] = hit.to(device)
-    return hit
+        fold = torch.zeros(k * k, k * (k + 1) // 2, dtype=dtype)
+        fold[torch.arange(k * k), spread] = 1.0
+        return fold.to(device)
+
+    return _cached(_PAIR_FOLD, (k, device, dtype), build)
 
 
 _PAIR_FOLD: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
@@ -314,14 +317,37 @@ _PAIR_FOLD: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
 
 def _pair_index(k: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Rows ``k``, ``l`` of the distinct pairs ``k <= l``, and each of the ``K^2`` entries' pair."""
-    key = (k, device)
-    hit = _PAIR_INDEX.get(key)
-    if hit is None:
+
+    def build() -> tuple[Tensor, Tensor, Tensor]:
         rows, cols = torch.triu_indices(k, k)
         entry = torch.empty(k, k, dtype=torch.long)
         entry[rows, cols] = torch.arange(rows.numel())
         entry[cols, rows] = torch.arange(rows.numel())
-        hit = _PAIR_INDEX[key] = (rows.to(device), cols.to(device), entry.reshape(-1).to(device))
+        return rows.to(device), cols.to(device), entry.reshape(-1).to(device)
+
+    return _cached(_PAIR_INDEX, (k, device), build)
+
+
+_V = TypeVar("_V", Tensor, tuple[Tensor, Tensor, Tensor])
+
+
+def _cached(cache: dict[Any, _V], key: Any, build: Callable[[], _V]) -> _V:
+    """``build()``, kept in ``cache`` only when its tensors are plain and built outside tracing.
+
+    As :func:`lightning_dvi.moments._quadrature.constant`: while compiled or exported the value
+    is built fresh (a graph constant); a tracer's fake tensor is never cached; tensors are built
+    outside inference mode, so autograd may save them after a first call in a validation loop.
+    """
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return build()
+    hit = cache.get(key)
+    if hit is None:
+        with torch.inference_mode(False):
+            hit = build()
+        parts = hit if isinstance(hit, tuple) else (hit,)
+        if any(type(t) is not Tensor for t in parts):
+            return hit
+        cache[key] = hit
     return hit
 
 
