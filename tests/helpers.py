@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -74,3 +78,19 @@ def log_softmax_draws(
     chol = torch.linalg.cholesky(full + 1e-12 * torch.eye(k, dtype=full.dtype))
     noise = torch.randn(draws, k, generator=gen, dtype=full.dtype)
     return torch.log_softmax(mean + noise @ chol.T, -1)
+
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def load_recipe(name: str) -> ModuleType:
+    """``recipes/<name>.py`` as a module, ``sys.path`` as it was (recipes add their folder)."""
+    spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    return module

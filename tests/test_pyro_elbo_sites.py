@@ -10,27 +10,15 @@ logit covariance would each move one site's term by many standard errors.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import load_recipe
 
 pytestmark = pytest.mark.usefixtures("pyro_state")
-
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "pyro_elbo_sites.py"
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("pyro_elbo_sites", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    path = list(sys.path)
-    try:
-        spec.loader.exec_module(module)  # it puts recipes/ on sys.path for its sibling
-    finally:
-        sys.path[:] = path
-    return module
+    return load_recipe("pyro_elbo_sites")  # it puts recipes/ on sys.path for its sibling
 
 
 @pytest.mark.parametrize("likelihood", ["bernoulli", "categorical"])

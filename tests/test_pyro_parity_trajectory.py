@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_recipe
 
 pytestmark = pytest.mark.usefixtures("pyro_state")
-
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "pyro_parity_trajectory.py"
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("pyro_parity_trajectory", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    path = list(sys.path)
-    try:
-        spec.loader.exec_module(module)  # it puts recipes/ on sys.path for its sibling
-    finally:
-        sys.path[:] = path
-    return module
+    return load_recipe("pyro_parity_trajectory")  # it puts recipes/ on sys.path for its sibling
 
 
 def test_init_seed_picks_the_draw_and_the_json_line_records_the_end(recipe, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_recipe
 
 from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide
 
@@ -19,14 +20,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "pyro_time_to_quality
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("pyro_time_to_quality", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    path = list(sys.path)
-    try:
-        spec.loader.exec_module(module)  # it puts recipes/ on sys.path for its sibling
-    finally:
-        sys.path[:] = path
-    return module
+    return load_recipe("pyro_time_to_quality")  # it puts recipes/ on sys.path for its sibling
 
 
 def test_lbfgs_loop_lowers_the_deterministic_loss_and_moves_every_guide_parameter(recipe):
