@@ -6,6 +6,7 @@ that is the one-process gradient. Validation metrics are sum states reduced acro
 """
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,23 @@ NUM_TRAIN, NUM_VAL, STEPS = 64, 32, 6
 LBFGS_STEPS, LBFGS_TOL = 2, 2e-3
 
 
+def _trainer(devices: int, **kwargs: Any) -> Trainer:
+    """A quiet CPU trainer, 2-process ddp_spawn when ``devices > 1``."""
+    return Trainer(
+        accelerator="cpu",
+        devices=devices,
+        # a collective that one process never reaches fails after the timeout instead of hanging
+        strategy=DDPStrategy(start_method="spawn", timeout=timedelta(seconds=120))
+        if devices > 1
+        else "auto",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
 def _fit(
     devices: int, warm_start: bool = False, optimizer: str = "adam"
 ) -> tuple[DVIRegressor, dict[str, float]]:
@@ -35,18 +53,9 @@ def _fit(
     dm = ToyHeteroscedasticDataModule(
         num_train=NUM_TRAIN, num_val=NUM_VAL, num_test=0, batch_size=NUM_TRAIN // devices
     )
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=devices,
-        # a collective that one process never reaches fails after the timeout instead of hanging
-        strategy=DDPStrategy(start_method="spawn", timeout=timedelta(seconds=120))
-        if devices > 1
-        else "auto",
+    trainer = _trainer(
+        devices,
         max_epochs=STEPS if optimizer == "adam" else LBFGS_STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[
             EmpiricalBayes(every_n_steps=2),
@@ -107,18 +116,7 @@ def _fit_plain(devices: int) -> DVIRegressor:
     seed_everything(0)
     # built up front: ddp_spawn copies rank 0's state back into this object
     model = DVIRegressor(in_features=2, hidden=[8], mode="full", lr=0.02)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=DDPStrategy(start_method="spawn", timeout=timedelta(seconds=120))
-        if devices > 1
-        else "auto",
-        max_epochs=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(devices, max_epochs=3)
     loader = DataLoader(_Pairs(x, y), batch_size=NUM_TRAIN // devices)
     trainer.fit(model, train_dataloaders=loader)
     return model
