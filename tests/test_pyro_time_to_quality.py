@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +11,6 @@ from helpers import load_recipe
 from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide
 
 pytestmark = pytest.mark.usefixtures("pyro_state")
-
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "pyro_time_to_quality.py"
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +74,7 @@ def test_step_cost_splits_the_deterministic_step_into_its_parts(recipe):
 
 
 def test_parity_trajectory_deterministic_guide_does_not_depend_on_the_evaluations():
-    spec = importlib.util.spec_from_file_location(
-        "pyro_parity_trajectory", RECIPE.parent / "pyro_parity_trajectory.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    path = list(sys.path)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = path
+    module = load_recipe("pyro_parity_trajectory")
     base = ["--steps", "20", "--predictive", "10"]
     often = module.main([*base, "--every", "5"])
     once = module.main([*base, "--every", "20"])
