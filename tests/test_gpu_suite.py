@@ -140,13 +140,40 @@ def test_a_failing_section_and_the_global_deadline(tmp_path):
 
 def test_speed_cells_run_the_acceptance_pairs_before_the_other_compiled_cells():
     cells = G._speed_cells(G.FULL)
-    eager = [(m, d) for m, d, compiled, tf32 in cells if not compiled and not tf32]
+    eager = [(m, d) for m, d, kind in cells if kind == "eager"]
     assert eager == [(m, d) for d in G.FULL.widths for m in G.SPEED_METHODS]
-    assert cells[len(eager)] == ("DVI", 1024, False, True)
-    compiled = [(m, d) for m, d, c, _ in cells if c]
+    assert cells[len(eager)] == ("DVI", 1024, "tf32")
+    compiled = [(m, d) for m, d, kind in cells if kind == "compiled"]
     assert compiled[: len(G.FULL.first_compiled)] == list(G.FULL.first_compiled)
     assert sorted(compiled) == sorted((m, d) for d in G.FULL.widths for m in G.SPEED_METHODS)
     assert {m for m, _ in G.FULL.first_compiled} == {"plain MLP", "dDVI"}
+    graphs = [(m, d) for m, d, kind in cells if kind == "cudagraphs"]
+    assert graphs == list(G.FULL.cudagraph_cells) and {m for m, _ in graphs} == {
+        "plain MLP",
+        "dDVI",
+    }
+    # CUDA-graph pairs come right after the compiled acceptance pairs
+    start = len(eager) + 1 + len(G.FULL.first_compiled)
+    assert [(m, d) for m, d, _ in cells[start : start + len(graphs)]] == graphs
+
+
+def test_cells_and_widths_keep_a_subset_in_the_same_order():
+    cells = G._speed_cells(G.FULL, ("eager", "cudagraphs"), (128, 1024))
+    assert {kind for _, _, kind in cells} == {"eager", "cudagraphs"}
+    assert {d for _, d, _ in cells} == {128, 1024}
+    full = G._speed_cells(G.FULL)
+    assert cells == [c for c in full if c in cells]
+    assert G._speed_cells(G.FULL, ("tf32",)) == [("DVI", 1024, "tf32")]
+
+
+def test_a_second_run_of_chosen_cells_labels_them_by_kind(tmp_path):
+    argv = ["--dry-run", "--out", str(tmp_path), "--sections", "speed", "--cells",
+            "cudagraphs,tf32", "--isolate", "none"]  # fmt: skip
+    assert G.main(argv) == 0
+    (row,) = json.loads((tmp_path / G.JSON_NAME).read_text())["sections"]["speed"]["rows"]
+    assert _finite(row["dDVI cudagraphs"]) and _finite(row["DVI tf32"])
+    assert "dDVI compiled" not in row and "dDVI" not in row and "DVI" not in row
+    assert "dDVI cudagraphs peak MiB" in row and "DVI tf32 peak MiB" in row
 
 
 def test_estimates_scale_from_the_previous_width():
@@ -172,6 +199,9 @@ def test_cli_arguments_and_command():
     (["--budget", "speed=fast"], "is not a number"),
     (["--budget", "speed=0"], "must be positive"),
     (["--deadline-s", "-1"], "--deadline-s must be positive"),
+    (["--cells", "eager,warp"], "--cells 'eager,warp': choose from"),
+    (["--widths", "128,x"], "expected comma-separated integers"),
+    (["--widths", "0"], "expected positive widths"),
 ])  # fmt: skip
 def test_bad_arguments_are_clear_errors(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit):

@@ -113,6 +113,12 @@ class Plan:
         first_compiled: ``(method, d)`` compiled cells run before every other compiled cell
             (the acceptance pairs: compiled dDVI against the compiled plain network).
         tf32_width: width of the ``DVI tf32`` cell.
+        cudagraph_cells: ``(method, d)`` cells compiled with ``mode="reduce-overhead"`` (CUDA
+            graphs: one replay per step instead of a launch per kernel), labelled
+            ``"<method> cudagraphs"``. The dry run compiles them with its own backend, without
+            the mode (CUDA graphs need CUDA).
+        speed_kinds: the kinds of speed cell to run (:data:`CELL_KINDS`; ``--cells``).
+        speed_widths: the widths to run (``None``: every width; ``--widths``).
         uci_rows, uci_features: the synthetic UCI table.
         uci_steps_cap: at most this many L-BFGS steps (``None``: the protocol's own cap).
         resnet_images, resnet_batch, resnet_width, resnet_size, resnet_warmup: the ResNet
@@ -147,6 +153,9 @@ class Plan:
     cli_epochs: int
     cli_subprocess: bool = True
     resnet_peak_memory: bool = True
+    cudagraph_cells: tuple[tuple[str, int], ...] = ()
+    speed_kinds: tuple[str, ...] = ("eager", "tf32", "compiled", "cudagraphs")
+    speed_widths: tuple[int, ...] | None = None
     budgets: Mapping[str, float] = field(default_factory=dict)
     deadline_s: float = 450.0
 
@@ -160,6 +169,7 @@ FULL = Plan(
     compiled_methods=SPEED_METHODS,
     first_compiled=tuple((m, d) for d in (128, 256, 512, 1024) for m in ("plain MLP", "dDVI")),
     tf32_width=1024,
+    cudagraph_cells=tuple((m, d) for d in (128, 512, 1024) for m in ("plain MLP", "dDVI")),
     uci_rows=1000,
     uci_features=13,
     uci_steps_cap=150,
@@ -191,6 +201,7 @@ DRY = Plan(
     compiled_methods=(),
     first_compiled=(),
     tf32_width=8,
+    cudagraph_cells=(("dDVI", 8),),
     uci_rows=60,
     uci_features=13,
     uci_steps_cap=2,
@@ -363,22 +374,30 @@ def section_environment(plan: Plan, rec: Recorder) -> None:
     rec.save()
 
 
-def _speed_cells(plan: Plan) -> list[tuple[str, int, bool, bool]]:
-    """``(method, d, compiled, tf32)`` in the order the speed section runs them.
+CELL_KINDS = ("eager", "tf32", "compiled", "cudagraphs")
+"""The speed section's kinds of cell, in the order it runs them (``--cells`` chooses some)."""
 
-    Every eager cell, width by width; the TF32 cell; :attr:`Plan.first_compiled`; the other
-    compiled cells, width by width.
+
+def _speed_cells(
+    plan: Plan, kinds: Sequence[str] = CELL_KINDS, widths: Sequence[int] | None = None
+) -> list[tuple[str, int, str]]:
+    """``(method, d, kind)`` in the order the speed section runs them.
+
+    Every eager cell, width by width; the TF32 cell; :attr:`Plan.first_compiled`; the CUDA-graph
+    cells; the other compiled cells, width by width. ``kinds`` and ``widths`` (``None``: all)
+    keep a subset, for a second run that measures only what changed.
     """
-    cells = [(m, d, False, False) for d in plan.widths for m in SPEED_METHODS]
-    cells.append(("DVI", plan.tf32_width, False, True))
-    first = [(m, d, True, False) for m, d in plan.first_compiled]
-    rest = [
-        (m, d, True, False)
+    cells = [(m, d, "eager") for d in plan.widths for m in SPEED_METHODS]
+    cells.append(("DVI", plan.tf32_width, "tf32"))
+    cells += [(m, d, "compiled") for m, d in plan.first_compiled]
+    cells += [(m, d, "cudagraphs") for m, d in plan.cudagraph_cells]
+    cells += [
+        (m, d, "compiled")
         for d in plan.widths
         for m in SPEED_METHODS
         if m in plan.compiled_methods and (m, d) not in plan.first_compiled
     ]
-    return cells + first + rest
+    return [c for c in cells if c[2] in kinds and (widths is None or c[1] in widths)]
 
 
 def _estimate(previous: tuple[int, float, float] | None, d: int, method: str) -> float:
@@ -401,9 +420,10 @@ def section_speed(plan: Plan, rec: Recorder) -> None:
     from .speed_net import net_cell
 
     S.DEVICE = torch.device(plan.device)
-    rows: dict[int, dict[str, Any]] = {d: {"d": d, "batch": plan.batch} for d in plan.widths}
-    if plan.tf32_width not in rows:
-        rows[plan.tf32_width] = {"d": plan.tf32_width, "batch": plan.batch}
+    cells = _speed_cells(plan, plan.speed_kinds, plan.speed_widths)
+    rows: dict[int, dict[str, Any]] = {
+        d: {"d": d, "batch": plan.batch} for d in sorted({d for _, d, _ in cells})
+    }
     rec.data.update({
         "rows": list(rows.values()), "batch": plan.batch, "repeats": plan.repeats,
         "compile": {"backend": plan.compile_backend}, "skipped": [],
@@ -411,8 +431,8 @@ def section_speed(plan: Plan, rec: Recorder) -> None:
     rec.save()
     seen: dict[str, tuple[int, float, float]] = {}
     first_s: dict[str, float] = {}
-    for method, d, compiled, allow_tf32 in _speed_cells(plan):
-        label = method + (" compiled" if compiled else "") + (" tf32" if allow_tf32 else "")
+    for method, d, kind in cells:
+        label = method if kind == "eager" else f"{method} {kind}"
         estimate = _estimate(seen.get(label), d, method)
         if estimate > rec.time_left():
             rows[d][label] = f"skipped: about {estimate:.0f} s, {rec.time_left():.0f} s left"
@@ -421,15 +441,21 @@ def section_speed(plan: Plan, rec: Recorder) -> None:
             rec.save()
             continue
         start = time.perf_counter()
-        opts = {"backend": plan.compile_backend} if compiled else None
+        opts: dict[str, Any] | None = None
+        if kind in ("compiled", "cudagraphs"):
+            opts = {"backend": plan.compile_backend}
+            if kind == "cudagraphs" and plan.compile_backend == "inductor":
+                opts["mode"] = "reduce-overhead"
         try:
-            with tf32(allow_tf32):
+            with tf32(kind == "tf32"):
                 cell = net_cell(method, d, plan.batch, plan.repeats, opts,
                                 count=first_s.get(label, 0.0) < 1.0)  # fmt: skip
         except Exception as err:  # out of memory, a compiler error: recorded, the rest runs
             cell = {label: f"failed: {type(err).__name__}: {str(err)[:300]}"}
-        if allow_tf32:  # net_cell labels the cell by its method
-            cell = {label + k[len(method) :]: v for k, v in cell.items()}
+        if kind in ("tf32", "cudagraphs"):  # net_cell labels the cell "method [compiled]"
+            made = method + (" compiled" if opts is not None else "")
+            cell = {label + k[len(made) :] if k.startswith(made) else k: v
+                    for k, v in cell.items()}  # fmt: skip
         rows[d].update(cell)
         elapsed = time.perf_counter() - start
         compile_s = float(cell.get(label + " compile s", 0.0))
@@ -845,6 +871,9 @@ def acceptance(result: Mapping[str, Any]) -> dict[str, Any]:
                 out[f"dDVI compiled / plain MLP compiled at d={d} (target <= 2)"] = ratio(
                     d, "dDVI compiled", "plain MLP compiled"
                 )
+                graphs = ratio(d, "dDVI cudagraphs", "plain MLP cudagraphs")
+                if graphs is not None:
+                    out[f"dDVI / plain MLP, both with CUDA graphs, at d={d} (target <= 2)"] = graphs
     resnet = sections.get("resnet", {})
     out["ResNet-18 dDVI / plain epoch (target <= 3)"] = resnet.get("dDVI / plain")
     return out
@@ -891,6 +920,12 @@ def summary(result: Mapping[str, Any]) -> str:
     speed = sections.get("speed", {})
     if speed.get("rows"):
         lines.append(report_net(speed["rows"], speed.get("batch", 0), True, True))
+        graphs = sorted({k for row in speed["rows"] for k in row if k.endswith(" cudagraphs")})
+        if graphs:
+            from .speed import table
+
+            lines.append('\n## Compiled with CUDA graphs (mode="reduce-overhead"; ms, median)\n')
+            lines.append(table(speed["rows"], ["d", *graphs]))
     lines.append("\n## Acceptance (issue 43)\n")
     lines += [f"- {k}: {_fmt(v)}" for k, v in result.get("acceptance", {}).items()]
     return "\n".join(lines)
@@ -916,6 +951,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="override one section's budget (repeatable)",
     )  # fmt: skip
     parser.add_argument(
+        "--cells", default=",".join(CELL_KINDS),
+        help=f"speed cells to run, comma-separated kinds of {', '.join(CELL_KINDS)}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--widths", default=None, help="speed widths to run, comma-separated (default: all)"
+    )
+    parser.add_argument(
         "--isolate", choices=("fork", "none"), default="fork",
         help="fork: each section in its own killable process (default); none: in this one",
     )  # fmt: skip
@@ -939,7 +981,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--budget {item!r}: the budget must be positive")
     if args.deadline_s is not None and not args.deadline_s > 0:
         parser.error("--deadline-s must be positive")
-    plan = replace(plan, budgets=budgets, deadline_s=args.deadline_s or plan.deadline_s)
+    kinds = tuple(k.strip() for k in args.cells.split(",") if k.strip())
+    if not kinds or any(k not in CELL_KINDS for k in kinds):
+        parser.error(f"--cells {args.cells!r}: choose from {', '.join(CELL_KINDS)}")
+    widths: tuple[int, ...] | None = None
+    if args.widths is not None:
+        try:
+            widths = tuple(int(w) for w in args.widths.split(",") if w.strip())
+        except ValueError:
+            parser.error(f"--widths {args.widths!r}: expected comma-separated integers")
+        if not widths or any(w <= 0 for w in widths):
+            parser.error(f"--widths {args.widths!r}: expected positive widths")
+    plan = replace(
+        plan, budgets=budgets, deadline_s=args.deadline_s or plan.deadline_s,
+        speed_kinds=kinds, speed_widths=widths,
+    )  # fmt: skip
     if plan.device == "cuda" and args.isolate == "fork" and torch.cuda.is_initialized():
         parser.error("CUDA is already initialised in this process: use --isolate none")
     out_dir = Path(args.out)
