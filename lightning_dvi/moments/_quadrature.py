@@ -65,6 +65,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from . import policy
+from ._cache import cached
 from ._relu import floors
 from .special import flush, normal_cdf, normal_pdf
 
@@ -194,24 +195,14 @@ _CONSTANTS: dict[tuple[tuple[float, ...], torch.dtype, torch.device], Tensor] = 
 
 
 def constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``torch.tensor(values, dtype, device)``, cached per dtype and device outside tracing.
+    """``torch.tensor(values, dtype, device)``, cached per dtype and device (:func:`._cache.cached`).
 
     While traced (``torch.compile``, ``torch.export``) it is built fresh, a constant of the
-    graph; a tensor that is not a plain ``torch.Tensor`` (a tracer's fake or functional tensor)
-    is never cached. Cached tensors are built outside inference mode (usable under autograd
-    after a first call in Lightning's validation or predict loop).
+    graph; a tracer's fake tensor is never cached; cached tensors are built outside inference
+    mode (usable under autograd after a first call in Lightning's validation or predict loop).
     """
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return torch.tensor(values, dtype=dtype, device=device)
     key = (values, dtype, torch.device(device))
-    hit = _CONSTANTS.get(key)
-    if hit is None:
-        with torch.inference_mode(False):
-            hit = torch.tensor(values, dtype=dtype, device=device)
-        if type(hit) is not Tensor:
-            return hit
-        _CONSTANTS[key] = hit
-    return hit
+    return cached(_CONSTANTS, key, lambda: torch.tensor(values, dtype=dtype, device=device))
 
 
 # ---------------------------------------------------------------------------------- rules

@@ -38,15 +38,13 @@ Python of one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from . import policy
+from ._cache import cached
 from .special import flush
 
 __all__ = [
@@ -309,7 +307,7 @@ def _pair_fold(k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         fold[torch.arange(k * k), spread] = 1.0
         return fold.to(device)
 
-    return _cached(_PAIR_FOLD, (k, device, dtype), build)
+    return cached(_PAIR_FOLD, (k, device, dtype), build)
 
 
 _PAIR_FOLD: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
@@ -325,30 +323,7 @@ def _pair_index(k: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         entry[cols, rows] = torch.arange(rows.numel())
         return rows.to(device), cols.to(device), entry.reshape(-1).to(device)
 
-    return _cached(_PAIR_INDEX, (k, device), build)
-
-
-_V = TypeVar("_V", Tensor, tuple[Tensor, Tensor, Tensor])
-
-
-def _cached(cache: dict[Any, _V], key: Any, build: Callable[[], _V]) -> _V:
-    """``build()``, kept in ``cache`` only when its tensors are plain and built outside tracing.
-
-    As :func:`lightning_dvi.moments._quadrature.constant`: while compiled or exported the value
-    is built fresh (a graph constant); a tracer's fake tensor is never cached; tensors are built
-    outside inference mode, so autograd may save them after a first call in a validation loop.
-    """
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return build()
-    hit = cache.get(key)
-    if hit is None:
-        with torch.inference_mode(False):
-            hit = build()
-        parts = hit if isinstance(hit, tuple) else (hit,)
-        if any(type(t) is not Tensor for t in parts):
-            return hit
-        cache[key] = hit
-    return hit
+    return cached(_PAIR_INDEX, (k, device), build)
 
 
 class _LinearFullFromDiag(torch.autograd.Function):
