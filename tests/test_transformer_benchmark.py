@@ -89,13 +89,16 @@ def test_one_pass_and_monte_carlo_predictives_are_probabilities() -> None:
     one_pass = tb.fit_posthoc_ivon(task, fit, config, calibrate=False).predict(x)
     monte_carlo = tb.ivon_mc_row(task, fit, 8).predict(x)
     fast = tb.fit_posthoc_ivon_rules(fit, "posthoc_ivon_fast").predict(x)
-    for probs in (one_pass, monte_carlo, fast):
+    closed = tb.fit_posthoc_ivon_rules(fit, "posthoc_ivon_closed").predict(x)
+    for probs in (one_pass, monte_carlo, fast, closed):
         assert probs.shape == (16, 9)
         assert bool((probs >= 0).all())
         torch.testing.assert_close(probs.sum(-1), torch.ones(16), atol=1e-5, rtol=0)
     # the same posterior: the one-pass and 8-draw predictives agree far better than chance
     assert float((one_pass - monte_carlo).abs().sum(-1).mean()) < 0.5
     assert float((fast - monte_carlo).abs().sum(-1).mean()) < 0.5
+    # GELU's closed form stands in for its quadrature: the same predictive to float32 rounding
+    torch.testing.assert_close(closed, fast, atol=1e-5, rtol=0)
 
 
 def test_module_times_cover_every_module_and_leave_the_network_as_it_was() -> None:

@@ -224,6 +224,20 @@ class _QuadratureActivation(_ParamActivation):
 _GELU_VARIANTS = ("none", "tanh")
 
 
+def check_gelu_rule(rule: str, approximate: str = "none") -> S.GeluRule:
+    """``rule`` if it is one of :data:`~lightning_dvi.moments.smooth.GELU_RULES` for this variant.
+
+    Raises:
+        ValueError: for an unknown rule, or ``"closed"`` with ``approximate="tanh"`` (the tanh
+            form has no closed-form moments; it keeps the quadrature).
+    """
+    if rule not in S.GELU_RULES:
+        raise ValueError(f"GELU rule must be one of {S.GELU_RULES}, got {rule!r}")
+    if rule == "closed" and approximate != "none":
+        raise ValueError("GELU rule='closed' is for the exact GELU (approximate='none') only")
+    return cast(S.GeluRule, rule)
+
+
 def _gelu_from_call(approximate: str = "none") -> GELU:
     return GELU(approximate)
 
@@ -244,9 +258,20 @@ class GELU(_QuadratureActivation):
     ``approximate="none"`` (exact GELU) and ``"tanh"`` (torch's tanh approximation) alike;
     off-diagonal covariance by the three-term Mehler series with exact diagonal.
 
+    ``rule="closed"`` (exact GELU only) replaces the quadrature by the closed form of
+    :func:`lightning_dvi.moments.smooth.gelu_closed_diag` (the mean exactly, the variance
+    through one 10-node Gauss–Legendre integral for the bivariate normal CDF, relative error
+    below 1e-7 in float64 for :math:`|m| \le 12`) and of
+    :func:`~lightning_dvi.moments.smooth.gelu_closed_slope` (:math:`E[h']`, exact), at a
+    fraction of the quadrature's cost (``docs/transformer_benchmark.md``); the Mehler
+    coefficients of full mode are closed forms too.
+
     Args:
         approximate: ``"none"`` (exact GELU) or ``"tanh"``, as in ``torch.nn.GELU``.
-        num_nodes: Gauss–Hermite nodes (default: chosen by the input's spread).
+        num_nodes: Gauss–Hermite nodes of the quadrature rule (default: chosen by the input's
+            spread).
+        rule: ``"quadrature"`` (the engine, the default) or ``"closed"``
+            (:data:`lightning_dvi.moments.smooth.GELU_RULES`; ``approximate="none"`` only).
 
     Examples:
         >>> from lightning_dvi import Gaussian
@@ -255,12 +280,33 @@ class GELU(_QuadratureActivation):
         0.2821
     """
 
-    def __init__(self, approximate: str = "none", num_nodes: int | None = None) -> None:
+    def __init__(
+        self,
+        approximate: str = "none",
+        num_nodes: int | None = None,
+        rule: S.GeluRule = "quadrature",
+    ) -> None:
         if approximate not in _GELU_VARIANTS:
             raise ValueError(f"GELU approximate must be 'none' or 'tanh', got {approximate!r}")
         super().__init__(num_nodes)
         self.approximate = approximate
         self._kind = "gelu_tanh" if approximate == "tanh" else "gelu"
+        self.rule: S.GeluRule = check_gelu_rule(rule, approximate)
+
+    def _moments_full(self, mean: Tensor, cov: Tensor) -> _Pair:
+        if self.rule == "closed":
+            return S.gelu_closed_full(mean, cov)
+        return super()._moments_full(mean, cov)
+
+    def _moments_diag(self, mean: Tensor, var: Tensor) -> _Pair:
+        if self.rule == "closed":
+            return S.gelu_closed_diag(mean, var)
+        return super()._moments_diag(mean, var)
+
+    def _moments_slope(self, mean: Tensor, var: Tensor) -> Tensor:
+        if self.rule == "closed":
+            return S.gelu_closed_slope(mean, var)
+        return super()._moments_slope(mean, var)
 
     def elementwise(self, x: Tensor) -> Tensor:
         """GELU of a tensor."""
@@ -270,7 +316,8 @@ class GELU(_QuadratureActivation):
         """The variant and the quadrature size, where not the defaults."""
         parts = [] if self.approximate == "none" else [f"approximate={self.approximate!r}"]
         nodes = super().extra_repr()
-        return ", ".join(parts + ([nodes] if nodes else []))
+        rule = [] if self.rule == "quadrature" else [f"rule={self.rule!r}"]
+        return ", ".join(parts + ([nodes] if nodes else []) + rule)
 
 
 def _inplace_only(name: str) -> Callable[..., BayesModule]:

@@ -56,6 +56,7 @@ from ..gaussian import Gaussian
 from ..likelihoods import Likelihood
 from ..moments.attention import AttentionRule
 from ..moments.layer_norm import LayerNormRoute
+from ..moments.smooth import GeluRule
 from ..propagation import moment_propagation
 from .base import BayesModule
 from .convert import from_torch
@@ -185,6 +186,7 @@ def from_torch_posterior(
     head_covariance: Literal["diag", "full"] = "diag",
     attention_rule: AttentionRule | None = None,
     layer_norm_route: LayerNormRoute | None = None,
+    gelu_rule: GeluRule | None = None,
     **layer_kwargs: Any,
 ) -> BayesModule:
     r"""Convert a trained torch network with a diagonal Gaussian posterior :math:`\mathcal N(w, \sigma^2)`.
@@ -211,7 +213,9 @@ def from_torch_posterior(
         layer_norm_route: the route of every LayerNorm (:func:`set_rules`; ``None``:
             ``"auto"``, the exact moments). ``attention_rule="mean"`` with
             ``layer_norm_route="first_order"`` is the cheap one-pass predictive measured in
-            ``docs/transformer_benchmark.md``.
+            ``docs/transformer_benchmark.md`` (with ``gelu_rule="closed"``).
+        gelu_rule: the moment rule of every exact GELU (:func:`set_rules`; ``None``:
+            ``"quadrature"``).
         **layer_kwargs: forwarded to every declared weight layer (``prior_variance``, ...).
 
     Returns:
@@ -260,7 +264,9 @@ def from_torch_posterior(
             f"no standard deviation given for {sorted(missing)}, which get a posterior "
             "(give them, or strict=False for point values)"
         )
-    set_rules(net, attention_rule=attention_rule, layer_norm_route=layer_norm_route)
+    set_rules(
+        net, attention_rule=attention_rule, layer_norm_route=layer_norm_route, gelu_rule=gelu_rule
+    )
     return net
 
 
@@ -269,15 +275,18 @@ def set_rules(
     *,
     attention_rule: AttentionRule | None = None,
     layer_norm_route: LayerNormRoute | None = None,
+    gelu_rule: GeluRule | None = None,
 ) -> int:
-    r"""Set the moment rules of every attention layer and LayerNorm of a converted network.
+    r"""Set the moment rules of every attention layer, LayerNorm and GELU of a converted network.
 
     The rules trade accuracy for cost in the one-pass predictive (measured in
     ``docs/transformer_benchmark.md``): ``attention_rule="mean"`` (SUQ's: attention weights
     from the query and key means, the variance carried by the values; about two extra batched
     matrix products over the mean pass) and ``layer_norm_route="first_order"`` (the
     linearization :math:`y \approx \hat m + J(a - \mu)`, :math:`O(D)` per token, no
-    quadrature). ``None`` leaves a kind as it is.
+    quadrature) and ``gelu_rule="closed"`` (GELU's mean and slope in closed form, its variance
+    through one 10-node Gauss–Legendre integral, within 1e-7 of the quadrature's oracle:
+    :func:`lightning_dvi.moments.smooth.gelu_closed_diag`). ``None`` leaves a kind as it is.
 
     Args:
         net: a declared network (e.g. from :func:`from_torch_posterior`), changed in place.
@@ -285,6 +294,9 @@ def set_rules(
             (:data:`lightning_dvi.moments.attention.ATTENTION_RULES`).
         layer_norm_route: for every :class:`~lightning_dvi.nn.LayerNorm`
             (:data:`lightning_dvi.moments.layer_norm.ROUTES`).
+        gelu_rule: for every :class:`~lightning_dvi.nn.GELU` with ``approximate="none"``
+            (:data:`lightning_dvi.moments.smooth.GELU_RULES`); GELUs in torch's tanh form have
+            no closed form and keep the quadrature (they are not counted).
 
     Returns:
         The number of modules changed.
@@ -300,6 +312,7 @@ def set_rules(
     """
     from ..moments.attention import ATTENTION_RULES
     from ..moments.layer_norm import ROUTES
+    from .activations import GELU, check_gelu_rule
     from .attention import MultiheadAttention, TransformerEncoderLayer
     from .layer_norm import LayerNorm
 
@@ -307,6 +320,8 @@ def set_rules(
         raise ValueError(f"attention_rule must be one of {ATTENTION_RULES}, got {attention_rule!r}")
     if layer_norm_route is not None and layer_norm_route not in ROUTES:
         raise ValueError(f"layer_norm_route must be one of {ROUTES}, got {layer_norm_route!r}")
+    if gelu_rule is not None:
+        check_gelu_rule(gelu_rule)
     changed = 0
     for module in net.modules():
         if attention_rule is not None and isinstance(module, MultiheadAttention):
@@ -316,6 +331,9 @@ def set_rules(
             module.options["rule"] = attention_rule  # its description; the layer is a child
         elif layer_norm_route is not None and isinstance(module, LayerNorm):
             module.route = layer_norm_route
+            changed += 1
+        elif gelu_rule is not None and isinstance(module, GELU) and module.approximate == "none":
+            module.rule = gelu_rule
             changed += 1
     return changed
 
