@@ -3,6 +3,7 @@
 Usage (the harness builds these commands; see docs/contributing.md)::
 
     python tests/docs_runner.py block FILE.json     # a ```python block (+ its named setup)
+    python tests/docs_runner.py chain FILE.json     # a page's blocks in order (``continue``)
     python tests/docs_runner.py cli ARGS...         # what `lightning-dvi ARGS...` runs
     python tests/docs_runner.py python ARGS...      # what `python ARGS...` runs (script or -m)
 
@@ -123,6 +124,26 @@ def _run_block(spec_path: str) -> None:
         exec(compile("\n" * first_line + code, spec["page"], "exec"), namespace)
 
 
+def _run_chain(spec_path: str) -> None:
+    """Run a tutorial page's python blocks in order in one namespace (``continue`` blocks).
+
+    After each block listed in ``checkpoints`` ends, its line goes to the ``done`` file: that
+    block's test passes, since everything before it ran as its own run would have run it
+    (every earlier python block of the page, in order, in one namespace). The first exception
+    ends the run with its traceback (page line numbers) and exit status 1.
+    """
+    with open(spec_path) as handle:
+        spec = json.load(handle)
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    checkpoints = set(spec["checkpoints"])
+    with open(spec["done"], "a") as done:
+        for first_line, code in spec["blocks"]:
+            exec(compile("\n" * first_line + code, spec["page"], "exec"), namespace)
+            if first_line in checkpoints:
+                done.write(f"{first_line}\n")
+                done.flush()
+
+
 def main(argv: list[str]) -> None:
     """Dispatch ``block`` / ``cli`` / ``python`` (see the module docstring)."""
     if fast_mode():
@@ -140,6 +161,8 @@ def main(argv: list[str]) -> None:
     kind, rest = argv[0], argv[1:]
     if kind == "block":
         _run_block(rest[0])
+    elif kind == "chain":
+        _run_chain(rest[0])
     elif kind == "cli":
         from lightning_dvi.cli import main as cli_main
 
@@ -153,7 +176,7 @@ def main(argv: list[str]) -> None:
             sys.argv = list(rest)
             runpy.run_path(rest[0], run_name="__main__")
     else:
-        raise SystemExit(f"unknown kind {kind!r}: expected block, cli or python")
+        raise SystemExit(f"unknown kind {kind!r}: expected block, chain, cli or python")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@
 * ``../shared/data/uci`` (and the ``path/to/uci`` placeholder) name the shared UCI data next to
   the checkout; without it such a block is skipped, except under ``CI``, where that is an error.
 * ``<!-- docs-test: continue -->`` before a python block runs the page's earlier python blocks
-  first, in the same namespace (a tutorial page that builds on itself).
+  first, in the same namespace (a tutorial page that builds on itself). A page's ``continue``
+  blocks share one run per test process: the page's python blocks in order, in one namespace,
+  up to its last ``continue`` block; each such block passes when that run got past its end, so
+  an expensive early block (an export, a fit) runs once, not once per later block.
 * ``<!-- docs-test: skip REASON -->`` before a block (a GPU, a long benchmark, recursion)
   replaces running by parsing: ``compile`` for Python, ``bash -n`` for shell.
 
@@ -210,6 +213,54 @@ def _parse_only(block: Block, workdir: Path) -> None:
         _check(result, block)
 
 
+def _chained(block: Block) -> bool:
+    """A ``continue`` block covered by its page's one chained run (``_page_chain``)."""
+    return (
+        block.lang == "python"
+        and block.continues
+        and block.setup is None
+        and block.skip_reason is None
+        and not any(snippet in block.code for snippet in XFAIL)
+    )
+
+
+@dataclass(frozen=True)
+class _Chain:
+    done: frozenset[int]  # the lines of the chained blocks the run got past
+    result: subprocess.CompletedProcess
+
+
+_CHAINS: dict[str, _Chain] = {}
+
+
+def _page_chain(page: str, workdir: Path, zygote: str) -> _Chain:
+    """Run ``page``'s python blocks in order in one namespace, up to its last chained block,
+    once per test process; which chained blocks it got past and its output."""
+    if page not in _CHAINS:
+        checkpoints = [b.line for b in BLOCKS if b.page == page and _chained(b)]
+        blocks = [
+            [b.line, _with_data(b.code) if b.needs_uci else b.code]
+            for b in BLOCKS
+            if b.page == page and b.lang == "python" and b.line <= max(checkpoints)
+        ]
+        spec, done = workdir / "chain.json", workdir / "chain.done"
+        spec.write_text(
+            json.dumps(
+                {"page": str(REPO / page), "blocks": blocks, "checkpoints": checkpoints,
+                 "done": str(done)}
+            )
+        )  # fmt: skip
+        done.touch()
+        result = subprocess.run(
+            [sys.executable, str(RUNNER), "chain", str(spec)], cwd=workdir,
+            env={**_environment(), ZYGOTE_ENV: zygote}, capture_output=True, text=True,
+            timeout=TIMEOUT_S,
+        )  # fmt: skip
+        finished = frozenset(int(line) for line in done.read_text().split())
+        _CHAINS[page] = _Chain(finished, result)
+    return _CHAINS[page]
+
+
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
 def test_documented_example_runs(block: Block, tmp_path: Path, zygote: str) -> None:
     if block.lang == "yaml":
@@ -220,6 +271,12 @@ def test_documented_example_runs(block: Block, tmp_path: Path, zygote: str) -> N
         return
     (tmp_path / "recipes").symlink_to(REPO / "recipes", target_is_directory=True)
     code = _with_data(block.code) if block.needs_uci else block.code
+    if _chained(block):
+        chain = _page_chain(block.page, tmp_path, zygote)
+        if block.line not in chain.done:
+            _check(chain.result, block)  # names the block (page:line) that raised
+            pytest.fail(f"{block.id}: the page's chained run ended before it", pytrace=False)
+        return
     if block.lang == "python":
         earlier = [
             [b.line, b.code]
@@ -378,3 +435,26 @@ def test_the_zygote_runs_a_command_as_a_fresh_interpreter_would(tmp_path, zygote
         ]
         assert "to stderr" in result.stderr
         assert ("RuntimeError: boom" in result.stderr) == (arg == "raise")
+
+
+def test_a_page_chain_runs_once_and_reports_the_blocks_it_got_past(tmp_path, zygote, monkeypatch):
+    """The chained run stops at the first exception: the blocks before it pass, the rest fail."""
+    page = str(tmp_path / "page.md")
+    counter = tmp_path / "runs.txt"
+    blocks = [
+        Block(page, 1, "python", f"open({str(counter)!r}, 'a').write('x')\nx = 1\n"),
+        Block(page, 5, "python", "y = x + 1\n", ("continue",)),
+        Block(page, 9, "python", "z = y + 1\nraise ValueError(z)\n", ("continue",)),
+        Block(page, 14, "python", "print(z)\n", ("continue",)),
+    ]
+    monkeypatch.setattr(sys.modules[__name__], "BLOCKS", blocks)
+    monkeypatch.setattr(sys.modules[__name__], "_CHAINS", {})
+    chain = _page_chain(page, tmp_path, zygote)
+    assert chain.done == {5}
+    assert chain.result.returncode == 1
+    assert (
+        f'File "{page}", line 11' in chain.result.stderr and "ValueError: 3" in chain.result.stderr
+    )
+    assert _page_chain(page, tmp_path, zygote) is chain  # one run per test process
+    assert counter.read_text() == "x"
+    assert [_chained(b) for b in blocks] == [False, True, True, True]
