@@ -11,8 +11,13 @@ Options: ``--kind dvi|autonormal``, ``--lr`` (Adam), ``--steps``, ``--init-scale
 ``init_loc_fn``; ``normal:S``: weight matrices from N(0, S²), everything else as
 :func:`lightning_dvi.pyro.init_to_he`, i.e. AutoNormal-like small random means),
 ``--init-seed`` (the random draws, initial means included, on the split of ``--seed``),
-``--json PATH`` (append the options and the last evaluation as one JSON line). At the end it
-prints the final ELBO (the deterministic one for ``dvi``, a 100-draw ``Trace_ELBO`` mean else).
+``--swap-draw`` (``dvi`` only: draw the initial means as ``pyro_classifier_swap.py`` does,
+after a second model is built, so that the trajectory is the swap run's deterministic one),
+``--json PATH`` (append the options and the last evaluation as one JSON line). Each evaluation
+also records, per weight site, the mean posterior scale and the largest absolute posterior
+mean (``scales``). At the end it prints the final ELBO (the deterministic one for ``dvi``, a
+100-draw ``Trace_ELBO`` mean else) and the ``--worst`` largest per-point test NLLs with their
+share of the total (``worst``, ``worst_share``).
 
 Run:  .venv/bin/python recipes/pyro_parity_trajectory.py --kind autonormal --lr 0.03 --every 500
 
@@ -54,6 +59,15 @@ def normal_weight_means(std: float) -> Any:
     return init
 
 
+def site_scales(guide: Any) -> dict[str, list[float]]:
+    """Per weight site: ``[mean posterior scale, largest absolute posterior mean]``."""
+    out = {}
+    for site in ("fc1.weight", "fc2.weight"):
+        loc, scale = guide._get_loc_and_scale(site)
+        out[site] = [round(scale.mean().item(), 4), round(loc.abs().max().item(), 3)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Train one guide; print (and return) the loss, test NLL and accuracy every few steps."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -71,6 +85,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser.add_argument("--json", default=None, help="append the last row as a JSON line here")
     parser.add_argument("--every", type=int, default=500)
     parser.add_argument("--predictive", type=int, default=300)
+    parser.add_argument("--swap-draw", action="store_true", help="the swap recipe's initial draw")
+    parser.add_argument("--worst", type=int, default=3, help="report the K worst test points")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     x, y, x_te, y_te = load(args.data, args.seed)
@@ -89,6 +105,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     if args.kind == "dvi":
         guide: Any = DeterministicGuide(model, **options)
         loss: pyro.infer.ELBO = DeterministicELBO()
+        if args.swap_draw:  # the swap recipe builds AutoNormal's model before the first step
+            Classifier(
+                x.shape[1], 1 if args.likelihood == "bernoulli" else classes, args.likelihood
+            )
     else:
         guide, loss = AutoNormal(model, **options), Trace_ELBO()
     svi = SVI(model, guide, pyro.optim.Adam({"lr": args.lr}), loss)
@@ -100,12 +120,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         cpu += time.process_time() - start
         if step % args.every == 0 or step == args.steps:
             probs = class_probs(model, guide, x_te, args.predictive)
-            nll = -probs.clamp_min(1e-12).log().gather(-1, y_te[:, None]).mean().item()
+            per_point = -probs.clamp_min(1e-12).log().gather(-1, y_te[:, None]).squeeze(-1)
+            nll = per_point.mean().item()
             acc = (probs.argmax(-1) == y_te).float().mean().item()
-            rows.append({"step": step, "loss": value, "nll": nll, "acc": acc, "cpu": cpu})
+            worst = per_point.sort(descending=True).values[: args.worst]
+            rows.append(
+                {
+                    "step": step,
+                    "loss": value,
+                    "nll": nll,
+                    "acc": acc,
+                    "cpu": cpu,
+                    "scales": site_scales(guide),
+                    "worst": worst.tolist(),
+                    "worst_share": (worst.sum() / per_point.sum()).item(),
+                }
+            )
             print(
                 f"step {step}: loss {value:.1f}, test NLL {nll:.4f}, acc {acc:.3f}, "
-                f"CPU {cpu:.1f} s",
+                f"CPU {cpu:.1f} s, worst {args.worst} points {rows[-1]['worst_share']:.0%} of it, "
+                f"scales {rows[-1]['scales']}",
                 flush=True,
             )
     with torch.no_grad():  # the final ELBO: exact for dvi, a 100-draw Trace_ELBO mean else
