@@ -222,3 +222,175 @@ def test_optimizer_step_is_unchanged_by_the_fused_functions():
         nets.append(net)
     for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+# ------------------------------------------------------------------- BatchNorm (fixed stats)
+def _bn_args(shape: tuple[int, ...], seed: int = 0):
+    """Inputs ``[B, C, *]``, running statistics and affine parameters shaped ``[C, 1, ...]``."""
+    gen = torch.Generator().manual_seed(seed)
+    c, ones = shape[1], [1] * (len(shape) - 2)
+    mean = torch.randn(*shape, dtype=F64, generator=gen).requires_grad_()
+    var = (torch.rand(*shape, dtype=F64, generator=gen) + 0.1).requires_grad_()
+    mu = torch.randn(c, *ones, dtype=F64, generator=gen)
+    sigma2 = torch.rand(c, *ones, dtype=F64, generator=gen) + 0.5
+    weight = torch.randn(c, *ones, dtype=F64, generator=gen).requires_grad_()
+    bias = torch.randn(c, *ones, dtype=F64, generator=gen).requires_grad_()
+    return mean, var, mu, sigma2, weight, bias
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (4, 3, 2, 2), (2, 3, 5)])
+def test_running_batch_norm_fused_matches_autograd_through_the_formula(shape):
+    from lightning_dvi.moments.normalization import running_affine_diag
+
+    mean, var, mu, sigma2, weight, bias = _bn_args(shape)
+    # a few variances flushed to zero by the formula (no gradient passes there)
+    with torch.no_grad():
+        var.view(-1)[:2] = 1e-300
+    fused = running_affine_diag(mean, var, mu, sigma2, weight, bias, 1e-5)
+    assert type(fused[0].grad_fn).__name__ == "_RunningAffineDiagBackward"
+    with policy.fused_functions(False):
+        reference = running_affine_diag(mean, var, mu, sigma2, weight, bias, 1e-5)
+    assert "RunningAffine" not in type(reference[0].grad_fn).__name__
+    assert reference[1].view(-1)[:2].tolist() == [0.0, 0.0]
+    gen = torch.Generator().manual_seed(1)
+    cot = [torch.randn(o.shape, dtype=F64, generator=gen) for o in fused]
+    wrt = (mean, var, weight, bias)
+    got = torch.autograd.grad(fused, wrt, cot)
+    want = torch.autograd.grad(reference, wrt, cot)
+    for a, b in zip(fused, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=0)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert got[1].view(-1)[:2].tolist() == [0.0, 0.0]
+
+
+def test_running_batch_norm_fused_passes_gradcheck_and_matches_an_affine_oracle():
+    from lightning_dvi.moments.normalization import running_affine_diag
+
+    mean, var, mu, sigma2, weight, bias = _bn_args((3, 2, 2, 2))
+    eps = 1e-5
+    args = (mean, var, mu, sigma2, weight, bias, eps)
+    assert torch.autograd.gradcheck(running_affine_diag, args)
+    # independent oracle: y = (a - mu) / sqrt(sigma2 + eps) * gamma + beta is affine in a
+    out_mean, out_var = running_affine_diag(*args)
+    s = weight / torch.sqrt(sigma2 + eps)
+    torch.testing.assert_close(out_mean, (mean - mu) * s + bias, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(out_var, var * s**2, rtol=1e-13, atol=0)
+
+
+def test_running_batch_norm_takes_autograd_for_learned_statistics_or_no_affine():
+    from lightning_dvi.moments.normalization import running_affine_diag
+
+    mean, var, mu, sigma2, weight, bias = _bn_args((4, 3))
+    out = running_affine_diag(mean, var, mu.requires_grad_(), sigma2, weight, bias, 1e-5)
+    assert "RunningAffine" not in type(out[0].grad_fn).__name__
+    out = running_affine_diag(mean, var, mu.detach(), sigma2, None, None, 1e-5)
+    assert "RunningAffine" not in type(out[0].grad_fn).__name__
+
+
+def test_eval_batch_norm_module_takes_the_fused_node():
+    from lightning_dvi import Gaussian
+    from lightning_dvi.nn import BatchNorm2d
+
+    bn = BatchNorm2d(3).double().eval()
+    mean, var, *_ = _bn_args((2, 3, 2, 2))
+    out = bn(Gaussian(mean, var=var), mode="diag")
+    assert type(out.mean.grad_fn).__name__ == "_RunningAffineDiagBackward"
+    with policy.fused_functions(False):
+        ref = bn(Gaussian(mean, var=var), mode="diag")
+    torch.testing.assert_close(out.mean, ref.mean, rtol=1e-14, atol=0)
+    torch.testing.assert_close(out.var, ref.var, rtol=1e-14, atol=0)
+
+
+# ------------------------------------------------------------- ReLU kernels (execution path)
+@pytest.mark.parametrize("path", ["blocked", "whole", "compiled"])
+def test_relu_runs_its_formula_compiled_only_where_the_policy_says(monkeypatch, path):
+    """``"compiled"`` (CUDA with Triton by default) wraps the same forward and backward."""
+    from lightning_dvi.moments import _relu
+
+    wrapped = []
+
+    def spy(name, fn):
+        wrapped.append(name)
+        return fn  # the eager formula itself: the route is what is checked here
+
+    monkeypatch.setattr(policy, "compiled", spy)
+    monkeypatch.setattr(policy, "resolve", lambda device: path)
+    mean = torch.tensor([-3.0, 0.5, 2.0], dtype=F64, requires_grad=True)
+    var = torch.tensor([1.0, 0.2, 4.0], dtype=F64, requires_grad=True)
+    out = _relu.relu_diag_fn(mean, var)
+    torch.autograd.grad(out, (mean, var), [torch.ones(3, dtype=F64)] * 2)
+    want = ["relu_diag_forward", "relu_diag_backward"] if path == "compiled" else []
+    assert wrapped == want
+    ref = _relu_moments_reference(mean.detach(), var.detach())
+    for a, b in zip(out, ref, strict=True):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-10, atol=1e-14)
+
+
+# ------------------------------------------------------------------------ conv2d (diag)
+def _conv_args(bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    mean = torch.randn(2, 3, 5, 5, dtype=F64, generator=gen)
+    var = torch.rand(2, 3, 5, 5, dtype=F64, generator=gen) + 0.1
+    w_loc = torch.randn(4, 3, 3, 3, dtype=F64, generator=gen)
+    w_var = torch.rand(4, 3, 3, 3, dtype=F64, generator=gen) + 0.05
+    b_loc = torch.randn(4, dtype=F64, generator=gen) if bias else None
+    b_var = torch.rand(4, dtype=F64, generator=gen) + 0.05 if bias else None
+    return [
+        t.requires_grad_() if t is not None else None
+        for t in (mean, var, w_loc, w_var, b_loc, b_var)
+    ]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("stride", "padding"), [(1, 1), (2, 0), ((2, 1), (1, 0))])
+def test_conv_fused_matches_autograd_through_the_formula(bias, stride, padding):
+    from lightning_dvi.moments import conv2d_diag
+
+    args = _conv_args(bias)
+    fused = conv2d_diag(*args, stride=stride, padding=padding)
+    assert type(fused[0].grad_fn).__name__ == "_Conv2dDiagBackward"
+    with policy.fused_functions(False):
+        reference = conv2d_diag(*args, stride=stride, padding=padding)
+    assert "Conv2dDiag" not in type(reference[0].grad_fn).__name__
+    gen = torch.Generator().manual_seed(1)
+    cot = [torch.randn(o.shape, dtype=F64, generator=gen) for o in fused]
+    wrt = [t for t in args if t is not None]
+    got = torch.autograd.grad(fused, wrt, cot)
+    want = torch.autograd.grad(reference, wrt, cot)
+    for a, b in zip(fused, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_conv_fused_passes_gradcheck_and_matches_monte_carlo():
+    from lightning_dvi.moments import conv2d_diag
+
+    args = _conv_args(True)
+    assert torch.autograd.gradcheck(
+        lambda *a: conv2d_diag(*a, stride=2, padding=1), tuple(args), atol=1e-7
+    )
+    # only the kernel gradients (a frozen input): the input-gradient passes are skipped
+    mean, var, *params = args
+    out = conv2d_diag(mean.detach(), var.detach(), *params)
+    got = torch.autograd.grad(out, params, [torch.ones_like(o) for o in out])
+    with policy.fused_functions(False):
+        ref = conv2d_diag(mean.detach(), var.detach(), *params)
+    want = torch.autograd.grad(ref, params, [torch.ones_like(o) for o in ref])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # independent oracle: Monte Carlo over the first example's inputs and over the weights
+    gen = torch.Generator().manual_seed(5)
+    n = 20000
+    m, v, wl, wv, bl, bv = (t.detach() for t in args)
+    x = m[0] + v[0].sqrt() * torch.randn(n, 3, 5, 5, dtype=F64, generator=gen)
+    w = wl + wv.sqrt() * torch.randn(n, *wl.shape, dtype=F64, generator=gen)
+    b = bl + bv.sqrt() * torch.randn(n, 4, dtype=F64, generator=gen)
+    draws = torch.nn.functional.conv2d(
+        x.reshape(1, n * 3, 5, 5), w.reshape(n * 4, 3, 3, 3), b.reshape(-1), padding=1, groups=n
+    ).reshape(n, 4, 5, 5)
+    out_mean, out_var = conv2d_diag(m, v, wl, wv, bl, bv, padding=1)
+    se = (out_var[0] / n).sqrt()
+    assert ((draws.mean(0) - out_mean[0]).abs() < 5 * se).all()
+    assert ((draws.var(0) / out_var[0] - 1).abs() < 5 * math.sqrt(2 / n) * 3).all()

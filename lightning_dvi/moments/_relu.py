@@ -39,11 +39,13 @@ any float's resolution of :math:`\sigma_j\sigma_l`, and :math:`\beta, \gamma` sh
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from . import policy
 from .special import flush, tail_cutoff
 
 __all__ = ["INV_2PI", "big", "clip_eps", "floors", "relu_diag_fn"]
@@ -85,48 +87,82 @@ def _neg_square_error(x: Tensor, sq: Tensor, split: float) -> Tensor:
 
 
 # ---------------------------------------------------------------------------- diagonal
+def _relu_diag_forward(mean: Tensor, var: Tensor) -> tuple[Tensor, ...]:
+    """ReLU mean and variance, and ``(Phi, phi/sigma, 2 E[h])`` for the backward (elementwise)."""
+    floor, e_min, split, _ = floors(var.dtype)
+    var_c = var.clamp_min(floor)
+    sd = var_c.sqrt()
+    mu = mean / sd
+    # Everything is written with a = |mu| and the upper-tail Mills ratio
+    # M = Phi(-a)/phi(a) = sqrt(pi/2) erfcx(a/sqrt2), evaluated as erfc(x) exp(x^2) with the
+    # rounding of x^2 corrected (otherwise its relative error x^2 eps is amplified by a^4 in
+    # the variance's cancellation): erfcx's accuracy at a tenth of its cost. x is clamped
+    # where phi underflows anyway; CPU exp/erfc are ~10x slower on arguments that underflow.
+    x = mu.abs().mul_(_SQRT_HALF).clamp_max_(math.sqrt(-math.log(e_min)))
+    half = torch.special.erfc(x).mul_(0.5)  # Phi(-a), full relative precision in the tail
+    sq = x * x
+    # phi(a) = fl(pdf) (1 - err) with err = x^2 - fl(x^2), so M = Phi(-a) (1 + err) / pdf
+    mills = torch.addcmul(half, half, _neg_square_error(x, sq, split), value=-1)
+    pdf = sq.neg_().exp_().mul_(_INV_SQRT_2PI)  # phi(a), up to the rounding of x^2
+    mills.div_(pdf)
+    a = x.mul_(math.sqrt(2.0))  # in place: x is no longer needed
+    u = 1 - a * mills  # 1 - a M
+    w = torch.addcmul(mills, a, u, value=-1)  # (1 + a^2) M - a
+    pu = pdf * u
+    relu = mu.clamp_min(0)
+    # E[h]/sd = relu(mu) + phi u for either sign of mu; Var[h]/var = phi w - (phi u)^2 for
+    # mu < 0 and 1 - phi w - phi u (2 a + phi u) for mu >= 0 (no cancellation on that side).
+    # threshold: clamp at 0 and flush the tails below the cutoff to exact zeros in one op
+    # (torch.threshold_ directly: the same kernel without F.threshold's Python wrapper)
+    cut = tail_cutoff(mean.dtype)
+    out_mean = torch.threshold_((relu + pu).mul_(sd), cut, 0.0)
+    pw = w.mul_(pdf)
+    pos = mu > 0
+    # (phi u)^2 only matters where it is above ~eps * phi w: below, it would be subnormal
+    pu_sq = torch.threshold(pu, 1e-18 if mean.dtype == torch.float32 else 1e-150, 0.0)
+    out_var = torch.where(pos, 1 - pw, pw).sub_(pu_sq * torch.add(pu, relu, alpha=2))
+    out_var = torch.threshold_(out_var.mul_(var_c), cut, 0.0)
+    cdf = torch.threshold_(torch.where(pos, 1 - half, half), cut, 0.0)
+    # 2 E[h], not the output E[h] itself: a saved output costs a detach when saved and when
+    # unpacked, and the backward wants the doubled value
+    dens = torch.threshold_(pdf.div_(sd), cut, 0.0)
+    return out_mean, out_var, cdf, dens, out_mean * 2
+
+
+def _relu_diag_backward(
+    g_mean: Tensor, g_var: Tensor, cdf: Tensor, dens: Tensor, mean2: Tensor, var: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The input gradients of :func:`_relu_diag_forward` for both output gradients."""
+    # the module docstring's four derivatives, contracted with (g_mean, g_var) in few ops:
+    # grad_m = g_mean Phi + 2 t (1 - Phi) = 2t + Phi (g_mean - 2t),
+    # grad_v = g_var Phi + dens (g_mean - 2t) / 2, t = g_var E[h], dens = phi / sigma
+    t2 = g_var * mean2
+    s = g_mean - t2
+    grad_m = torch.addcmul(t2, cdf, s)
+    grad_v = torch.addcmul(g_var * cdf, dens, s, value=0.5)
+    # the variance floor has zero derivative below it
+    return flush(grad_m), flush(grad_v.mul_(var >= floors(var.dtype)[0]))
+
+
+def _on_kernels(
+    name: str, fn: Callable[..., tuple[Tensor, ...]], like: Tensor
+) -> Callable[..., tuple[Tensor, ...]]:
+    """``fn`` itself, or compiled to one fused kernel where :func:`.policy.resolve` says so.
+
+    On CUDA (with Triton) the forward's ~45 elementwise ops and the backward's ~10 are each a
+    kernel launch in eager mode; compiled they are one kernel each, the same formula.
+    """
+    return policy.compiled(name, fn) if policy.resolve(like.device) == "compiled" else fn
+
+
 class _ReluDiag(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
-        floor, e_min, split, _ = floors(var.dtype)
-        var_c = var.clamp_min(floor)
-        sd = var_c.sqrt()
-        mu = mean / sd
-        # Everything is written with a = |mu| and the upper-tail Mills ratio
-        # M = Phi(-a)/phi(a) = sqrt(pi/2) erfcx(a/sqrt2), evaluated as erfc(x) exp(x^2) with the
-        # rounding of x^2 corrected (otherwise its relative error x^2 eps is amplified by a^4 in
-        # the variance's cancellation): erfcx's accuracy at a tenth of its cost. x is clamped
-        # where phi underflows anyway; CPU exp/erfc are ~10x slower on arguments that underflow.
-        x = mu.abs().mul_(_SQRT_HALF).clamp_max_(math.sqrt(-math.log(e_min)))
-        half = torch.special.erfc(x).mul_(0.5)  # Phi(-a), full relative precision in the tail
-        sq = x * x
-        # phi(a) = fl(pdf) (1 - err) with err = x^2 - fl(x^2), so M = Phi(-a) (1 + err) / pdf
-        mills = torch.addcmul(half, half, _neg_square_error(x, sq, split), value=-1)
-        pdf = sq.neg_().exp_().mul_(_INV_SQRT_2PI)  # phi(a), up to the rounding of x^2
-        mills.div_(pdf)
-        a = x.mul_(math.sqrt(2.0))  # in place: x is no longer needed
-        u = 1 - a * mills  # 1 - a M
-        w = torch.addcmul(mills, a, u, value=-1)  # (1 + a^2) M - a
-        pu = pdf * u
-        relu = mu.clamp_min(0)
-        # E[h]/sd = relu(mu) + phi u for either sign of mu; Var[h]/var = phi w - (phi u)^2 for
-        # mu < 0 and 1 - phi w - phi u (2 a + phi u) for mu >= 0 (no cancellation on that side).
-        # threshold: clamp at 0 and flush the tails below the cutoff to exact zeros in one op
-        # (torch.threshold_ directly: the same kernel without F.threshold's Python wrapper)
-        cut = tail_cutoff(mean.dtype)
-        out_mean = torch.threshold_((relu + pu).mul_(sd), cut, 0.0)
-        pw = w.mul_(pdf)
-        pos = mu > 0
-        # (phi u)^2 only matters where it is above ~eps * phi w: below, it would be subnormal
-        pu_sq = torch.threshold(pu, 1e-18 if mean.dtype == torch.float32 else 1e-150, 0.0)
-        out_var = torch.where(pos, 1 - pw, pw).sub_(pu_sq * torch.add(pu, relu, alpha=2))
-        out_var = torch.threshold_(out_var.mul_(var_c), cut, 0.0)
-        cdf = torch.threshold_(torch.where(pos, 1 - half, half), cut, 0.0)
-        # 2 E[h], not the output E[h] itself: a saved output costs a detach when saved and when
-        # unpacked, and the backward wants the doubled value
-        dens = torch.threshold_(pdf.div_(sd), cut, 0.0)
-        ctx.save_for_backward(cdf, dens, out_mean * 2, var)
+        out_mean, out_var, cdf, dens, mean2 = _on_kernels(
+            "relu_diag_forward", _relu_diag_forward, mean
+        )(mean, var)
+        ctx.save_for_backward(cdf, dens, mean2, var)
         return out_mean, out_var
 
     @staticmethod
@@ -135,22 +171,18 @@ class _ReluDiag(torch.autograd.Function):
         ctx: FunctionCtx, g_mean: Tensor | None, g_var: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None]:
         cdf, dens, mean2, var = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
-        # the module docstring's four derivatives, contracted with (g_mean, g_var) in few ops:
-        # grad_m = g_mean Phi + 2 t (1 - Phi) = 2t + Phi (g_mean - 2t),
-        # grad_v = g_var Phi + dens (g_mean - 2t) / 2, t = g_var E[h], dens = phi / sigma
+        if g_var is not None and g_mean is not None:
+            backward = _on_kernels("relu_diag_backward", _relu_diag_backward, var)
+            return backward(g_mean, g_var, cdf, dens, mean2, var)  # type: ignore[return-value]  # two tensors
+        # one output unused: the same derivatives with its gradient zero
         if g_var is None:
             if g_mean is None:
                 return None, None
             grad_m, grad_v = g_mean * cdf, torch.mul(g_mean, dens).mul_(0.5)
         else:
             t2 = g_var * mean2
-            if g_mean is None:
-                grad_m = (1 - cdf).mul_(t2)
-                grad_v = (g_var * cdf).addcmul_(dens, t2, value=-0.5)
-            else:
-                s = g_mean - t2
-                grad_m = torch.addcmul(t2, cdf, s)
-                grad_v = torch.addcmul(g_var * cdf, dens, s, value=0.5)
+            grad_m = (1 - cdf).mul_(t2)
+            grad_v = (g_var * cdf).addcmul_(dens, t2, value=-0.5)
         # the variance floor has zero derivative below it
         return flush(grad_m), flush(grad_v.mul_(var >= floors(var.dtype)[0]))
 

@@ -211,6 +211,12 @@ class _BatchNorm(BayesModule):
                 return self._normalized(g, rank)
         else:
             mu, sigma2 = self._running(rank)
+            if g.cov is None:  # fixed statistics: one fused node where the policy allows
+                mean, var = N.running_affine_diag(
+                    g.mean, g.var, mu, sigma2,
+                    self._channel(self.weight, rank), self._channel(self.bias, rank), self.eps,
+                )  # fmt: skip
+                return Gaussian(mean, var=var, validate=False)
         scale, shift = self._affine(mu, sigma2, rank)
         if g.cov is not None:
             mean, cov = N.affine_full(g.mean, g.cov, scale.reshape(-1), shift.reshape(-1))
