@@ -233,3 +233,24 @@ def test_set_rules_and_posthoc_conversion_on_a_vit():
     assert (tanh[1].rule, tanh[3].rule) == ("quadrature", "closed")
     with pytest.raises(ValueError, match="rule must be one of"):
         posthoc.set_rules(tanh, gelu_rule="probit")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_in_place_path_equals_the_autograd_path(dtype):
+    """Without autograd the formula runs in reused buffers: the same values as with it."""
+    torch.manual_seed(0)
+    m = 3 * torch.randn(4, 5, 33, dtype=dtype)
+    v = torch.rand(4, 5, 33, dtype=dtype) * torch.logspace(-6, 1, 33, dtype=dtype)
+    with torch.no_grad():
+        fast = S.gelu_closed_diag(m, v)
+        again = S.gelu_closed_diag(m, v)  # the buffers reused
+    slow = S.gelu_closed_diag(m.requires_grad_(), v.requires_grad_())
+    for a, b in zip(fast, again, strict=True):
+        assert a.shape == m.shape and a.data_ptr() != b.data_ptr()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the same operations, some in another order: rounding apart (relative to the input
+    # variance where the O(v) terms of the variance cancel)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(fast[0], slow[0].detach(), rtol=20 * eps, atol=20 * eps)
+    err = (fast[1] - slow[1].detach()).abs()
+    assert bool((err <= 100 * eps * (slow[1].detach() + v.detach())).all()), err.max()

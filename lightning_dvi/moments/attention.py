@@ -653,13 +653,16 @@ def _weights_and_heads(
     full = second is not None and second.dim() == mean.dim() + 1
     if query.w_loc.shape[0] % heads:
         raise ValueError(f"the query width must be a multiple of heads={heads}")
+    allowed = attention_mask(mean.shape[-2], mean.shape[-2], causal, key_padding_mask, mean.device)
+    if rule == "mean":  # the weights from the query and key means alone: no variance projected
+        qh = split_heads(torch.nn.functional.linear(mean, query.w_loc, query.b_loc), heads)
+        kh = split_heads(torch.nn.functional.linear(mean, key.w_loc, key.b_loc), heads)
+        unused = torch.zeros_like(qh)  # the rule reads no variance
+        return attention_weights(qh, unused, kh, unused, rule=rule, allowed=allowed), qh, kh
     var = None if second is None else (second.diagonal(0, -2, -1) if full else second)
     q_mean, q_var = _project(mean, var, query, False)
     k_mean, _ = _project(mean, var, key, False)
-    allowed = attention_mask(mean.shape[-2], mean.shape[-2], causal, key_padding_mask, mean.device)
     qh, qv, kh = split_heads(q_mean, heads), split_heads(q_var, heads), split_heads(k_mean, heads)
-    if rule == "mean":
-        return attention_weights(qh, qv, kh, qv, rule=rule, allowed=allowed), qh, kh
     k_ind = torch.zeros_like(k_mean) if second is None else _key_input_var(key, second, full)
     same = None if second is None else _same_token_trace(query, key, second, heads, full)
     key_shared = _key_shared(key, qh, qv, mean, heads)

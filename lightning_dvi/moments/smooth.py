@@ -38,7 +38,15 @@ import torch
 from torch import Tensor
 
 from ._mehler import mehler_cov, parseval_sum
-from ._quadrature import DEFAULT_NODES, Kernel, _Take, constant, gauss_hermite, smooth_moments
+from ._quadrature import (
+    DEFAULT_NODES,
+    Kernel,
+    _Scratch,
+    _Take,
+    constant,
+    gauss_hermite,
+    smooth_moments,
+)
 from ._relu import floors
 from ._relu_cov import relu_cov
 from .activations import relu_diag, relu_slope
@@ -87,6 +95,7 @@ __all__ = [
 _Pair = tuple[Tensor, Tensor]
 _Scale = tuple[float, float, float]
 _SQRT_HALF = math.sqrt(0.5)
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
@@ -429,7 +438,7 @@ def gelu_closed_slope(mean: Tensor, var: Tensor) -> Tensor:
     return flush(cdf + h * pdf / t)
 
 
-def _gelu_phi2_excess(h: Tensor, v: Tensor, q: Tensor) -> Tensor:
+def _gelu_phi2_excess(h: Tensor, v: Tensor, q: Tensor, scratch: _Scratch | None = None) -> Tensor:
     r""":math:`\Phi_2(h, h; \rho) - \Phi(h)^2`, :math:`\rho = v/(1+v)`, by Gauss–Legendre.
 
     With :math:`a = 1/q`, :math:`q = \sqrt{1 + 2v}` (so :math:`a^2 = (1-\rho)/(1+\rho)`),
@@ -453,11 +462,22 @@ def _gelu_phi2_excess(h: Tensor, v: Tensor, q: Tensor) -> Tensor:
     xi = constant(nodes, h.dtype, h.device).view(n, *(1,) * h.dim())
     wi = constant(weights, h.dtype, h.device).view_as(xi)
     width = 2 * v / (q * (q + 1))  # 1 - a
-    u = xi * width  # [n, ...]: x_i = 1 - u_i, so 1 + x_i^2 = (u_i - 2) u_i + 2
-    x2 = (u - 2) * u + 2
+    u = (
+        xi * width
+        if scratch is None
+        else torch.mul(xi, width, out=scratch.take(n).view(n, *width.shape))
+    )
+    # [n, ...]: x_i = 1 - u_i, so 1 + x_i^2 = (u_i - 2) u_i + 2
+    half_h2 = h * h * -0.5
     # clamped where exp would leave the normal range (the result is flushed anyway)
     c2 = tail_argument(h.dtype) ** 2 + 10.0
-    values = torch.exp((x2 * (h * h * -0.5)).clamp(min=-c2)) / x2 * wi
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (h, v, q)):
+        x2 = (u - 2) * u + 2
+        values = torch.exp((x2 * half_h2).clamp(min=-c2)) / x2 * wi
+    else:  # the same in place: two [n, ...] buffers, not six (the predictive's path)
+        x2 = u - 2 if scratch is None else torch.sub(u, 2, out=scratch.take(n).view_as(u))
+        x2 = x2.mul_(u).add_(2)
+        values = u.copy_(x2).mul_(half_h2).clamp_(min=-c2).exp_().div_(x2).mul_(wi)
     return width * values.sum(0) / math.pi
 
 
@@ -491,6 +511,8 @@ def gelu_closed_diag(mean: Tensor, var: Tensor) -> _Pair:
     nodes are constants). Relative error against adaptive quadrature below :math:`10^{-7}`
     in float64 for :math:`|m| \le 12`, any :math:`v` (``docs/posthoc.md``).
     """
+    if _in_buffers(mean, var):
+        return _gelu_closed_diag_buffers(mean, var)
     v = var.clamp_min(0)
     t, r, h, cdf_h, pdf_h = _gelu_closed_terms(mean, v)
     q = (2 * v + 1).sqrt()
@@ -509,6 +531,63 @@ def gelu_closed_diag(mean: Tensor, var: Tensor) -> _Pair:
         + v * v * (2 * e_phi2 - 2 * e_a_cdf_pdf - pdf_h * pdf_h / t)
     )
     return flush(out_mean), flush(out_var.clamp_min(0))
+
+
+def _in_buffers(mean: Tensor, var: Tensor) -> bool:
+    """Whether :func:`gelu_closed_diag` may run in reused buffers: no autograd, eager, CPU."""
+    if torch.is_grad_enabled() and (mean.requires_grad or var.requires_grad):
+        return False
+    tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    return not tracing and mean.device.type == "cpu" and mean.shape == var.shape
+
+
+def _gelu_closed_diag_buffers(mean: Tensor, var: Tensor) -> _Pair:
+    """:func:`gelu_closed_diag`'s formula, in place in one reused scratch array.
+
+    The same operations in the same order (so the same values, up to the flushes of the
+    intermediate normal CDFs and densities below :func:`~.special.tail_cutoff`, which only
+    the outputs get here); some fifty ``[N]`` temporaries of 128 KiB each would otherwise
+    be page-faulted in afresh on every call (``_quadrature.POOL_LIMIT``), more than the
+    arithmetic costs.
+    """
+    shape, m = mean.shape, mean.reshape(-1)
+    c = tail_argument(m.dtype)
+    scratch = _Scratch(m, m.numel())
+    b = scratch.take(13)
+    v = torch.clamp(var.reshape(-1), min=0, out=b[0])
+    t = torch.add(v, 1.0, out=b[1])
+    r = torch.sqrt(t, out=b[2])
+    h = torch.div(m, r, out=b[3])
+    q = torch.mul(v, 2, out=b[4]).add_(1).sqrt_()
+    k = torch.div(h, q, out=b[5])
+
+    def cdf(x: Tensor, out: Tensor) -> Tensor:
+        return torch.mul(x, -_SQRT_HALF, out=out).clamp_(-c, c).erfc_().mul_(0.5)
+
+    def pdf(x: Tensor, out: Tensor) -> Tensor:
+        low = -c * c - 1.0  # as normal_pdf: exp of it is below the cutoff
+        return torch.mul(x, x, out=out).mul_(-0.5).sub_(_LOG_SQRT_2PI).clamp_(min=low).exp_()
+
+    cdf_h, pdf_h = cdf(h, b[6]), pdf(h, b[7])
+    cdf_k, pdf_k = cdf(k, b[8]), pdf(k, b[9])
+    excess = _gelu_phi2_excess(h, v, q, scratch)
+    tmp = torch.div(v, r, out=b[10]).mul_(pdf_h)
+    out_mean = torch.mul(m, cdf_h).add_(tmp)
+    e_phi2 = torch.mul(q, q, out=b[11])
+    e_phi2 = torch.mul(m, m, out=b[10]).div_(e_phi2).neg_().clamp_(min=-c * c).exp_()
+    e_phi2 = e_phi2.div_(torch.mul(q, 2 * math.pi, out=b[11]))
+    pdf_r = torch.div(pdf_h, r, out=b[11])
+    # e_a_cdf_pdf = pdf_r (m / t cdf_k + v / (r q) pdf_k), into b[12]
+    e_acp = torch.div(m, t, out=b[12]).mul_(cdf_k)
+    rq = torch.mul(r, q, out=b[5])  # k is no longer needed
+    e_acp = e_acp.add_(torch.div(v, rq, out=b[5]).mul_(pdf_k)).mul_(pdf_r)
+    out_var = torch.mul(m, m).mul_(excess)
+    out_var.add_(torch.mul(cdf_h, cdf_h, out=b[5]).add_(excess).mul_(v))
+    two = torch.mul(cdf_k, 2, out=b[5]).sub_(cdf_h).mul_(pdf_r).mul_(m).mul_(v)
+    out_var.add_(two, alpha=2)
+    last = torch.mul(pdf_h, pdf_h, out=b[5]).div_(t).neg_().add_(e_phi2, alpha=2)
+    out_var.add_(last.sub_(e_acp, alpha=2).mul_(v).mul_(v))
+    return flush(out_mean).view(shape), flush(out_var.clamp_min_(0)).view(shape)
 
 
 def gelu_closed_full(mean: Tensor, cov: Tensor) -> _Pair:

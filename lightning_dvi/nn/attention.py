@@ -267,8 +267,9 @@ class MultiheadAttention(BayesModule):
         )  # fmt: skip
         own = weights.mean.diagonal(0, -2, -1).transpose(1, 2)  # [B, T, H]
         d = self.embed_dim // self.num_heads
-        w_v = v.w_loc.reshape(self.num_heads, d, -1)  # [H, d, D]
-        through_v = torch.einsum("btrc,hkc,bth->btrhk", cross, w_v, own).flatten(-2)
+        # Cov(r, x) W_v^T, each head's block scaled by its own weight A_ii, then W_o^T
+        through_v = (cross @ v.w_loc.transpose(-1, -2)).unflatten(-1, (self.num_heads, d))
+        through_v = (through_v * own.unsqueeze(-2).unsqueeze(-1)).flatten(-2)
         return through_v @ o.w_loc.transpose(-1, -2)
 
     def extra_repr(self) -> str:
