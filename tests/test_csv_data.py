@@ -1,7 +1,7 @@
 """CSVDataModule: reading, splits, training-statistics standardisation, CLI linking, a fit via the recipe."""
 
 import csv
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -264,26 +264,25 @@ def test_bad_arguments(tmp_path, kwargs, message):
         CSVDataModule(str(tmp_path / "data.csv"), **kwargs)
 
 
-def test_cli_fit_on_the_diabetes_csv_via_the_recipe(tmp_path):
+def test_cli_fit_on_the_diabetes_csv_via_the_recipe(cli_workdir, monkeypatch, capsys):
     """Issue 14's acceptance, fit half: the committed recipe trains on the diabetes CSV and
-    leaves a checkpoint that loads (the predict half compares its CSV with ``predictive``)."""
-    env_python = sys.executable
-    subprocess.run(
-        [env_python, str(REPO / "recipes" / "make_diabetes_csv.py"), "diabetes.csv"],
-        cwd=tmp_path, check=True, capture_output=True,
-    )  # fmt: skip
-    result = subprocess.run(
-        [
-            env_python, "-m", "lightning_dvi.cli", "fit", "--config", str(RECIPE),
-            "--data.path", "diabetes.csv", "--trainer.max_epochs", "2",
-        ],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    leaves a checkpoint that loads (the predict half compares its CSV with ``predictive``).
+
+    The CLI runs in this process (README.md's CLI block runs the same three commands as
+    processes): a fresh interpreter per command cost ~8 s of CPU in imports each."""
+    tmp_path = cli_workdir
+    maker = REPO / "recipes" / "make_diabetes_csv.py"
+    monkeypatch.setattr(sys, "argv", [str(maker), "diabetes.csv"])
+    runpy.run_path(str(maker), run_name="__main__")
+    capsys.readouterr()
+    cli(
+        ["fit", "--config", str(RECIPE), "--data.path", "diabetes.csv", "--trainer.max_epochs", "2"]
+    )
+    stdout = capsys.readouterr().out
     run_dir = tmp_path / "runs" / "csv_regression" / "lightning_logs" / "version_0"
     checkpoint = run_dir / "checkpoints" / "last.ckpt"
-    assert checkpoint.is_file(), result.stdout[-2000:]
-    assert "test/rmse" in result.stdout
+    assert checkpoint.is_file(), stdout[-2000:]
+    assert "test/rmse" in stdout
     model = DVIRegressor.load_from_checkpoint(checkpoint, map_location="cpu")
     dm = CSVDataModule(str(tmp_path / "diabetes.csv"), target="target", test_fraction=0.2)
     assert model.hparams.in_features == dm.in_features == 10
@@ -296,16 +295,13 @@ def test_cli_fit_on_the_diabetes_csv_via_the_recipe(tmp_path):
     assert mean.shape == (dm.num_test,) and bool((var > 0).all())
     # Predict half: `predict` with that checkpoint writes a CSV whose rows (the test split, in
     # order) match DVIRegressor.predictive to 1e-6.
-    result = subprocess.run(
-        [
-            env_python, "-m", "lightning_dvi.cli", "predict", "--config", str(RECIPE),
-            "--data.path", "diabetes.csv", "--ckpt_path", str(checkpoint),
-        ],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    cli(
+        ["predict", "--config", str(RECIPE), "--data.path", "diabetes.csv",
+         "--ckpt_path", str(checkpoint)]
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    stdout = capsys.readouterr().out
     written = sorted(tmp_path.glob("runs/csv_regression/**/predictions.csv"))
-    assert written, result.stdout[-2000:]
+    assert written, stdout[-2000:]
     with written[-1].open() as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == dm.num_test

@@ -361,7 +361,12 @@ def _free_port() -> int:
 
 
 def test_ddp_two_process_sync_equals_single_process(tmp_path):
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    # forked, not spawned: the processes are what the check needs (two gloo ranks, each with its
+    # own shard); a spawned one first re-imports torch, scipy and this module (~7 s of CPU each)
+    mp.start_processes(
+        _ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
+        start_method="fork",
+    )  # fmt: skip
     single_reg = RegressionMetrics().set_dtype(torch.float64)
     single_reg.update(*_regression_data())
     single_cls = ClassificationMetrics(4).set_dtype(torch.float64)
