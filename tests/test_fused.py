@@ -226,15 +226,15 @@ def test_optimizer_step_is_unchanged_by_the_fused_functions():
 
 # ------------------------------------------------------------------- BatchNorm (fixed stats)
 def _bn_args(shape: tuple[int, ...], seed: int = 0):
-    """Inputs ``[B, C, *]``, running statistics and affine parameters shaped ``[C, 1, ...]``."""
+    """Inputs ``[B, C, *]``, running statistics and affine parameters ``[C]``."""
     gen = torch.Generator().manual_seed(seed)
-    c, ones = shape[1], [1] * (len(shape) - 2)
+    c = shape[1]
     mean = torch.randn(*shape, dtype=F64, generator=gen).requires_grad_()
     var = (torch.rand(*shape, dtype=F64, generator=gen) + 0.1).requires_grad_()
-    mu = torch.randn(c, *ones, dtype=F64, generator=gen)
-    sigma2 = torch.rand(c, *ones, dtype=F64, generator=gen) + 0.5
-    weight = torch.randn(c, *ones, dtype=F64, generator=gen).requires_grad_()
-    bias = torch.randn(c, *ones, dtype=F64, generator=gen).requires_grad_()
+    mu = torch.randn(c, dtype=F64, generator=gen)
+    sigma2 = torch.rand(c, dtype=F64, generator=gen) + 0.5
+    weight = torch.randn(c, dtype=F64, generator=gen).requires_grad_()
+    bias = torch.randn(c, dtype=F64, generator=gen).requires_grad_()
     return mean, var, mu, sigma2, weight, bias
 
 
@@ -273,6 +273,7 @@ def test_running_batch_norm_fused_passes_gradcheck_and_matches_an_affine_oracle(
     assert torch.autograd.gradcheck(running_affine_diag, args)
     # independent oracle: y = (a - mu) / sqrt(sigma2 + eps) * gamma + beta is affine in a
     out_mean, out_var = running_affine_diag(*args)
+    mu, sigma2, weight, bias = (t.view(-1, 1, 1) for t in (mu, sigma2, weight, bias))
     s = weight / torch.sqrt(sigma2 + eps)
     torch.testing.assert_close(out_mean, (mean - mu) * s + bias, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(out_var, var * s**2, rtol=1e-13, atol=0)

@@ -162,19 +162,19 @@ def running_affine_diag(
     bias: Tensor | None,
     eps: float,
 ) -> tuple[Tensor, Tensor]:
-    r"""Batch normalization by fixed statistics of independent Gaussian units (eval mode).
+    r"""Batch normalization by fixed statistics of independent Gaussian units ``[B, C, *]``.
 
     :func:`affine_diag` with the map of :func:`normalization_scale_shift`:
     :math:`(s m + t,\ s^2 v)`, :math:`s = \gamma/\sqrt{\sigma^2 + \epsilon}`,
-    :math:`t = \beta - s\mu`, for statistics ``mu``, ``sigma2`` that carry no gradient (running
-    statistics) and point parameters :math:`\gamma, \beta`; every argument broadcasts to
-    ``mean``.
+    :math:`t = \beta - s\mu`, per channel (dimension 1), for statistics ``mu``, ``sigma2``
+    ``[C]`` that carry no gradient (running statistics) and point parameters
+    :math:`\gamma, \beta` ``[C]`` (eval mode, or ``freeze_statistics``).
 
     **Fused backward** (one autograd node where :func:`.policy.use_fused` allows, both
     parameters given and the statistics constant). With :math:`\bar m, \bar v` the output
     gradients, :math:`\bar p = \bar v\,[\lvert s^2 v\rvert > \text{cutoff}]` (the flush of
     :func:`~lightning_dvi.moments.special.flush` passes no gradient) and :math:`\Sigma` the sum
-    over every dimension that ``s`` broadcasts along:
+    over every dimension but the channel's:
 
     .. math::
         \partial_m = \bar m\,s,\quad \partial_v = \bar p\,s^2,\quad
@@ -182,19 +182,30 @@ def running_affine_diag(
         \partial_\gamma = \frac{\Sigma(\bar m\,m) + 2s\,\Sigma(\bar p\,v)
             - \mu\,\Sigma\bar m}{\sqrt{\sigma^2 + \epsilon}} .
 
-    Autograd through the formula dispatches about thirty backward ops per layer for these
-    (a node per product, the flush, the broadcast sums); the Function about ten.
+    The parameter gradients come out ``[C]`` directly. Autograd through the formula
+    dispatches about thirty backward ops per layer for these (a node per product, the flush,
+    the broadcast sums, the channel reshapes); the Function about a dozen.
     """
     if (
         weight is not None
         and bias is not None
         and mean.shape == var.shape
+        and mean.dim() >= 2
         and not (mu.requires_grad or sigma2.requires_grad)
         and policy.use_fused(mean, var, mu, sigma2, weight, bias)
     ):
         return _RunningAffineDiag.apply(mean, var, mu, sigma2, weight, bias, eps)  # type: ignore[no-any-return]  # Function.apply returns Any
-    scale, shift = normalization_scale_shift(mu, sigma2, weight, bias, eps)
+    rank = mean.dim()
+    mu, sigma2, weight, bias = (_per_channel(t, rank) for t in (mu, sigma2, weight, bias))
+    scale, shift = normalization_scale_shift(mu, sigma2, weight, bias, eps)  # type: ignore[arg-type]  # mu, sigma2 are tensors
     return affine_diag(mean, var, scale, shift)
+
+
+def _per_channel(t: Tensor | None, rank: int) -> Tensor | None:
+    """``[C]`` as ``[C, 1, ...]``, broadcasting against ``[B, C, *]`` inputs of ``rank`` dims."""
+    if t is None or rank <= 2:
+        return t
+    return t.view(-1, *([1] * (rank - 2)))
 
 
 class _RunningAffineDiag(torch.autograd.Function):
@@ -211,10 +222,15 @@ class _RunningAffineDiag(torch.autograd.Function):
         bias: Tensor,
         eps: float,
     ) -> tuple[Tensor, Tensor]:
-        inv, scale, shift = _scale_shift(mu, sigma2, weight, bias, eps)
-        out_mean, out_var, square = _affine_diag_formula(mean, var, scale, shift)
+        inv, scale, shift = _scale_shift(mu, sigma2, weight, bias, eps)  # all [C]
+        rank = mean.dim()
+        out_mean, out_var, square = _affine_diag_formula(
+            mean,
+            var,
+            _per_channel(scale, rank),
+            _per_channel(shift, rank),  # type: ignore[arg-type]  # tensors in, tensors out
+        )
         ctx.save_for_backward(mean, var, mu, inv, scale, square, out_var)
-        ctx.shapes = (weight.shape, bias.shape)  # type: ignore[attr-defined]  # ctx attribute
         return out_mean, out_var
 
     @staticmethod
@@ -222,24 +238,20 @@ class _RunningAffineDiag(torch.autograd.Function):
     def backward(ctx: FunctionCtx, g_mean: Tensor, g_var: Tensor) -> tuple[Tensor | None, ...]:
         mean, var, mu, inv, scale, square, out_var = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
         need = ctx.needs_input_grad  # type: ignore[attr-defined]  # FunctionCtx declares no needs_input_grad
-        w_shape, b_shape = ctx.shapes  # type: ignore[attr-defined]  # set in forward
         # the flush passes no gradient where it zeroed the output (hardshrink's own backward)
         g_prod = torch.ops.aten.hardshrink_backward(g_var, out_var, tail_cutoff(out_var.dtype))
-        d_mean = g_mean * scale if need[0] else None
+        d_mean = g_mean * _per_channel(scale, mean.dim()) if need[0] else None
         d_var = g_prod * square if need[1] else None
         d_weight = d_bias = None
         if need[4] or need[5]:
-            d_shift = g_mean.sum_to_size(scale.shape)
-            if need[5]:
-                d_bias = d_shift.sum_to_size(b_shape)
+            dims = [0, *range(2, mean.dim())]  # every dimension but the channel's: [C] sums
+            d_shift = g_mean.sum(dims)
+            d_bias = d_shift if need[5] else None
             if need[4]:
                 d_scale = torch.addcmul(
-                    (g_mean * mean).sum_to_size(scale.shape),
-                    scale,
-                    (g_prod * var).sum_to_size(scale.shape),
-                    value=2,
+                    (g_mean * mean).sum(dims), scale, (g_prod * var).sum(dims), value=2
                 )
-                d_weight = d_scale.addcmul_(mu, d_shift, value=-1).mul_(inv).sum_to_size(w_shape)
+                d_weight = d_scale.addcmul_(mu, d_shift, value=-1).mul_(inv)
         return d_mean, d_var, None, None, d_weight, d_bias, None
 
 

@@ -210,13 +210,14 @@ class _BatchNorm(BayesModule):
             if self.batch_rule in ("delta", "independent"):
                 return self._normalized(g, rank)
         else:
-            mu, sigma2 = self._running(rank)
             if g.cov is None:  # fixed statistics: one fused node where the policy allows
+                assert self.running_mean is not None and self.running_var is not None
                 mean, var = N.running_affine_diag(
-                    g.mean, g.var, mu, sigma2,
-                    self._channel(self.weight, rank), self._channel(self.bias, rank), self.eps,
+                    g.mean, g.var, self.running_mean, self.running_var,
+                    self.weight, self.bias, self.eps,
                 )  # fmt: skip
                 return Gaussian(mean, var=var, validate=False)
+            mu, sigma2 = self._running(rank)
         scale, shift = self._affine(mu, sigma2, rank)
         if g.cov is not None:
             mean, cov = N.affine_full(g.mean, g.cov, scale.reshape(-1), shift.reshape(-1))
