@@ -117,9 +117,60 @@ def test_a_non_finite_step_is_never_kept():
     assert callback.kept_step == 0
 
 
+@pytest.mark.parametrize("z", [0.0, 0.5, 1.0])
+def test_with_trim_both_comparisons_use_the_trimmed_paired_differences(z):
+    """Oracle: scipy's one-sample t statistic of the differences without their extremes."""
+    rng = np.random.default_rng(4)
+    first = rng.normal(-1.0, 1.0, size=30)
+    steps = [first]
+    for shift in (-0.05, 0.0, 0.1, 0.2, 0.4):
+        later = first - shift + rng.normal(0.0, 0.4, size=30)
+        later[rng.integers(30)] -= 20.0  # one row far outside the predictive
+        steps.append(later)
+    callback = PairedEarlyStopping(z=z, patience=100, trim=1)
+    kept = _feed(callback, steps)
+    reference = 0
+    for k in range(1, len(steps)):
+        d = np.sort(steps[k] - steps[reference])[1:-1]
+        t = stats.ttest_1samp(d, 0.0).statistic
+        new_best = d.mean() > 0
+        assert kept[k] == (t >= -z or new_best), (k, t)
+        reference = k if new_best else reference
+    assert callback.best_step == reference
+    assert not all(kept) and any(kept[1:])
+    untrimmed = PairedEarlyStopping(z=z, patience=100)
+    _feed(untrimmed, steps)
+    assert untrimmed.best_step != callback.best_step  # the case tells trim=1 from trim=0
+
+
+def test_one_row_alone_cannot_stop_the_later_steps_with_trim():
+    """Every row but one improves; that one loses 40 nats: trim=0 keeps the first step, trim=1 the last."""
+    base = np.linspace(-2.0, 0.0, 40)
+    steps = [base]
+    for k in range(1, 6):
+        later = base + 0.05 * k
+        later[0] = base[0] - 40.0 * k
+        steps.append(later)
+    plain, trimmed = PairedEarlyStopping(z=0.5), PairedEarlyStopping(z=0.5, trim=1)
+    _feed(plain, steps)
+    _feed(trimmed, steps)
+    assert (plain.best_step, plain.kept_step) == (0, 0)
+    assert (trimmed.best_step, trimmed.kept_step) == (5, 5)
+    # the same row set aside is what a larger carve-out would dilute: the means disagree
+    assert steps[5].mean() < steps[0].mean()
+
+
+def test_trim_is_ignored_on_too_few_rows():
+    """Four rows with trim=2 leave none to compare: the untrimmed rule decides."""
+    steps = [np.array([-1.0, -1.0, -1.0, -1.0]), np.array([-1.1, -0.5, -0.5, -3.0])]
+    assert _feed(PairedEarlyStopping(z=0.0, trim=2), steps) == _feed(
+        PairedEarlyStopping(z=0.0), steps
+    )
+
+
 def test_bad_arguments_are_refused():
     for kwargs in ({"patience": 0}, {"z": -1.0}, {"z": math.inf}, {"skip": -1},
-                   {"patience_on": "mean"}, {"min_steps": 1.5}):  # fmt: skip
+                   {"patience_on": "mean"}, {"min_steps": 1.5}, {"trim": -1}):  # fmt: skip
         with pytest.raises(ValueError, match="PairedEarlyStopping"):
             PairedEarlyStopping(**kwargs)
 

@@ -157,3 +157,50 @@ def test_the_runners_default_is_the_leave_one_out_choice():
     """Issue 45: the default protocol is the candidate chosen leave-one-data-set-out."""
     assert uci.DEFAULTS == uci.PRESETS["lbfgs"] == loo.CANDIDATES["paired-skip3"]
     assert uci.PRESETS["lbfgs-best"] == loo.CANDIDATES["today"]
+
+
+def test_the_runner_hands_the_candidates_selection_settings_to_the_callback(tmp_path, monkeypatch):
+    """``paired-trim1``: run_job builds PairedEarlyStopping with z, skip and trim of the candidate."""
+    import lightning_dvi.callbacks as callbacks
+
+    seen = []
+
+    class Recording(callbacks.PairedEarlyStopping):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            seen.append(kwargs)
+
+    monkeypatch.setattr(callbacks, "PairedEarlyStopping", Recording)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(80, 3))
+    write_standard_layout(tmp_path / "toy", x, x[:, 0] + 0.3 * rng.normal(size=80), n_splits=1)
+    settings = replace(loo.CANDIDATES["paired-trim1"], max_steps=2, patience=1)
+    assert settings == replace(loo.CANDIDATES["paired-skip3"], selection_trim=1, max_steps=2,
+                               patience=1)  # fmt: skip
+    job = uci.Job(str(tmp_path), "toy", "dvi", 0, 8, 0.0, None, settings)
+    result = uci.run_job(job)
+    assert seen == [{"patience": 1, "z": 0.5, "skip": 3, "patience_on": "best", "trim": 1}]
+    assert result["kept_step"] is not None
+
+
+def test_the_step_trace_replays_the_default_runs_choice(tmp_path):
+    """recipes/uci_step_trace.py: the step the default restores scores the run's own test LL."""
+    spec = importlib.util.spec_from_file_location(
+        "uci_step_trace_recipe", RECIPE.parent / "uci_step_trace.py"
+    )
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(120, 3))
+    write_standard_layout(tmp_path / "toy", x, x[:, 0] + 0.3 * rng.normal(size=120), n_splits=1)
+    out = tmp_path / "trace.jsonl"
+    argv = ["--data-dir", str(tmp_path), "--datasets", "toy", "--patience", "3", "--output",
+            str(out)]  # fmt: skip
+    assert recipe.main(argv) == 0
+    (line,) = loo.load_records(out)
+    steps, kept = line["steps"], line["result"]["kept_step"]
+    assert len(steps[0]["val"]) == 11 and len(steps[0]["test"]) == 12  # 10 % carve-out, 10 % test
+    assert np.mean(steps[kept]["test"]) == pytest.approx(line["result"]["test_ll"], abs=1e-4)
+    assert [s["cpu"] for s in steps] == sorted(s["cpu"] for s in steps)
+    recipe.main(argv)  # already there: nothing runs again
+    assert len(loo.load_records(out)) == 1

@@ -137,9 +137,9 @@ class Settings:
     Which early-stopped step is restored (``selection``): ``"best"``, the best mean validation
     NLL (Lightning's ``EarlyStopping`` with :class:`~lightning_dvi.callbacks.RestoreBestWeights`);
     ``"paired"``, :class:`~lightning_dvi.callbacks.PairedEarlyStopping` with ``z =
-    selection_z``, ``skip = selection_skip`` and ``patience_on``: the last step that the
-    carve-out's per-row log-likelihoods do not show worse than the best by more than ``z``
-    standard errors.
+    selection_z``, ``skip = selection_skip``, ``patience_on`` and ``trim = selection_trim``:
+    the last step that the carve-out's per-row log-likelihoods do not show worse than the best
+    by more than ``z`` standard errors.
     """
 
     optimizer: Literal["lbfgs", "adam"] = "lbfgs"
@@ -169,6 +169,7 @@ class Settings:
     selection_z: float = 0.5
     selection_skip: int = 3
     patience_on: Literal["best", "kept"] = "best"
+    selection_trim: int = 0
 
     @property
     def regressor_resolution(self) -> float | Literal["auto"] | None:
@@ -427,6 +428,7 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
             z=s.selection_z,
             skip=s.selection_skip,
             patience_on=s.patience_on,
+            trim=s.selection_trim,
         )
         callbacks.append(paired)
     elif early > 0:

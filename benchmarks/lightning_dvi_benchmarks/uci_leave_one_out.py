@@ -44,7 +44,7 @@ __all__ = [
 
 _TODAY = replace(DEFAULTS, selection="best", patience_on="best", selection_skip=0)
 
-# The fixed list: today's protocol and five per-run rules for which step to keep (issue 45).
+# The fixed list: today's protocol and six per-run rules for which step to keep (issue 45).
 CANDIDATES: dict[str, Settings] = {
     "today": _TODAY,
     "skip3": replace(_TODAY, selection="paired", selection_z=0.0, selection_skip=3),
@@ -53,6 +53,10 @@ CANDIDATES: dict[str, Settings] = {
     "paired-kept": replace(_TODAY, selection="paired", selection_z=1.0, patience_on="kept"),
     "paired-carve20": replace(
         _TODAY, selection="paired", selection_z=1.0, early_stopping_fraction=0.2
+    ),
+    # added after the first selection (energy split 5): paired-skip3, no single row deciding
+    "paired-trim1": replace(
+        _TODAY, selection="paired", selection_z=0.5, selection_skip=3, selection_trim=1
     ),
 }
 
