@@ -354,6 +354,18 @@ def test_directives_are_known_attached_and_give_reasons():
     assert attached == written, "a docs-test directive is not directly above a code fence"
 
 
+def test_a_block_skipped_as_a_duplicate_runs_elsewhere():
+    """``skip the same command runs in PAGE ...``: every line of the block is in a block of PAGE
+    that runs (a duplicate is skipped, never lost)."""
+    prefix = "the same command runs in "
+    duplicates = [b for b in RUNNABLE if (b.skip_reason or "").startswith(prefix)]
+    for block in duplicates:
+        page = block.skip_reason.removeprefix(prefix).split()[0]  # type: ignore[union-attr]
+        running = "".join(b.code for b in RUNNABLE if b.page == page and b.skip_reason is None)
+        missing = [line for line in block.code.splitlines() if line.strip() not in running]
+        assert not missing, f"{block.id}: not run on {page}: {missing}"
+
+
 def _directive_lines(path: Path) -> int:
     """Lines outside code fences that are a ``docs-test`` directive and nothing else."""
     count, fence = 0, None
