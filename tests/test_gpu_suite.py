@@ -239,3 +239,21 @@ def test_every_compiled_speed_cell_is_compiled_past_dynamos_recompile_limit():
     for d in range(2, 2 + cells):
         speed_net.net_cell("plain MLP", d, 3, 1, {"backend": backend})
     assert len(compiled) == cells
+
+
+def test_the_commit_of_a_copy_inside_another_repository_is_its_wheels_stamp(tmp_path):
+    # A device call that carries a `git archive` copy runs it inside the device's copy of this
+    # repository: git would name that outer repository's HEAD, not the copied tree's commit.
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    copy = tmp_path / "gpuhead"
+    (copy / "wheels").mkdir(parents=True)
+    (copy / "wheels" / "COMMIT").write_text("abc1234\n")
+    assert G._git_commit(copy) == {"commit": "abc1234", "source": str(copy / "wheels" / "COMMIT")}
+    here = G._git_commit(REPO)
+    assert here["source"] == "git" and len(here["commit"]) == 40
+
+
+def test_a_cells_first_call_is_not_scaled_with_the_width():
+    # eager DVI's first call at d=128 autotunes its Triton kernels (25 s on an H200): scaled by
+    # (1024/128)^3 it would skip every wider DVI cell
+    assert G._estimate((128, 25.0, 0.5), 1024, "DVI") == pytest.approx(25.0 + 0.5 * 512)

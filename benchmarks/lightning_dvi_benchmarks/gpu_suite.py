@@ -403,7 +403,8 @@ def _speed_cells(
 def _estimate(previous: tuple[int, float, float] | None, d: int, method: str) -> float:
     """Seconds a cell at width ``d`` should take, from the same label at a smaller width.
 
-    ``previous = (d0, compile seconds, other seconds)``; the other seconds scale as
+    ``previous = (d0, first-call seconds, other seconds)``: the first call (compilation, Triton
+    autotuning of the eager kernels, lazy initialisation) is counted once, the other seconds scale as
     :math:`(d/d_0)^3` for full DVI (its ``[B, d, d]`` covariance products) and
     :math:`(d/d_0)^2` for the rest (weights), an upper bound where kernels are launch-bound.
     """
@@ -458,8 +459,9 @@ def section_speed(plan: Plan, rec: Recorder) -> None:
                     for k, v in cell.items()}  # fmt: skip
         rows[d].update(cell)
         elapsed = time.perf_counter() - start
-        compile_s = float(cell.get(label + " compile s", 0.0))
-        seen[label] = (d, compile_s, elapsed - compile_s)
+        # the first call (compilation; Triton autotuning in eager cells too) does not scale with d
+        once = float(cell.get(label + " first s", 0.0))
+        seen[label] = (d, once, max(0.0, elapsed - once))
         first_s[label] = float(cell.get(label + " first s", 0.0))
         rec.save()
     S.DEVICE = torch.device("cpu")
@@ -827,20 +829,27 @@ def run_sections(
 
 
 # ---------------------------------------------------------------------------- reporting
-def _git_commit() -> dict[str, str]:
-    """The commit being measured: ``git`` if the checkout has its history, else ``wheels/COMMIT``."""
-    import lightning_dvi
+def _git_commit(root: Path | None = None) -> dict[str, str]:
+    """The commit being measured: ``git`` if ``root`` is a checkout's top level, else ``wheels/COMMIT``.
 
-    root = Path(lightning_dvi.__file__).resolve().parents[1]
+    ``root`` defaults to the folder holding the imported ``lightning_dvi``. A copy made by ``git
+    archive`` inside another repository (a device call that carries a clean tree) is not that
+    repository's checkout: its ``wheels/COMMIT`` names what was copied.
+    """
+    if root is None:
+        import lightning_dvi
+
+        root = Path(lightning_dvi.__file__).resolve().parents[1]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
-                              capture_output=True, text=True, timeout=10)  # fmt: skip
-        if head.returncode == 0:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"],
+                             capture_output=True, text=True, timeout=10)  # fmt: skip
+        lines = top.stdout.split()
+        if top.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == root.resolve():
             dirty = subprocess.run(
                 ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                 capture_output=True, text=True, timeout=10,
             ).stdout.strip()  # fmt: skip
-            return {"commit": head.stdout.strip(), "source": "git",
+            return {"commit": lines[1], "source": "git",
                     "uncommitted changes": "yes" if dirty else "no"}  # fmt: skip
     for folder in (root, Path.cwd()):
         stamp = folder / "wheels" / "COMMIT"
