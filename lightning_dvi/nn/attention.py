@@ -268,8 +268,8 @@ class MultiheadAttention(BayesModule):
         own = weights.mean.diagonal(0, -2, -1).transpose(1, 2)  # [B, T, H]
         d = self.embed_dim // self.num_heads
         # Cov(r, x) W_v^T, each head's block scaled by its own weight A_ii, then W_o^T
-        through_v = (cross @ v.w_loc.transpose(-1, -2)).unflatten(-1, (self.num_heads, d))
-        through_v = (through_v * own.unsqueeze(-2).unsqueeze(-1)).flatten(-2)
+        per_head = (cross @ v.w_loc.transpose(-1, -2)).unflatten(-1, (self.num_heads, d))
+        through_v: Tensor = (per_head * own.unsqueeze(-2).unsqueeze(-1)).flatten(-2)
         return through_v @ o.w_loc.transpose(-1, -2)
 
     def extra_repr(self) -> str:
