@@ -395,3 +395,27 @@ def test_conv_fused_passes_gradcheck_and_matches_monte_carlo():
     se = (out_var[0] / n).sqrt()
     assert ((draws.mean(0) - out_mean[0]).abs() < 5 * se).all()
     assert ((draws.var(0) / out_var[0] - 1).abs() < 5 * math.sqrt(2 / n) * 3).all()
+
+
+@pytest.mark.parametrize("path", ["blocked", "compiled"])
+def test_running_batch_norm_bodies_compiled_only_where_the_policy_says(monkeypatch, path):
+    from lightning_dvi.moments.normalization import running_affine_diag
+
+    wrapped = []
+    monkeypatch.setattr(policy, "compiled", lambda name, fn: wrapped.append(name) or fn)
+    monkeypatch.setattr(policy, "resolve", lambda device: path)
+    mean, var, mu, sigma2, weight, bias = _bn_args((2, 3, 2, 2))
+    out = running_affine_diag(mean, var, mu, sigma2, weight, bias, 1e-5)
+    torch.autograd.grad(out, (mean, var, weight, bias), [torch.ones_like(o) for o in out])
+    want = ["running_affine_forward", "running_affine_backward"] if path == "compiled" else []
+    assert wrapped == want
+    # only the parameters need gradients (a frozen input): the eager partial backward
+    wrapped.clear()
+    out = running_affine_diag(mean.detach(), var.detach(), mu, sigma2, weight, bias, 1e-5)
+    got = torch.autograd.grad(out, (weight, bias), [torch.ones_like(o) for o in out])
+    assert wrapped == (["running_affine_forward"] if path == "compiled" else [])
+    with policy.fused_functions(False):
+        ref = running_affine_diag(mean.detach(), var.detach(), mu, sigma2, weight, bias, 1e-5)
+    want_g = torch.autograd.grad(ref, (weight, bias), [torch.ones_like(o) for o in ref])
+    for a, b in zip(got, want_g, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

@@ -39,7 +39,6 @@ any float's resolution of :math:`\sigma_j\sigma_l`, and :math:`\beta, \gamma` sh
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -144,24 +143,13 @@ def _relu_diag_backward(
     return flush(grad_m), flush(grad_v.mul_(var >= floors(var.dtype)[0]))
 
 
-def _on_kernels(
-    name: str, fn: Callable[..., tuple[Tensor, ...]], like: Tensor
-) -> Callable[..., tuple[Tensor, ...]]:
-    """``fn`` itself, or compiled to one fused kernel where :func:`.policy.resolve` says so.
-
-    On CUDA (with Triton) the forward's ~45 elementwise ops and the backward's ~10 are each a
-    kernel launch in eager mode; compiled they are one kernel each, the same formula.
-    """
-    return policy.compiled(name, fn) if policy.resolve(like.device) == "compiled" else fn
-
-
 class _ReluDiag(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
-        out_mean, out_var, cdf, dens, mean2 = _on_kernels(
-            "relu_diag_forward", _relu_diag_forward, mean
-        )(mean, var)
+        # on CUDA one compiled kernel for the ~45 elementwise ops (policy.elementwise)
+        forward = policy.elementwise("relu_diag_forward", _relu_diag_forward, mean.device)
+        out_mean, out_var, cdf, dens, mean2 = forward(mean, var)
         ctx.save_for_backward(cdf, dens, mean2, var)
         return out_mean, out_var
 
@@ -172,7 +160,7 @@ class _ReluDiag(torch.autograd.Function):
     ) -> tuple[Tensor | None, Tensor | None]:
         cdf, dens, mean2, var = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
         if g_var is not None and g_mean is not None:
-            backward = _on_kernels("relu_diag_backward", _relu_diag_backward, var)
+            backward = policy.elementwise("relu_diag_backward", _relu_diag_backward, var.device)
             return backward(g_mean, g_var, cdf, dens, mean2, var)  # type: ignore[return-value]  # two tensors
         # one output unused: the same derivatives with its gradient zero
         if g_var is None:

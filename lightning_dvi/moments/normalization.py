@@ -208,8 +208,55 @@ def _per_channel(t: Tensor | None, rank: int) -> Tensor | None:
     return t.view(-1, *([1] * (rank - 2)))
 
 
+def _running_affine_forward(
+    mean: Tensor, var: Tensor, mu: Tensor, sigma2: Tensor, weight: Tensor, bias: Tensor, eps: float
+) -> tuple[Tensor, ...]:
+    """:func:`running_affine_diag`'s moments, then ``(1/sqrt(sigma2 + eps), s, s^2)``."""
+    inv, scale, shift = _scale_shift(mu, sigma2, weight, bias, eps)  # all [C]
+    rank = mean.dim()
+    out_mean, out_var, square = _affine_diag_formula(
+        mean,
+        var,
+        _per_channel(scale, rank),
+        _per_channel(shift, rank),  # type: ignore[arg-type]  # tensors in, tensors out
+    )
+    return out_mean, out_var, inv, scale, square
+
+
+def _running_affine_backward(
+    g_mean: Tensor,
+    g_var: Tensor,
+    mean: Tensor,
+    var: Tensor,
+    mu: Tensor,
+    inv: Tensor,
+    scale: Tensor,
+    square: Tensor,
+    out_var: Tensor,
+    need: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, ...]:
+    """The closed-form gradients of :func:`running_affine_diag` (``need``: input, var, params)."""
+    # the flush passes no gradient where it zeroed the output: hardshrink's own backward for a
+    # variance (>= 0; written out, since aten.hardshrink_backward does not trace with
+    # symbolic shapes)
+    g_prod = torch.where(out_var <= tail_cutoff(out_var.dtype), 0.0, g_var)
+    d_mean = g_mean * _per_channel(scale, mean.dim()) if need[0] else None
+    d_var = g_prod * square if need[1] else None
+    d_weight = d_bias = None
+    if need[2]:
+        dims = [0, *range(2, mean.dim())]  # every dimension but the channel's: [C] sums
+        d_bias = g_mean.sum(dims)
+        d_scale = torch.addcmul((g_mean * mean).sum(dims), scale, (g_prod * var).sum(dims), value=2)
+        d_weight = d_scale.addcmul_(mu, d_bias, value=-1).mul_(inv)
+    return d_mean, d_var, d_weight, d_bias
+
+
 class _RunningAffineDiag(torch.autograd.Function):
-    """:func:`running_affine_diag` with the closed-form backward of its docstring."""
+    """:func:`running_affine_diag` with the closed-form backward of its docstring.
+
+    Forward and backward bodies are each one compiled kernel set on CUDA
+    (:func:`.policy.elementwise`), eager elsewhere.
+    """
 
     @staticmethod
     def forward(
@@ -222,37 +269,32 @@ class _RunningAffineDiag(torch.autograd.Function):
         bias: Tensor,
         eps: float,
     ) -> tuple[Tensor, Tensor]:
-        inv, scale, shift = _scale_shift(mu, sigma2, weight, bias, eps)  # all [C]
-        rank = mean.dim()
-        out_mean, out_var, square = _affine_diag_formula(
-            mean,
-            var,
-            _per_channel(scale, rank),
-            _per_channel(shift, rank),  # type: ignore[arg-type]  # tensors in, tensors out
-        )
+        forward = policy.elementwise("running_affine_forward", _running_affine_forward, mean.device)
+        out_mean, out_var, inv, scale, square = forward(mean, var, mu, sigma2, weight, bias, eps)
         ctx.save_for_backward(mean, var, mu, inv, scale, square, out_var)
         return out_mean, out_var
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, g_mean: Tensor, g_var: Tensor) -> tuple[Tensor | None, ...]:
-        mean, var, mu, inv, scale, square, out_var = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
+        saved = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
         need = ctx.needs_input_grad  # type: ignore[attr-defined]  # FunctionCtx declares no needs_input_grad
-        # the flush passes no gradient where it zeroed the output (hardshrink's own backward)
-        g_prod = torch.ops.aten.hardshrink_backward(g_var, out_var, tail_cutoff(out_var.dtype))
-        d_mean = g_mean * _per_channel(scale, mean.dim()) if need[0] else None
-        d_var = g_prod * square if need[1] else None
-        d_weight = d_bias = None
-        if need[4] or need[5]:
-            dims = [0, *range(2, mean.dim())]  # every dimension but the channel's: [C] sums
-            d_shift = g_mean.sum(dims)
-            d_bias = d_shift if need[5] else None
-            if need[4]:
-                d_scale = torch.addcmul(
-                    (g_mean * mean).sum(dims), scale, (g_prod * var).sum(dims), value=2
-                )
-                d_weight = d_scale.addcmul_(mu, d_shift, value=-1).mul_(inv)
-        return d_mean, d_var, None, None, d_weight, d_bias, None
+        wanted = (need[0], need[1], need[4] or need[5])
+        backward = _running_affine_backward
+        if all(wanted):  # the training case: one compiled kernel set on CUDA
+            backward = policy.elementwise(
+                "running_affine_backward", _running_affine_backward, g_mean.device
+            )
+        d_mean, d_var, d_weight, d_bias = backward(g_mean, g_var, *saved, wanted)
+        return (
+            d_mean,
+            d_var,
+            None,
+            None,
+            d_weight if need[4] else None,
+            d_bias if need[5] else None,
+            None,
+        )
 
 
 def affine_full(mean: Tensor, cov: Tensor, scale: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:

@@ -71,6 +71,7 @@ __all__ = [
     "chunk_size",
     "chunks",
     "compiled",
+    "elementwise",
     "fused_functions",
     "get_fused",
     "get_kernel_backend",
@@ -342,6 +343,15 @@ def compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args)
 
     return call
+
+
+def elementwise(name: str, fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """A fused Function's forward or backward body, compiled where :func:`resolve` says so.
+
+    On CUDA with Triton (``"compiled"``) the tens of elementwise kernels of a moment formula
+    become one or a few; elsewhere ``fn`` runs eagerly. The same formula either way.
+    """
+    return compiled(name, fn) if resolve(device) == "compiled" else fn
 
 
 def _fail(name: str, err: BaseException) -> None:
