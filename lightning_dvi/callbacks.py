@@ -13,7 +13,7 @@ from .lightning.ood import OODEvaluation
 from .lightning.plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
 from .lightning.predictions import PredictionWriter
 from .lightning.progress import DVIProgressBar, ProgressLog
-from .lightning.temperature import TemperatureScaling
+from .lightning.temperature import PredictiveCalibration, TemperatureScaling
 from .lightning.warm_start import PointEstimateWarmStart
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "PointEstimateWarmStart",
     "PredictionWriter",
     "PredictiveBandPlot",
+    "PredictiveCalibration",
     "ProgressLog",
     "ReliabilityDiagram",
     "RestoreBestWeights",

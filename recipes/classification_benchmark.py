@@ -73,6 +73,9 @@ OLD_DEFAULTS = {
 # the candidates of the ``selected`` row (``lightning_dvi_benchmarks.classification``
 # ``.fit_dvi_selected``): DVIClassifier()'s defaults and the untempered ELBO with a tighter prior
 SELECT_CANDIDATES = ({}, {"kl_weight": 1.0, "prior_variance": 0.1})
+# the ``selected`` row's candidates alone, each with DVIClassifier's own calibrate=True choice
+# (derived from the same fits: ``details["own_choice"]``); "cal:defaults" is DVIClassifier()
+CANDIDATE_NAMES = ("cal:defaults", "cal:elbo_prior0.1")
 MFVI = {"mode": "local", "prior": "gaussian", "num_samples": 1, "kl_weight": 1.0}  # N(0, 1), KL 1
 ROWS = {
     "plain": Row("plain"),
@@ -92,8 +95,10 @@ ROWS = {
     "true_defaults_lr1e-3": Row("dvi", hidden=(64,), settings={"lr": 1e-3}),  # before the lr
     "plain_64": Row("plain", hidden=(64,)),
     # issue 41 item 4: per run, the defaults or the untempered ELBO under an N(0, 0.1) prior,
-    # each as trained and with one factor on its posterior stds fitted on the validation NLL;
-    # the defaults as trained unless a variant beats them by 2 paired standard errors
+    # each as trained and with its post-hoc variants (a factor on the posterior stds, a
+    # temperature, a temperature with a uniform floor, fitted on the validation NLL:
+    # lightning_dvi.lightning.temperature.select_classifier); the defaults as trained unless
+    # a variant beats them by 2 paired standard errors
     "selected": Row("dvi_select", hidden=(128, 128), settings={"candidates": SELECT_CANDIDATES}),
     "plain_wd_128": Row("plain_tuned", hidden=(128, 128)),  # plain_wd of DVIClassifier()'s shape
 }
@@ -185,8 +190,40 @@ def reliability_plot(runs: dict[str, list[dict]], title: str, path: Path) -> Non
 
 def _is_dvi(key: str) -> bool:
     """Whether a result key (``"<row>[ <settings>] (<set>)"``) names a DVI row."""
+    if key.startswith("cal:"):
+        return True
     row = ROWS.get(key.split(" ", 1)[0])
     return row is not None and row.kind in ("dvi", "dvi_select")
+
+
+def derive_candidates(results: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Each ``selected`` candidate alone with ``calibrate=True``, from the same fits.
+
+    Per run, ``details["own_choice"][m]`` is the variant
+    ``lightning_dvi.lightning.temperature.calibrate_classifier`` keeps for candidate ``m`` on
+    its own (the gate against its own trained predictive), and ``details["variant_test"]``
+    that variant's test metrics: what ``DVIClassifier(**candidate)`` (``calibrate=True``, the
+    default) gives after the same training. Keys ``"cal:<candidate> (<set>)"`` (no set in
+    the digits protocols).
+    """
+    derived: dict[str, list[dict]] = {}
+    for key, runs in results.items():
+        if not key.startswith("selected"):
+            continue
+        case = key[key.rindex(" (") :] if " (" in key else ""
+        for run in runs:
+            details = run.get("details", {})
+            for m, index in enumerate(details.get("own_choice", [])):
+                name = CANDIDATE_NAMES[m] if m < len(CANDIDATE_NAMES) else f"cal:candidate{m}"
+                test = details["variant_test"][index]
+                variant = details["variants"][index]
+                derived.setdefault(f"{name}{case}", []).append(
+                    {**{k: test[k] for k in ("acc", "nll", "ece", "ece_floor", "confidence")},
+                     "brier": float("nan"), "train_s": float("nan"), "kind": variant["kind"],
+                     "scale": variant["scale"], "temperature": variant["temperature"],
+                     "floor": variant["floor"]}
+                )  # fmt: skip
+    return derived
 
 
 def unseen_report(results: dict[str, list[dict]], sets: list[str]) -> str:
@@ -246,10 +283,15 @@ def _row(name: str, arch: str, hidden: tuple[int, ...]) -> Row:
 def _replay(path: str, sets: list[str], plots: str | None) -> None:
     """Print the ``unseen`` tables of a saved run and, with ``plots``, redraw its diagrams."""
     results = json.loads(Path(path).read_text())["results"]
+    results.update(derive_candidates(results))
     print(markdown_table(results, UNSEEN_METRICS))
     print(f"\n{unseen_report(results, sets)}")
     for case in sets if plots else []:
-        runs = {k: v for k, v in results.items() if k.endswith(f" ({case})") and "bayes" not in k}
+        runs = {
+            k: v
+            for k, v in results.items()
+            if k.endswith(f" ({case})") and "bayes" not in k and not k.startswith("cal:")
+        }
         title = f"{UNSEEN_SETS[case]().name}: test reliability"
         reliability_plot(runs, title, Path(plots) / f"classification_unseen_{case}.png")
 
@@ -353,6 +395,8 @@ def main() -> None:
             path = Path(args.plots) / f"classification_unseen_{case}.png"
             reliability_plot(runs, f"{data.name}: test reliability", path)
             print(f"wrote {path}", flush=True)
+    if args.folds is None:
+        results.update(derive_candidates(results))
     title = f"{args.protocol}, {args.folds} folds pooled" if args.folds else args.protocol
     keys_ = UNSEEN_METRICS if args.protocol == "unseen" else METRICS
     table = markdown_table(results, POOLED_METRICS if args.folds else keys_)

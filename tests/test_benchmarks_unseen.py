@@ -188,36 +188,43 @@ def test_selected_row_leaves_the_reference_only_on_a_paired_gain_of_z_standard_e
     stay = _selected(split, candidates=candidates, z=1e9)  # no gain is that large
     move = _selected(split, candidates=candidates, z=0.0)  # any gain will do
     assert stay.details["chosen"] == 0 and stay.details["chosen_factor"] == 1.0
+    assert stay.details["chosen_kind"] == "trained"
     assert stay.details["chosen_settings"] == candidates[0]
     table = move.details["variants"]
     assert table == stay.details["variants"]  # the same fits (seeded)
-    # per candidate: as trained (factor 1), then calibrated
-    assert [(v["candidate"], v["factor"] == 1.0) for v in table] == [
-        (0, True),
-        (0, False),
-        (1, True),
-        (1, False),
-    ]
-    for trained, calibrated in (table[0:2], table[2:4]):
-        assert calibrated["val_nll"] <= trained["val_nll"] + 1e-6  # the factor's optimum
-    best = min(range(4), key=lambda v: table[v]["val_nll"])
-    assert best >= 2 and move.details["chosen"] == 1
-    assert move.details["chosen_factor"] == table[best]["factor"]
+    # per candidate: as trained, then the library's post-hoc variants (select_classifier)
+    kinds = ["trained", "temperature", "temperature+floor", "scale", "scale+temperature",
+             "scale+temperature+floor"]  # fmt: skip
+    assert [(v["candidate"], v["kind"]) for v in table] == [(m, k) for m in (0, 1) for k in kinds]
+    for m in (0, 1):
+        trained = table[6 * m]
+        assert all(v["val_nll"] <= trained["val_nll"] + 1e-6 for v in table[6 * m : 6 * m + 6])
+    best = min(range(12), key=lambda v: table[v]["val_nll"])
+    assert best >= 6 and move.details["chosen"] == 1
+    assert move.details["chosen_factor"] == table[best]["scale"]
+    assert move.details["chosen_temperature"] == table[best]["temperature"]
     # oracle: the kept predictives' validation NLL, paired gain and its standard error
     ref, kept = _val_log_probs(stay, split), _val_log_probs(move, split)
     diff = kept - ref
     assert -ref.mean() == pytest.approx(table[0]["val_nll"], abs=1e-6)
     assert -kept.mean() == pytest.approx(table[best]["val_nll"], abs=1e-5)
-    assert table[best]["val_gain"] == pytest.approx(diff.mean(), abs=1e-5)
+    assert table[best]["gain"] == pytest.approx(diff.mean(), abs=1e-5)
     se = diff.std(ddof=1) / np.sqrt(len(diff))
-    assert table[best]["val_gain_se"] == pytest.approx(se, rel=1e-3)
-    assert table[0]["val_gain"] == 0.0
+    assert table[best]["gain_se"] == pytest.approx(se, rel=1e-3)
+    assert table[0]["gain"] == 0.0
+    # the analysis: every variant's test metrics, and each candidate's own calibrate=True choice
+    tests = move.details["variant_test"]
+    assert len(tests) == 12 and tests[best]["nll"] == pytest.approx(
+        baselines.nll(move.predict(split.x_test), split.y_test), abs=1e-5
+    )
+    own = move.details["own_choice"]
+    assert table[own[0]]["candidate"] == 0 and table[own[1]]["candidate"] == 1
     # the default z = 2 follows the rule on these numbers
     rule = _selected(split, candidates=candidates)
-    wins = [v for v in range(1, 4) if table[v]["val_gain"] > 2 * table[v]["val_gain_se"]]
+    wins = [v for v in range(1, 12) if table[v]["gain"] > 2 * table[v]["gain_se"]]
     expected = min([0, *wins], key=lambda v: table[v]["val_nll"])
     assert rule.details["chosen"] == table[expected]["candidate"]
-    assert rule.details["chosen_factor"] == table[expected]["factor"]
+    assert rule.details["chosen_factor"] == table[expected]["scale"]
 
 
 def test_selected_row_without_calibration_scores_the_trained_predictive() -> None:
@@ -226,7 +233,8 @@ def test_selected_row_without_calibration_scores_the_trained_predictive() -> Non
     split = teacher_split(num_train=150, num_val=80, num_test=40, num_classes=3)
     fitted = _selected(split, candidates=[{"lr": 1e-2}], calibrate=False)
     ((variant,),) = [fitted.details["variants"]]
-    assert variant["factor"] == 1.0 and fitted.details["chosen"] == 0
+    assert variant["scale"] == 1.0 and variant["kind"] == "trained"
+    assert fitted.details["chosen"] == 0
     nll = baselines.nll(fitted.predict(split.x_val), split.y_val)
     assert variant["val_nll"] == pytest.approx(nll, abs=1e-6)
     for bad in ({}, {"candidates": []}, {"candidates": [{}], "other": 1}):

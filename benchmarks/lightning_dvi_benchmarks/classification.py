@@ -39,7 +39,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -90,7 +90,7 @@ class Row:
 
 
 class _History:
-    """Lightning callback: keeps the best validation epoch's weights and every epoch's metrics."""
+    """Lightning callback: every epoch's metrics; restores the best validation epoch's weights at fit end."""
 
     def __init__(self) -> None:
         from lightning.pytorch import Callback
@@ -107,6 +107,11 @@ class _History:
                 if value < outer.best:
                     outer.best, outer.best_epoch = value, trainer.current_epoch
                     outer.state = copy.deepcopy(module.state_dict())
+
+            def on_fit_end(self, trainer: Any, module: Any) -> None:
+                # before the module's own on_fit_end (DVIClassifier's calibration)
+                if outer.state is not None:
+                    module.load_state_dict(outer.state)
 
         self.callback = _Callback()
         self.epochs: list[dict[str, float]] = []
@@ -156,9 +161,7 @@ def fit_dvi(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         trainer.fit(model, loader, split.eval_loader("val"))
-    seconds = time.process_time() - start
-    if history.state is not None:
-        model.load_state_dict(history.state)
+    seconds = time.process_time() - start  # training, and calibrate=True's calibration
     model.eval()
     if model.mode in ("sample", "local"):
         model.num_samples = mc_eval
@@ -174,94 +177,116 @@ def fit_dvi(
 def fit_dvi_selected(
     split: ClassificationSplit, budget: Budget, seed: int, row: Row, mc_eval: int = 64
 ) -> Fitted:
-    r"""The ``"dvi_select"`` row: a ``DVIClassifier`` setting chosen per run on the validation rows.
+    r"""The ``"dvi_select"`` row: :func:`lightning_dvi.lightning.temperature.select_classifier`.
 
-    Every candidate :math:`m` of ``row.settings["candidates"]`` is trained by :func:`fit_dvi`
-    (its weights of the validation-best epoch). With ``row.settings["calibrate"]`` (default
-    ``True``) each also gets a calibrated variant: one factor :math:`c_m` on its posterior
-    standard deviations, :math:`\sigma \leftarrow c_m\sigma`, fitted on the validation rows
-    (:func:`~lightning_dvi.nn.calibrate_scales`, the closed-form predictive's NLL; the means are
-    not touched). With :math:`\ell_{v,n} = \log p_v(y_n \mid x_n)` for variant :math:`v` on
-    the :math:`N` validation rows, a variant beats the reference :math:`r` (the first
-    candidate as trained, :math:`c = 1`) when its mean paired gain clears ``row.settings["z"]``
-    (default 2) standard errors,
-
-    .. math::
-        \bar d_v = \frac1N\sum_n (\ell_{v,n} - \ell_{r,n}) > z\,
-        \frac{\operatorname{sd}_n(\ell_{v,n} - \ell_{r,n})}{\sqrt N},
-
-    and the kept variant is the one with the lowest validation NLL
-    :math:`-\frac1N\sum_n\ell_{v,n}` among those that beat the reference, else the reference:
-    a per-run choice on held-out rows (as the plain rows choose their epoch) that leaves the
-    reference only on evidence, not on a few confidently misclassified validation rows. The
-    test rows are never seen. ``train_seconds``: every candidate's training and calibration.
-    ``details``: the kept candidate's index, settings and factor, and per variant (candidate,
-    factor) its validation NLL, paired gain over the reference and that gain's standard error.
+    Every candidate of ``row.settings["candidates"]`` (``DVIClassifier`` settings) is trained by
+    :func:`fit_dvi` (its weights of the validation-best epoch, ``calibrate=False``), and the
+    library's rule chooses on the validation rows among them and their post-hoc variants (a
+    factor on the posterior standard deviations, a predictive temperature, both;
+    ``row.settings["kinds"]``, default all three; ``calibrate=False``: none): the first
+    candidate as trained is kept unless a variant beats its validation log-likelihood by
+    ``row.settings["z"]`` (default 2) paired standard errors, and then the lowest validation
+    NLL among those that do. The test rows are never seen by the choice.
+    ``train_seconds``: every candidate's training and the calibration. ``details``: the kept
+    candidate's index, settings, factor, temperature and kind; per variant its candidate,
+    kind, factor, temperature, validation NLL, paired gain over the reference and that gain's
+    standard error (``variants``), and, for analysis only, each variant's test accuracy, NLL
+    and ECE (``variant_test``; the choice never reads them).
 
     Raises:
         ValueError: without candidates, or with settings other than ``candidates``,
-            ``calibrate`` and ``z``.
+            ``calibrate``, ``kinds`` and ``z``.
     """
     from lightning_dvi.lightning import DVIClassifier
-    from lightning_dvi.nn.posthoc import calibrate_scales, scale_posterior
+    from lightning_dvi.lightning.temperature import DEFAULT_KINDS, select_classifier
 
     options = dict(row.settings)
     candidates = [dict(c) for c in options.pop("candidates", ())]
-    calibrate = bool(options.pop("calibrate", True))
+    kinds = tuple(options.pop("kinds", DEFAULT_KINDS))
+    if not bool(options.pop("calibrate", True)):
+        kinds = ()
     z = float(options.pop("z", 2.0))
     if not candidates or options:
         raise ValueError(
-            "dvi_select needs settings {'candidates': [...], 'calibrate': bool, 'z': float}, "
-            f"got {row.settings!r}"
+            "dvi_select needs settings {'candidates': [...], 'calibrate': bool, 'kinds': [...], "
+            f"'z': float}}, got {row.settings!r}"
         )
-    target = split.y_val.long().unsqueeze(-1)
-
-    def log_probs(model: DVIClassifier) -> Tensor:
-        probs = model.predictive(split.x_val).double()
-        return probs.gather(-1, target).squeeze(-1).clamp_min(1e-12).log()
-
     fits: list[Fitted] = []
-    variants: list[tuple[int, float, Tensor]] = []  # (candidate, factor, validation log p)
     seconds = 0.0
-    for m, settings in enumerate(candidates):
-        fitted = fit_dvi(split, budget, seed, Row("dvi", row.arch, row.hidden, settings), mc_eval)
-        model = fitted.net
-        assert isinstance(model, DVIClassifier)
-        start = time.process_time()
-        variants.append((m, 1.0, log_probs(model)))
-        if calibrate:
-            factor = calibrate_scales(model.net, model.likelihood, split.x_val, split.y_val).factor
-            variants.append((m, float(factor), log_probs(model)))
-            scale_posterior(model.net, 1.0 / factor)  # back to the trained scales
-        seconds += fitted.train_seconds + time.process_time() - start
-        fits.append(fitted)
-    reference = variants[0][2]
-    table = []
-    for m, factor, lp in variants:
-        diff = lp - reference
-        se = float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else math.inf
-        table.append(
-            {"candidate": m, "factor": factor, "val_nll": float(-lp.mean()),
-             "val_gain": float(diff.mean()), "val_gain_se": se}
-        )  # fmt: skip
-    gains = [v for v in range(1, len(table)) if table[v]["val_gain"] > z * table[v]["val_gain_se"]]
-    best = min([0, *gains], key=lambda v: table[v]["val_nll"])
-    chosen, factor = int(table[best]["candidate"]), float(table[best]["factor"])
-    kept = fits[chosen]
-    model = kept.net
-    assert isinstance(model, DVIClassifier)
-    if factor != 1.0:
-        scale_posterior(model.net, factor)
+    for settings in candidates:
+        one = Row("dvi", row.arch, row.hidden, {**settings, "calibrate": False})
+        fits.append(fit_dvi(split, budget, seed, one, mc_eval))
+        seconds += fits[-1].train_seconds
+    models = [cast(DVIClassifier, f.net) for f in fits]  # fit_dvi's model
+    trained = [copy.deepcopy(m.state_dict()) for m in models]  # as trained, T = 1, no floor
+    start = time.process_time()
+    choice = select_classifier(models, split.x_val, split.y_val, z=z, kinds=kinds)
+    seconds += time.process_time() - start
+    kept = fits[choice.kept.candidate]
+    kept_state = copy.deepcopy(models[choice.kept.candidate].state_dict())
+    scored = _score_variants(split, models, trained, choice, z)
+    models[choice.kept.candidate].load_state_dict(kept_state)
     kept.train_seconds = seconds
     kept.details = {
         **kept.details,
         "settings": dict(row.settings),
-        "chosen": chosen,
-        "chosen_settings": candidates[chosen],
-        "chosen_factor": factor,
-        "variants": table,
+        "chosen": choice.kept.candidate,
+        "chosen_settings": candidates[choice.kept.candidate],
+        "chosen_kind": choice.kept.kind,
+        "chosen_factor": choice.kept.scale,
+        "chosen_temperature": choice.kept.temperature,
+        "chosen_floor": choice.kept.floor,
+        "variants": choice.as_dict()["variants"],
+        **scored,
     }
     return kept
+
+
+def _score_variants(
+    split: ClassificationSplit,
+    models: Sequence[Any],
+    trained: Sequence[dict[str, Tensor]],
+    choice: Any,
+    z: float,
+) -> dict[str, Any]:
+    """Analysis of a :func:`fit_dvi_selected` choice (the choice never reads the test rows).
+
+    ``variant_test``: every variant's test accuracy, NLL, ECE, ECE floor and confidence.
+    ``own_choice``: per candidate, the index of the variant
+    :func:`~lightning_dvi.lightning.temperature.calibrate_classifier` keeps for that candidate
+    alone (the same gate against *its own* trained predictive), i.e. what
+    ``DVIClassifier(**candidate)`` with ``calibrate=True`` ends with on the same fit.
+    The models are left as trained.
+    """
+    from lightning_dvi.lightning.temperature import paired_choice
+    from lightning_dvi.nn.posthoc import scale_posterior
+
+    tests, val_lp = [], []
+    target = split.y_val.long().unsqueeze(-1)
+    for variant in choice.variants:
+        model = models[variant.candidate]
+        model.load_state_dict(trained[variant.candidate])
+        if variant.scale != 1.0:
+            scale_posterior(model.net, variant.scale)
+        model.predictive_temperature.fill_(variant.temperature)
+        model.predictive_floor.fill_(variant.floor)
+        val = model.predictive(split.x_val).double()
+        val_lp.append(val.gather(-1, target).squeeze(-1).clamp_min(1e-30).log())
+        probs = model.predictive(split.x_test)
+        summary = classification_summary(probs, split.y_test)
+        tests.append(
+            {"kind": variant.kind, "candidate": variant.candidate, "acc": summary["acc"],
+             "nll": summary["nll"], "ece": summary["ece"], "ece_floor": ece_noise_floor(probs),
+             "confidence": float(probs.max(-1).values.mean())}
+        )  # fmt: skip
+    for model, state in zip(models, trained, strict=True):
+        model.load_state_dict(state)
+    own = []
+    for m in range(len(models)):
+        indices = [v for v, variant in enumerate(choice.variants) if variant.candidate == m]
+        kept, _ = paired_choice([val_lp[v] for v in indices], z)
+        own.append(indices[kept])
+    return {"variant_test": tests, "own_choice": own}
 
 
 def _factory(row: Row, split: ClassificationSplit) -> Callable[[float], nn.Module]:

@@ -7,7 +7,7 @@ from .classifier import DVIClassifier
 from .plots import CalibrationPlot, PredictiveBandPlot, ReliabilityDiagram
 from .progress import DVIProgressBar, ProgressLog
 from .regressor import DVIRegressor
-from .temperature import TemperatureScaling
+from .temperature import PredictiveCalibration, TemperatureScaling
 
 __all__ = [
     "CalibrationPlot",
@@ -17,6 +17,7 @@ __all__ = [
     "EmpiricalBayes",
     "EmpiricalBayesRefresh",
     "PredictiveBandPlot",
+    "PredictiveCalibration",
     "ProgressLog",
     "ReliabilityDiagram",
     "RunCheckpoint",

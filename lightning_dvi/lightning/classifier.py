@@ -25,7 +25,15 @@ from ._base import DVIModule, PredictiveMethod, PriorName, resolve_method
 from ._data import DataView
 from ._validation import one_of, positive_int
 from .collapse import collapse_message, fano_entropy_bound, is_collapsed, persists, probe_rows
-from .temperature import temper_probs
+from .temperature import (
+    CalibrationChoice,
+    FlooredExport,
+    PredictiveCalibration,
+    TemperatureScaling,
+    calibrate_on_validation,
+    floor_probs,
+    temper_probs,
+)
 
 __all__ = ["DVIClassifier"]
 
@@ -148,6 +156,16 @@ class DVIClassifier(DVIModule):
             Validation and test log the untempered ELBO.
         lr: Adam's learning rate; default 3e-3 (the regressor's is 1e-3): at 1e-3 a
             classifier is still under-trained after 60 digits epochs (docs/calibration.md).
+        calibrate: at the end of every ``fit`` with validation data, fit a factor :math:`c`
+            on the posterior standard deviations and a predictive temperature :math:`T` on
+            the validation rows, and keep one (or both) only if it beats the predictive as
+            trained by 2 paired standard errors of the validation log-likelihood
+            (:func:`~lightning_dvi.lightning.temperature.calibrate_classifier`; otherwise
+            nothing changes). The choice is in :attr:`calibration`; the factor and the
+            temperature live in the ``state_dict``. Skipped when the trainer has a
+            :class:`~lightning_dvi.callbacks.TemperatureScaling` or
+            :class:`~lightning_dvi.callbacks.PredictiveCalibration` callback, which then
+            decides. Default ``True``.
         **kwargs: the shared arguments of :class:`~lightning_dvi.lightning._base.DVIModule`
             (``prior_variance``, the KL schedule, ``init_scale``, ``scale_lr``, ``net``, ...; see
             :class:`~lightning_dvi.DVIRegressor`).
@@ -161,6 +179,8 @@ class DVIClassifier(DVIModule):
 
     likelihood: Likelihood
     predictive_temperature: Tensor  # buffer
+    predictive_floor: Tensor  # buffer
+    calibration: CalibrationChoice | None  # of the last fit (calibrate=True)
 
     _probe: tuple[Tensor, Tensor] | None  # training rows the posterior-mean network is scored on
     _collapsed_entropies: list[float]  # of the consecutive collapsed checks
@@ -178,6 +198,7 @@ class DVIClassifier(DVIModule):
         kl_weight: float = 0.1,
         likelihood: Literal["categorical", "bernoulli"] | Likelihood = "categorical",
         lr: float = 3e-3,
+        calibrate: bool = True,
         **kwargs: Any,
     ) -> None:
         make, likelihood, num_classes, outputs = _class_arguments(  # type: ignore[assignment]  # plain record
@@ -198,17 +219,36 @@ class DVIClassifier(DVIModule):
         # Post-hoc temperature of the predictive (1: the Bayesian predictive itself); set by
         # lightning_dvi.callbacks.TemperatureScaling, kept in checkpoints.
         self.register_buffer("predictive_temperature", torch.ones(()))
+        # A uniform floor mixed into the (tempered) predictive, set with the temperature by
+        # calibrate=True's calibrate_classifier (0: none), kept in checkpoints.
+        self.register_buffer("predictive_floor", torch.zeros(()))
+        self.calibrate, self.calibration = bool(calibrate), None
         # Collapse detection (lightning_dvi.lightning.collapse): the validation predictive's
         # mean entropy, and training rows on which the posterior-mean network is scored.
         self.val_entropy = MeanMetric()
         self._probe, self._collapsed_entropies, self._collapse_warned = None, [], False
 
+    def on_fit_end(self) -> None:
+        """With ``calibrate``: keep a factor, temperature or floor only on validation evidence.
+
+        Runs after every callback's ``on_fit_end`` (a callback restoring the best epoch's
+        weights restores them first).
+        """
+        super().on_fit_end()
+        trainer = self.trainer
+        callbacks: list[Any] = getattr(trainer, "callbacks", [])  # set by Lightning, not declared
+        deciding = (PredictiveCalibration, TemperatureScaling)
+        if not self.calibrate or any(isinstance(c, deciding) for c in callbacks):
+            return
+        self.calibration = calibrate_on_validation(trainer, self, strict=False)
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Checkpoints written before the temperature buffer existed load with temperature 1."""
+        """Checkpoints written before the temperature and floor buffers load with 1 and 0."""
         super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("state_dict")
         if isinstance(state, dict):
             state.setdefault("predictive_temperature", torch.ones(()))
+            state.setdefault("predictive_floor", torch.zeros(()))
 
     def _set_num_classes(self, num_classes: int) -> None:
         """Create the likelihood and metrics for ``num_classes`` classes."""
@@ -274,6 +314,8 @@ class DVIClassifier(DVIModule):
             probs = self.likelihood.class_probs(self._weight_draws(x, num_samples)).mean(0)
         if bool(self.predictive_temperature != 1):
             probs = temper_probs(probs, self.predictive_temperature)
+        if bool(self.predictive_floor != 0):
+            probs = floor_probs(probs, self.predictive_floor)
         return probs
 
     def predict_proba(self, x: Tensor) -> Tensor:
@@ -286,8 +328,14 @@ class DVIClassifier(DVIModule):
         return self.predictive(x)
 
     def predictive_parts(self) -> PredictiveParts:
-        """The network, likelihood and predictive temperature, for :func:`~lightning_dvi.nn.export_predictive`."""
-        return replace(super().predictive_parts(), temperature=float(self.predictive_temperature))
+        """The network, likelihood, predictive temperature and floor, for :func:`~lightning_dvi.nn.export_predictive`."""
+        parts = replace(super().predictive_parts(), temperature=float(self.predictive_temperature))
+        floor = float(self.predictive_floor)
+        return (
+            parts
+            if floor == 0
+            else replace(parts, likelihood=FlooredExport(parts.likelihood, floor))
+        )
 
     def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> Tensor:
         """Predictive class probabilities ``[B, K]``."""
