@@ -129,3 +129,22 @@ def test_step_time_command_reports_both_steps(capsys: pytest.CaptureFixture[str]
     assert "dDVI" in capsys.readouterr().out
     with pytest.raises(ValueError, match="steps"):
         resnet_step.step_seconds(steps=0)
+
+
+def test_step_counts_cover_both_steps_and_both_optimisers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lightning_dvi_benchmarks import resnet_step
+
+    out = resnet_step.main(
+        ["--width", "2", "--size", "4", "--batch", "2", "--steps", "1", "--count-ops"]
+    )
+    counts = out["counts"]
+    assert isinstance(counts, dict)
+    assert set(counts) == {"deterministic", "ddvi", "deterministic foreach", "ddvi foreach"}
+    for name in ("deterministic", "ddvi"):
+        # one Adam update per parameter tensor in a loop, or a few foreach ops for all of them
+        assert counts[name]["aten ops"] > counts[name + " foreach"]["aten ops"] > 0
+    # the moment pass dispatches more than the plain network's forward
+    assert counts["ddvi foreach"]["aten ops"] > counts["deterministic foreach"]["aten ops"]
+    assert "aten ops" in capsys.readouterr().out

@@ -19,7 +19,11 @@ changes hit both alike.
 Usage::
 
     python -m lightning_dvi_benchmarks.resnet_step [--width 64] [--size 32] [--batch 32]
-        [--steps 3] [--threads 1]
+        [--steps 3] [--threads 1] [--count-ops]
+
+``--count-ops`` adds what one step of each dispatches (aten ops, non-view ops, host reads:
+:func:`~lightning_dvi_benchmarks.timing.count_dispatch`, the counter of the GPU suite's resnet
+section), with the steps' own Adam and with a ``foreach`` Adam (the CUDA default).
 """
 
 from __future__ import annotations
@@ -35,14 +39,14 @@ from torch import nn
 from .resnet_digits import machine
 from .torch_resnet import resnet18
 
-__all__ = ["ddvi_step", "deterministic_step", "main", "resnet_pair", "step_seconds"]
+__all__ = ["ddvi_step", "deterministic_step", "main", "resnet_pair", "step_counts", "step_seconds"]
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
-def deterministic_step(net: nn.Module) -> Step:
+def deterministic_step(net: nn.Module, foreach: bool | None = None) -> Step:
     """``step(x, y)``: cross-entropy of the torch network, backward, Adam step (lr 1e-3)."""
-    optimiser = torch.optim.Adam(net.parameters(), lr=1e-3)
+    optimiser = torch.optim.Adam(net.parameters(), lr=1e-3, foreach=foreach)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         optimiser.zero_grad()
@@ -53,13 +57,17 @@ def deterministic_step(net: nn.Module) -> Step:
 
 
 def ddvi_step(
-    net: nn.Module, num_data: int = 50_000, device: torch.device | str | None = None
+    net: nn.Module,
+    num_data: int = 50_000,
+    device: torch.device | str | None = None,
+    foreach: bool | None = None,
 ) -> Step:
     """``step(x, y)``: the per-datum dDVI ELBO of ``from_torch(net)``, backward, Adam step.
 
     Every weight layer Bayesian, BatchNorm on its running statistics (``freeze_statistics``),
     the categorical bound over 10 classes, a Gaussian prior, :math:`N` = ``num_data``; the
-    converted network is moved to ``device`` before its optimiser is built.
+    converted network is moved to ``device`` before its optimiser is built (``foreach``:
+    Adam's implementation, torch's default for ``None``).
     """
     from lightning_dvi.likelihoods import Categorical
     from lightning_dvi.nn import BatchNorm1d, BatchNorm2d, from_torch
@@ -76,7 +84,8 @@ def ddvi_step(
         converted.to(device)
         likelihood.to(device)
         prior.to(device)
-    optimiser = torch.optim.Adam([p for p in converted.parameters() if p.requires_grad], lr=1e-3)
+    params = [p for p in converted.parameters() if p.requires_grad]
+    optimiser = torch.optim.Adam(params, lr=1e-3, foreach=foreach)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         optimiser.zero_grad()
@@ -129,6 +138,27 @@ def step_seconds(
     return times
 
 
+def step_counts(
+    width: int = 64, size: int = 32, batch: int = 8, seed: int = 0
+) -> dict[str, dict[str, int]]:
+    """What one step dispatches: ``{"deterministic", "ddvi"} x {"", " foreach"}`` -> counts."""
+    from .timing import count_dispatch
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, size, size, generator=gen)
+    y = torch.arange(batch) % 10
+    out = {}
+    for suffix, foreach in (("", None), (" foreach", True)):
+        plain, bayes = resnet_pair(x, width, seed)
+        steps = {
+            "deterministic": deterministic_step(plain, foreach),
+            "ddvi": ddvi_step(bayes, foreach=foreach),
+        }
+        for name, step in steps.items():
+            out[name + suffix] = count_dispatch(lambda step=step: step(x, y))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     """The command line: print the median CPU seconds per step and their ratio."""
     parser = argparse.ArgumentParser(prog="python -m lightning_dvi_benchmarks.resnet_step")
@@ -137,11 +167,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--count-ops", action="store_true", help="aten ops per step too")
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
         times = step_seconds(args.width, args.size, args.batch, args.steps)
+        counts = step_counts(args.width, args.size, args.batch) if args.count_ops else None
         info = machine()
     finally:
         torch.set_num_threads(threads)
@@ -153,7 +185,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
         f"deterministic {median['deterministic']:.3f} CPU s/step, "
         f"dDVI {median['ddvi']:.3f} CPU s/step ({ratio:.1f}x)"
     )
-    return {"times": times, "median": median, "ratio": ratio, "machine": info}
+    if counts is not None:
+        for name, c in counts.items():
+            print(
+                f"{name}: {c['aten ops']} aten ops, {c['non-view ops']} non-view, "
+                f"{c['host reads']} host reads per step"
+            )
+    return {"times": times, "median": median, "ratio": ratio, "machine": info, "counts": counts}
 
 
 if __name__ == "__main__":
