@@ -986,8 +986,12 @@ def self_attention_moments(
         rest = rest - query_path
     out_var = out_var + rest @ (combined * combined).transpose(-1, -2)
     c_heads = combined.reshape(combined.shape[0], heads, -1)  # [D_out, H, D]
-    pair = torch.einsum("bhij,bgij,bjc->bihgc", a, a, token_var)
-    out_var = out_var + torch.einsum("bihgc,khc,kgc->bik", pair, c_heads, c_heads)
+    # sum_{h,g,c} (sum_j a^h_ij a^g_ij v_jc) C_khc C_kgc, as two matrix products: the pairs'
+    # weights [B, H, G, Tq, Tk] times the variances, then times the pairs' C_khc C_kgc
+    hh = a.unsqueeze(2) * a.unsqueeze(1)
+    pair = (hh.flatten(1, 3) @ token_var).unflatten(1, hh.shape[1:4])  # [B, H, G, Tq, D]
+    cc = (c_heads.unsqueeze(2) * c_heads.unsqueeze(1)).flatten(1)  # [D_out, H * G * D]
+    out_var = out_var + pair.permute(0, 3, 1, 2, 4).flatten(2) @ cc.transpose(0, 1)
     w_out = output.w_loc.reshape(output.w_loc.shape[0], heads, -1)  # [D_out, H, d]
     if weight_factors is not None:  # the heads' weight fluctuations are independent
         fw = torch.einsum("hrc,bhick->bihrk", w_heads, weight_factors)
