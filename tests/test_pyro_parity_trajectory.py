@@ -46,3 +46,31 @@ def test_swap_draw_scales_and_worst_points(recipe):
     assert len(last["worst"]) == 2 and last["worst"][0] >= last["worst"][1] >= 0
     # the worst points' share of the summed test NLL: their sum over 126 points' NLL sum
     assert last["worst_share"] == pytest.approx(sum(last["worst"]) / (126 * last["nll"]), rel=1e-4)
+
+
+@pytest.mark.parametrize("likelihood", ["bernoulli", "categorical"])
+def test_vectorised_predictive_is_the_model_runs_mixture(recipe, likelihood):
+    import pyro
+    import torch
+
+    from lightning_dvi.pyro import DeterministicGuide
+
+    x, y, x_te, _ = recipe.load("cancer", 0)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = recipe.Classifier(x.shape[1], 1 if likelihood == "bernoulli" else 2, likelihood)
+    guide = DeterministicGuide(model, init_scale=1e-7)  # near-point posterior: no MC noise
+    guide(x, y.float() if likelihood == "bernoulli" else y)
+    expected = recipe.class_probs(model, guide, x_te, 3)  # Pyro's Predictive, one run per draw
+    got = recipe.vectorised_probs(guide, x_te, likelihood, 1500)  # two chunks
+    assert got.shape == expected.shape == (x_te.shape[0], 2)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert not torch.allclose(got[:, 1], got[:1, 1].expand(x_te.shape[0]))  # depends on x
+
+
+def test_repeated_and_many_draw_evaluations(recipe):
+    evaluations = ["--predictive", "5", "--repeat-evals", "3", "--final-draws", "200"]
+    rows = recipe.main(["--steps", "2", "--every", "2", *evaluations])
+    last = rows[-1]
+    assert len(last["nll_repeats"]) == 3 and len(set(last["nll_repeats"])) == 3  # 5-draw noise
+    assert 0 < last["nll_final_draws"] < 5
