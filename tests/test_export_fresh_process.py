@@ -53,6 +53,14 @@ def test_export_in_a_fresh_process_leaves_the_model_unchanged_and_onnx_has_no_ei
         sess = ort.InferenceSession({str(tmp_path / "clf.onnx")!r})
         got = sess.run(None, {{sess.get_inputs()[0].name: x.numpy()}})[0]
         np.testing.assert_allclose(got, probs.numpy(), rtol=0, atol=1e-5)
+        # and at confident inputs: rows scaled x1 to x100 give logit gaps in the hundreds
+        # (issue 44: onnxruntime's own lowering of log_ndtr returned NaN there, erfc lost its
+        # tail; tests/test_export.py runs the other heads' files in onnxruntime)
+        confident = x * torch.tensor([1.0, 3.0, 10.0, 30.0, 100.0])[:, None]
+        logits = clf.net(confident, mode="diag").mean
+        assert float((logits.max(-1).values - logits.min(-1).values).max()) > 100
+        got = sess.run(None, {{sess.get_inputs()[0].name: confident.numpy()}})[0]
+        np.testing.assert_allclose(got, clf.predictive(confident).numpy(), rtol=0, atol=1e-5)
 
         # layer norm and a smooth activation (their own rules), first used inside the trace
         torch_net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2))
