@@ -33,7 +33,7 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
-	$(BIN)/python -m pytest -q -n 2 tests lightning_dvi benchmarks/lightning_dvi_benchmarks --doctest-modules --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal tests lightning_dvi benchmarks/lightning_dvi_benchmarks --doctest-modules --durations=25
 
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

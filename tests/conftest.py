@@ -16,6 +16,45 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+# The longest tests (a few to tens of seconds each, measured on the 2-core CI machine), started
+# first when the suite runs on xdist workers: with ``--dist worksteal`` (make test) the first
+# worker runs them while the other drains the rest, and the suite ends on short tests instead of
+# one worker finishing a long one while the other idles. Node-id prefixes, longest first; a
+# stale entry matches nothing and changes no result, only the order.
+LONG_FIRST = (
+    "tests/test_export.py::test_onnx_files_match_torch_in_onnxruntime",
+    "tests/test_docs_examples.py::test_documented_example_runs[README.md:161]",
+    "tests/test_resume_cli.py::test_a_killed_fit_resumes",
+    "tests/test_transformer_benchmark.py::test_quick_recipe_run",
+    "tests/test_export_fresh_process.py::",
+    "tests/test_docs_examples.py::test_documented_example_runs[docs/lightning.md:430]",
+    "tests/test_compile_step.py::test_compiled_elbo_matches_eager_values_and_gradients",
+    "tests/test_docs_examples.py::test_documented_example_runs[docs/pyro.md:7]",
+    "tests/test_tables.py::test_ddp_predict_writes_one_file",
+    "tests/test_ddp.py::test_two_process_ddp_matches_one_process[cold]",
+    "tests/test_export.py::test_pt2_file_runs_without_lightning_dvi",
+    "tests/test_docs_examples.py::test_documented_example_runs[docs/lightning.md:492]",
+    "tests/test_noise_bound.py::test_the_bound_travels_with_the_exported_predictive",
+    "tests/test_cli_user_files.py::test_a_classifier_run_summary",
+)
+
+
+def long_first(items: list, prefixes: tuple[str, ...] = LONG_FIRST) -> list:
+    """``items`` with those whose node id starts with one of ``prefixes`` first, in the order of
+    ``prefixes``; the others after them in their collected order."""
+
+    def rank(item) -> int:
+        return next((i for i, p in enumerate(prefixes) if item.nodeid.startswith(p)), len(prefixes))
+
+    return sorted(items, key=rank)  # stable: ties keep the collected order
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Under xdist only (every worker sorts its identical collection the same way)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = long_first(items)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
