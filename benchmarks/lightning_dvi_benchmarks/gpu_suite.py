@@ -931,10 +931,10 @@ def summary(result: Mapping[str, Any]) -> str:
         lines.append(report_net(speed["rows"], speed.get("batch", 0), True, True))
         graphs = sorted({k for row in speed["rows"] for k in row if k.endswith(" cudagraphs")})
         if graphs:
-            from .speed import table
+            from .speed import table as speed_table
 
             lines.append('\n## Compiled with CUDA graphs (mode="reduce-overhead"; ms, median)\n')
-            lines.append(table(speed["rows"], ["d", *graphs]))
+            lines.append(speed_table(speed["rows"], ["d", *graphs]))
     lines.append("\n## Acceptance (issue 43)\n")
     lines += [f"- {k}: {_fmt(v)}" for k, v in result.get("acceptance", {}).items()]
     return "\n".join(lines)
