@@ -29,6 +29,7 @@ section), with the steps' own Adam and with a ``foreach`` Adam (the CUDA default
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -155,7 +156,7 @@ def step_counts(
             "ddvi": ddvi_step(bayes, foreach=foreach),
         }
         for name, step in steps.items():
-            out[name + suffix] = count_dispatch(lambda step=step: step(x, y))
+            out[name + suffix] = count_dispatch(functools.partial(step, x, y))
     return out
 
 

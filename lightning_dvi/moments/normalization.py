@@ -57,7 +57,7 @@ The measurement that chose the default is in ``docs/moments.md`` ("Normalization
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -196,16 +196,19 @@ def running_affine_diag(
     ):
         return _RunningAffineDiag.apply(mean, var, mu, sigma2, weight, bias, eps)  # type: ignore[no-any-return]  # Function.apply returns Any
     rank = mean.dim()
-    mu, sigma2, weight, bias = (_per_channel(t, rank) for t in (mu, sigma2, weight, bias))
-    scale, shift = normalization_scale_shift(mu, sigma2, weight, bias, eps)  # type: ignore[arg-type]  # mu, sigma2 are tensors
+    scale, shift = normalization_scale_shift(
+        _per_channel(mu, rank),
+        _per_channel(sigma2, rank),
+        None if weight is None else _per_channel(weight, rank),
+        None if bias is None else _per_channel(bias, rank),
+        eps,
+    )
     return affine_diag(mean, var, scale, shift)
 
 
-def _per_channel(t: Tensor | None, rank: int) -> Tensor | None:
+def _per_channel(t: Tensor, rank: int) -> Tensor:
     """``[C]`` as ``[C, 1, ...]``, broadcasting against ``[B, C, *]`` inputs of ``rank`` dims."""
-    if t is None or rank <= 2:
-        return t
-    return t.view(-1, *([1] * (rank - 2)))
+    return t if rank <= 2 else t.view(-1, *([1] * (rank - 2)))
 
 
 def _running_affine_forward(
@@ -218,7 +221,7 @@ def _running_affine_forward(
         mean,
         var,
         _per_channel(scale, rank),
-        _per_channel(shift, rank),  # type: ignore[arg-type]  # tensors in, tensors out
+        _per_channel(shift, rank),
     )
     return out_mean, out_var, inv, scale, square
 
@@ -280,7 +283,7 @@ class _RunningAffineDiag(torch.autograd.Function):
         saved = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
         need = ctx.needs_input_grad  # type: ignore[attr-defined]  # FunctionCtx declares no needs_input_grad
         wanted = (need[0], need[1], need[4] or need[5])
-        backward = _running_affine_backward
+        backward: Callable[..., tuple[Tensor | None, ...]] = _running_affine_backward
         if all(wanted):  # the training case: one compiled kernel set on CUDA
             backward = policy.elementwise(
                 "running_affine_backward", _running_affine_backward, g_mean.device
