@@ -311,7 +311,8 @@ def test_relu_runs_its_formula_compiled_only_where_the_policy_says(monkeypatch, 
 
     wrapped = []
 
-    def spy(name, fn):
+    def spy(name, fn, dynamic=None):
+        assert dynamic is True  # one compilation for every shape
         wrapped.append(name)
         return fn  # the eager formula itself: the route is what is checked here
 
@@ -402,7 +403,7 @@ def test_running_batch_norm_bodies_compiled_only_where_the_policy_says(monkeypat
     from lightning_dvi.moments.normalization import running_affine_diag
 
     wrapped = []
-    monkeypatch.setattr(policy, "compiled", lambda name, fn: wrapped.append(name) or fn)
+    monkeypatch.setattr(policy, "compiled", lambda name, fn, dynamic: wrapped.append(name) or fn)
     monkeypatch.setattr(policy, "resolve", lambda device: path)
     mean, var, mu, sigma2, weight, bias = _bn_args((2, 3, 2, 2))
     out = running_affine_diag(mean, var, mu, sigma2, weight, bias, 1e-5)

@@ -318,16 +318,20 @@ def chunks(n: int, size: int) -> list[tuple[int, int]]:
 
 
 # ---------------------------------------------------------------------------- compile
-def compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def compiled(name: str, fn: Callable[..., Any], dynamic: bool | None = None) -> Callable[..., Any]:
     """``fn`` through :func:`torch.compile`, created once per ``name``, with eager fallback.
 
     The returned callable runs the compiled function; if compiling or running it raises, it
     warns once, marks compilation as failed for the rest of the process (so :func:`resolve`
-    answers ``"whole"``) and returns ``fn``'s eager result instead.
+    answers ``"whole"``) and returns ``fn``'s eager result instead. ``dynamic`` (unless the
+    compile options set it) is passed to :func:`torch.compile`.
     """
     if name not in _compiled:
         try:
-            _compiled[name] = torch.compile(fn, **_state["compile_options"])
+            options = dict(_state["compile_options"])
+            if dynamic is not None:
+                options.setdefault("dynamic", dynamic)
+            _compiled[name] = torch.compile(fn, **options)
         except Exception as err:  # pragma: no cover - torch.compile itself unavailable
             _fail(name, err)
             _compiled[name] = None
@@ -349,9 +353,12 @@ def elementwise(name: str, fn: Callable[..., Any], device: torch.device) -> Call
     """A fused Function's forward or backward body, compiled where :func:`resolve` says so.
 
     On CUDA with Triton (``"compiled"``) the tens of elementwise kernels of a moment formula
-    become one or a few; elsewhere ``fn`` runs eagerly. The same formula either way.
+    become one or a few; elsewhere ``fn`` runs eagerly. The same formula either way. Compiled
+    with dynamic shapes from the start: one compilation serves every layer's shape and a last,
+    smaller batch (automatic dynamic shapes would recompile for each dimension that changes,
+    e.g. the batch size of an epoch's last batch, inside a timed epoch).
     """
-    return compiled(name, fn) if resolve(device) == "compiled" else fn
+    return compiled(name, fn, dynamic=True) if resolve(device) == "compiled" else fn
 
 
 def _fail(name: str, err: BaseException) -> None:
