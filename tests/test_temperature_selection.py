@@ -215,6 +215,35 @@ def test_forced_calibration_is_saved_with_the_checkpoint(tmp_path) -> None:
     assert torch.allclose(loaded.predictive(xv), model.predictive(xv), atol=1e-6)
 
 
+@pytest.mark.parametrize("decider", ["module", "callback"])
+def test_the_runs_last_checkpoint_predicts_what_the_calibrated_model_does(tmp_path, decider):
+    # last.ckpt is written during training, before the calibration at the end of fit: it is
+    # rewritten, so `predict --ckpt_path last` gives the probabilities behind the test metrics
+    from lightning_dvi.callbacks import RunCheckpoint
+
+    torch.manual_seed(0)
+    (x, y), (xv, yv) = _data(256, 0), _data(200, 1)
+    model = DVIClassifier(in_features=5, num_classes=3, hidden=[16], num_data=256, lr=1e-2)
+    run = RunCheckpoint(dirpath=tmp_path / "ckpt")
+    callbacks: list[Callback] = [run]
+    if decider == "callback":
+        callbacks.append(PredictiveCalibration(z=0.0))  # any gain: something is written
+    else:
+        snap = _Snapshot()
+        callbacks.append(snap)
+    trainer = cpu_trainer(max_epochs=2, callbacks=callbacks, default_root_dir=tmp_path)
+    train = DataLoader(TensorDataset(x, y), batch_size=64)
+    trainer.fit(model, train, DataLoader(TensorDataset(xv, yv), batch_size=64))
+    choice = model.calibration if decider == "module" else callbacks[-1].choice  # type: ignore[attr-defined]
+    assert choice is not None and choice.chosen != 0  # the calibration changed the model
+    model.eval()
+    loaded = DVIClassifier.load_from_checkpoint(run.last_model_path, weights_only=True).eval()
+    assert torch.allclose(loaded.predictive(xv), model.predictive(xv), atol=1e-6)
+    before = snap.model if decider == "module" else None
+    if before is not None:  # and the file no longer holds the posterior as trained
+        assert not torch.allclose(loaded.predictive(xv), before.eval().predictive(xv), atol=1e-3)
+
+
 def test_without_validation_data_the_default_skips_and_the_callback_raises(tmp_path) -> None:
     x, y = _data(64, 0)
     loader = DataLoader(TensorDataset(x, y), batch_size=32)

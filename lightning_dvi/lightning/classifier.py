@@ -32,6 +32,7 @@ from .temperature import (
     TemperatureScaling,
     calibrate_on_validation,
     floor_probs,
+    rewrite_last_checkpoints,
     temper_probs,
 )
 
@@ -241,6 +242,7 @@ class DVIClassifier(DVIModule):
         if not self.calibrate or any(isinstance(c, deciding) for c in callbacks):
             return
         self.calibration = calibrate_on_validation(trainer, self, strict=False)
+        rewrite_last_checkpoints(trainer, self.calibration)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Checkpoints written before the temperature and floor buffers load with 1 and 0."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
@@ -61,6 +62,7 @@ __all__ = [
     "fit_temperature_floor",
     "floor_probs",
     "paired_choice",
+    "rewrite_last_checkpoints",
     "select_classifier",
     "temper_probs",
 ]
@@ -647,14 +649,44 @@ def calibrate_on_validation(
     return calibrate_classifier(module, *rows, z=z, kinds=kinds)
 
 
+def rewrite_last_checkpoints(trainer: Trainer, choice: CalibrationChoice | None) -> list[str]:
+    """Rewrite the ``last`` checkpoints written during ``fit`` when a calibration changed the model.
+
+    ``last.ckpt`` (:class:`~lightning_dvi.callbacks.RunCheckpoint`, or any ``ModelCheckpoint``
+    with ``save_last``) is written during training, before the calibration at the end of
+    ``fit``; without a rewrite, ``predict --ckpt_path last`` would give other probabilities than
+    the fitted model and its test metrics. The run is finished, so the rewritten file still
+    resumes as a spent run. Top-k checkpoints of earlier epochs keep the posterior as trained.
+    Collective under DDP: every process calls it.
+
+    Args:
+        trainer: the trainer at the end of ``fit``.
+        choice: what the calibration kept (``None`` or index 0: nothing changed, nothing
+            written).
+
+    Returns:
+        The paths rewritten.
+    """
+    if choice is None or choice.chosen == 0:
+        return []
+    written = []
+    for callback in trainer.checkpoint_callbacks:
+        path = str(getattr(callback, "last_model_path", "") or "")
+        if path and trainer.strategy.broadcast(os.path.isfile(path)):
+            trainer.save_checkpoint(path, weights_only=False)
+            written.append(path)
+    return written
+
+
 class PredictiveCalibration(Callback):
     """Run :func:`calibrate_classifier` on the validation rows at the end of ``fit``.
 
     What ``DVIClassifier(calibrate=True)`` (the default) does by itself; as a callback it takes
     a different gate ``z`` or set of ``kinds``, and raises without validation data. The choice
     is kept in :attr:`choice`. Under DDP the validation rows of all processes are gathered
-    first, so every process makes the same choice. Checkpoints written *during* training hold
-    the posterior as trained; save after ``fit`` to keep the calibration.
+    first, so every process makes the same choice. When the calibration changes the model, the
+    ``last`` checkpoint written during training is rewritten (:func:`rewrite_last_checkpoints`);
+    top-k checkpoints of earlier epochs hold the posterior as trained.
 
     Args:
         z: the gate in paired standard errors.
@@ -678,3 +710,4 @@ class PredictiveCalibration(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Fit and keep (or not) the factor and temperature on the validation rows."""
         self.choice = calibrate_on_validation(trainer, pl_module, self.z, self.kinds)
+        rewrite_last_checkpoints(trainer, self.choice)
