@@ -11,7 +11,24 @@ from torch import Tensor
 
 from .propagation import MODES, Mode, propagation
 
-__all__ = ["MODES", "MOMENT_MODES", "MONTE_CARLO_MODES", "Gaussian", "Mode", "validate_mode"]
+__all__ = [
+    "MODES",
+    "MOMENT_MODES",
+    "MONTE_CARLO_MODES",
+    "Gaussian",
+    "Mode",
+    "NonFiniteMomentsError",
+    "validate_mode",
+]
+
+
+class NonFiniteMomentsError(ValueError):
+    """A :class:`Gaussian`'s mean or (co)variance holds NaN or Inf (a ``ValueError``).
+
+    Its own class so that a search over settings (a posterior-scale factor, say) can score a
+    setting whose moments overflow as infinitely bad instead of stopping.
+    """
+
 
 MOMENT_MODES = ("full", "diag")
 """The shorthands of the modes that propagate moments (a Gaussian out)."""
@@ -126,9 +143,9 @@ class Gaussian:
                 f"mean shape {tuple(mean.shape)}"
             )
         if not all_finite(mean):
-            raise ValueError("Gaussian mean contains NaN or Inf")
+            raise NonFiniteMomentsError("Gaussian mean contains NaN or Inf")
         if not all_finite(second):
-            raise ValueError(f"Gaussian {name} contains NaN or Inf")
+            raise NonFiniteMomentsError(f"Gaussian {name} contains NaN or Inf")
         diag = cov.diagonal(dim1=-2, dim2=-1) if cov is not None else second
         # a host read, skipped while torch.compile / torch.export trace (as in all_finite)
         if not torch.compiler.is_compiling() and bool((diag < 0).any()):

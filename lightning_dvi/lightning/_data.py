@@ -143,6 +143,29 @@ class DataView:
         except TypeError:
             return None
 
+    def examples(self) -> tuple[Tensor, Tensor | None] | None:
+        """Every ``(x, y)`` of the stage's data, concatenated (one pass over the loader if needed).
+
+        ``y`` is ``None`` for input-only batches; ``None`` without a loader.
+        """
+        dataset = self.dataset()
+        if isinstance(dataset, TensorDataset):
+            tensors = dataset.tensors
+            return tensors[0], (tensors[1] if len(tensors) > 1 else None)
+        loader = self.loader()
+        if loader is None:
+            return None
+        xs: list[Tensor] = []
+        ys: list[Tensor] = []
+        for batch in loader:
+            x, y = _split(batch)
+            xs.append(x.detach().cpu())
+            if y is not None:
+                ys.append(y.detach().cpu())
+        if not xs:
+            return None
+        return torch.cat(xs), (torch.cat(ys) if len(ys) == len(xs) else None)
+
     def targets(self) -> Tensor | None:
         """Every target of the dataset, concatenated (one pass over the loader if needed)."""
         dataset = self.dataset()

@@ -603,28 +603,24 @@ def calibrate_classifier(
     return select_classifier([model], x, y, z=z, kinds=kinds)
 
 
-def _validation_rows(trainer: Trainer, module: LightningModule) -> tuple[Tensor, Tensor] | None:
-    """All validation inputs and labels (gathered across processes), or ``None`` without them."""
-    loaders = trainer.val_dataloaders
-    datamodule = getattr(trainer, "datamodule", None)  # set by Lightning, not declared
-    if loaders is None and datamodule is not None and hasattr(datamodule, "val_dataloader"):
-        loaders = datamodule.val_dataloader()
-    if isinstance(loaders, (list, tuple)):
-        loaders = loaders[0] if loaders else None
-    if loaders is None:
+def _validation_rows(trainer: Trainer) -> tuple[Tensor, Tensor] | None:
+    """All validation inputs and labels, or ``None`` without them.
+
+    The loaders the fit validated on (``None`` if it validated on none), read through
+    :class:`~lightning_dvi.lightning._data.DataView`, the one reader of the trainer's data:
+    under DDP every process reads the whole split, so every process makes the same choice.
+    """
+    from ._data import DataView
+
+    if trainer.val_dataloaders is None:  # the fit ran no validation: no rows to read
         return None
-    xs, ys = [], []
-    for batch in loaders:
-        xs.append(batch[0].cpu())
-        ys.append(batch[1].cpu())
-    if not xs:
+    view = DataView(trainer, "validate")  # reads the fit's validation loaders
+    if view.loader() is None:
         return None
-    x, y = torch.cat(xs), torch.cat(ys)
-    if trainer.world_size > 1:
-        gx = cast(Tensor, module.all_gather(x.to(module.device)))
-        gy = cast(Tensor, module.all_gather(y.to(module.device)))
-        x, y = gx.reshape(-1, *x.shape[1:]).cpu(), gy.reshape(-1).cpu()
-    return x, y
+    rows = view.examples()
+    if rows is None or rows[1] is None or len(rows[0]) == 0:
+        return None
+    return rows[0], rows[1]
 
 
 def calibrate_on_validation(
@@ -635,18 +631,18 @@ def calibrate_on_validation(
     strict: bool = True,
 ) -> CalibrationChoice | None:
     """:func:`calibrate_classifier` on the trainer's validation rows (``None`` without, unless ``strict``)."""
-    from .classifier import DVIClassifier
-
-    if not isinstance(module, DVIClassifier):
+    # a DVIClassifier (its predictive buffers): checked by duck type, as the classifier module
+    # imports this one
+    if not all(hasattr(module, n) for n in ("predictive_temperature", "predictive_floor")):
         raise ValueError(
             f"PredictiveCalibration needs a DVIClassifier, got {type(module).__name__}"
         )
-    rows = _validation_rows(trainer, module)
+    rows = _validation_rows(trainer)
     if rows is None:
         if strict:
             raise ValueError("PredictiveCalibration needs validation data (val_fraction > 0)")
         return None
-    return calibrate_classifier(module, *rows, z=z, kinds=kinds)
+    return calibrate_classifier(cast("DVIClassifier", module), *rows, z=z, kinds=kinds)
 
 
 def rewrite_last_checkpoints(trainer: Trainer, choice: CalibrationChoice | None) -> list[str]:

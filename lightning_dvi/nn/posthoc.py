@@ -52,7 +52,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from ..gaussian import Gaussian
+from ..gaussian import Gaussian, NonFiniteMomentsError
 from ..likelihoods import Likelihood
 from ..moments.attention import AttentionRule
 from ..moments.layer_norm import LayerNormRoute
@@ -647,6 +647,9 @@ def _nll_of(predictive: torch.distributions.Distribution, y: Tensor) -> Tensor:
     if isinstance(predictive, torch.distributions.Categorical):
         picked = predictive.probs.gather(-1, y.long().unsqueeze(-1)).squeeze(-1)
         return -picked.clamp_min(_PROB_FLOOR).log()
+    if isinstance(predictive, torch.distributions.Bernoulli):  # labels may be integers
+        p = predictive.probs
+        return -torch.where(y.to(torch.bool), p, 1.0 - p).clamp_min(_PROB_FLOOR).log()
     return -predictive.log_prob(y)
 
 
@@ -753,7 +756,10 @@ def calibrate_scales(
         return total / y.numel()
 
     def network(t: float) -> float:
-        return float(nll(torch.full((len(names),), t, dtype=dtype)))
+        try:
+            return float(nll(torch.full((len(names),), t, dtype=dtype)))
+        except NonFiniteMomentsError:  # the moments overflow at this factor: worst possible
+            return math.inf
 
     before = network(0.0)
     t_best, f_best = _search(network, math.log(lo), math.log(hi), grid, tol)
@@ -768,9 +774,12 @@ def calibrate_scales(
             opt.zero_grad()
             return nll(u.clamp(t_lo, t_hi), grad=True)
 
-        opt.step(closure)
-        candidate = u.detach().clamp(t_lo, t_hi)
-        value = float(nll(candidate)) if bool(torch.isfinite(candidate).all()) else math.inf
+        try:
+            opt.step(closure)
+            candidate = u.detach().clamp(t_lo, t_hi)
+            value = float(nll(candidate)) if bool(torch.isfinite(candidate).all()) else math.inf
+        except NonFiniteMomentsError:  # a step overflowed the moments: keep the grid's factor
+            candidate, value = factors, math.inf
         if value < after:
             factors, after = candidate, value
     if after > before:  # the grid misses factor 1 exactly; never make it worse
