@@ -620,7 +620,7 @@ def _validation_rows(trainer: Trainer) -> tuple[Tensor, Tensor] | None:
     rows = view.examples()
     if rows is None or rows[1] is None or len(rows[0]) == 0:
         return None
-    return rows[0], rows[1]
+    return rows[0].cpu(), rows[1].cpu()
 
 
 def calibrate_on_validation(
@@ -679,8 +679,8 @@ class PredictiveCalibration(Callback):
 
     What ``DVIClassifier(calibrate=True)`` (the default) does by itself; as a callback it takes
     a different gate ``z`` or set of ``kinds``, and raises without validation data. The choice
-    is kept in :attr:`choice`. Under DDP the validation rows of all processes are gathered
-    first, so every process makes the same choice. When the calibration changes the model, the
+    is kept in :attr:`choice`. Under DDP every process reads the whole validation split, so
+    every process makes the same choice. When the calibration changes the model, the
     ``last`` checkpoint written during training is rewritten (:func:`rewrite_last_checkpoints`);
     top-k checkpoints of earlier epochs hold the posterior as trained.
 
