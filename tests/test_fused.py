@@ -57,19 +57,27 @@ _CASES = [
 ]
 
 
+def _against_the_formula(call, wrt, node: str):
+    """``call()`` through the fused node ``node`` and through the formula (the policy's switch off),
+    with the gradients of both for one seeded random cotangent: ``(fused, reference, got, want)``.
+    """
+    fused = call()
+    assert type(fused[0].grad_fn).__name__ == node  # the policy chose the Function
+    with policy.fused_functions(False):
+        reference = call()
+    gen = torch.Generator().manual_seed(1)
+    cotangents = [torch.randn(o.shape, dtype=F64, generator=gen) for o in fused]
+    got = torch.autograd.grad(fused, wrt, cotangents)
+    want = torch.autograd.grad(reference, wrt, cotangents)
+    return fused, reference, got, want
+
+
 @pytest.mark.parametrize(("kind", "lead", "bias"), _CASES)
 def test_fused_values_and_gradients_match_autograd_through_the_formula(kind, lead, bias):
     fn, args = _FNS[kind], _layer_args(kind, lead, k=3, bias=bias)
-    fused = fn(*args)
-    assert type(fused[0].grad_fn).__name__ == FUSED_NODES[kind]  # the policy chose the Function
-    with policy.fused_functions(False):
-        reference = fn(*args)
-    assert "Linear" not in type(reference[0].grad_fn).__name__
-    gen = torch.Generator().manual_seed(1)
-    cotangents = [torch.randn(o.shape, dtype=F64, generator=gen) for o in fused]
     wrt = [t for t in args if t is not None]
-    got = torch.autograd.grad(fused, wrt, cotangents)
-    want = torch.autograd.grad(reference, wrt, cotangents)
+    fused, reference, got, want = _against_the_formula(lambda: fn(*args), wrt, FUSED_NODES[kind])
+    assert "Linear" not in type(reference[0].grad_fn).__name__
     for a, b in zip(fused, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
     for a, b in zip(got, want, strict=True):
@@ -246,17 +254,13 @@ def test_running_batch_norm_fused_matches_autograd_through_the_formula(shape):
     # a few variances flushed to zero by the formula (no gradient passes there)
     with torch.no_grad():
         var.view(-1)[:2] = 1e-300
-    fused = running_affine_diag(mean, var, mu, sigma2, weight, bias, 1e-5)
-    assert type(fused[0].grad_fn).__name__ == "_RunningAffineDiagBackward"
-    with policy.fused_functions(False):
-        reference = running_affine_diag(mean, var, mu, sigma2, weight, bias, 1e-5)
+    fused, reference, got, want = _against_the_formula(
+        lambda: running_affine_diag(mean, var, mu, sigma2, weight, bias, 1e-5),
+        (mean, var, weight, bias),
+        "_RunningAffineDiagBackward",
+    )
     assert "RunningAffine" not in type(reference[0].grad_fn).__name__
     assert reference[1].view(-1)[:2].tolist() == [0.0, 0.0]
-    gen = torch.Generator().manual_seed(1)
-    cot = [torch.randn(o.shape, dtype=F64, generator=gen) for o in fused]
-    wrt = (mean, var, weight, bias)
-    got = torch.autograd.grad(fused, wrt, cot)
-    want = torch.autograd.grad(reference, wrt, cot)
     for a, b in zip(fused, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-14, atol=0)
     for a, b in zip(got, want, strict=True):
@@ -350,16 +354,12 @@ def test_conv_fused_matches_autograd_through_the_formula(bias, stride, padding):
     from lightning_dvi.moments import conv2d_diag
 
     args = _conv_args(bias)
-    fused = conv2d_diag(*args, stride=stride, padding=padding)
-    assert type(fused[0].grad_fn).__name__ == "_Conv2dDiagBackward"
-    with policy.fused_functions(False):
-        reference = conv2d_diag(*args, stride=stride, padding=padding)
+    fused, reference, got, want = _against_the_formula(
+        lambda: conv2d_diag(*args, stride=stride, padding=padding),
+        [t for t in args if t is not None],
+        "_Conv2dDiagBackward",
+    )
     assert "Conv2dDiag" not in type(reference[0].grad_fn).__name__
-    gen = torch.Generator().manual_seed(1)
-    cot = [torch.randn(o.shape, dtype=F64, generator=gen) for o in fused]
-    wrt = [t for t in args if t is not None]
-    got = torch.autograd.grad(fused, wrt, cot)
-    want = torch.autograd.grad(reference, wrt, cot)
     for a, b in zip(fused, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
     for a, b in zip(got, want, strict=True):
