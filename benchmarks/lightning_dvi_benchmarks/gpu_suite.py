@@ -99,6 +99,10 @@ SPEED_METHODS = (
 _STATUSES_OK = ("ok", "partial", "skipped")
 
 
+CELL_KINDS = ("eager", "tf32", "compiled", "cudagraphs")
+"""The speed section's kinds of cell, in the order it runs them (``--cells`` chooses some)."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """Sizes and time budgets of one run (:data:`FULL` on a GPU, :data:`DRY` for ``--dry-run``).
@@ -154,7 +158,7 @@ class Plan:
     cli_subprocess: bool = True
     resnet_peak_memory: bool = True
     cudagraph_cells: tuple[tuple[str, int], ...] = ()
-    speed_kinds: tuple[str, ...] = ("eager", "tf32", "compiled", "cudagraphs")
+    speed_kinds: tuple[str, ...] = CELL_KINDS
     speed_widths: tuple[int, ...] | None = None
     budgets: Mapping[str, float] = field(default_factory=dict)
     deadline_s: float = 450.0
@@ -372,10 +376,6 @@ def section_environment(plan: Plan, rec: Recorder) -> None:
         )  # fmt: skip
         rec.data["nvidia-smi"] = {"query": query, "rows": out.stdout.strip().splitlines()}
     rec.save()
-
-
-CELL_KINDS = ("eager", "tf32", "compiled", "cudagraphs")
-"""The speed section's kinds of cell, in the order it runs them (``--cells`` chooses some)."""
 
 
 def _speed_cells(

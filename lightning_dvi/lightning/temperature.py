@@ -614,10 +614,7 @@ def _validation_rows(trainer: Trainer) -> tuple[Tensor, Tensor] | None:
 
     if trainer.val_dataloaders is None:  # the fit ran no validation: no rows to read
         return None
-    view = DataView(trainer, "validate")  # reads the fit's validation loaders
-    if view.loader() is None:
-        return None
-    rows = view.examples()
+    rows = DataView(trainer, "validate").examples()  # the fit's validation loaders
     if rows is None or rows[1] is None or len(rows[0]) == 0:
         return None
     return rows[0].cpu(), rows[1].cpu()
