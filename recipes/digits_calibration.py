@@ -29,7 +29,11 @@ from lightning_dvi.data import DigitsDataModule
 from lightning_dvi.lightning.temperature import fit_temperature, temper_probs
 from lightning_dvi.metrics import ClassificationMetrics
 
-_BASE: dict[str, Any] = {"hidden": [64], "lr": 3e-3}
+# the study's model (issue 13): full mode, the empirical-Bayes prior and the untempered ELBO,
+# pinned because DVIClassifier's defaults have changed since
+_BASE: dict[str, Any] = {
+    "hidden": [64], "lr": 3e-3, "mode": "full", "prior": "empirical_bayes", "kl_weight": 1.0,
+}  # fmt: skip
 #: name -> (DVIClassifier keyword arguments on top of the base, epochs)
 SETTINGS: dict[str, tuple[dict[str, Any], int]] = {
     "delta_kl1_50ep": ({"likelihood_method": "delta"}, 50),

@@ -41,8 +41,8 @@ from lightning_dvi_benchmarks.torch_resnet import resnet18
 SETTINGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "defaults_sf0.1": ({"scale_fraction": 0.1}, {}),
     "defaults_sf1": ({"scale_fraction": 1.0}, {}),
-    "gauss1_kl1_sf0.1": ({"scale_fraction": 0.1}, {"kl_weight": 1.0}),
-    "gauss1_kl1_sf1": ({"scale_fraction": 1.0}, {"kl_weight": 1.0}),
+    "gauss1_kl1_sf0.1": ({"scale_fraction": 0.1}, {"kl_weight": 1.0, "prior_variance": 1.0}),
+    "gauss1_kl1_sf1": ({"scale_fraction": 1.0}, {"kl_weight": 1.0, "prior_variance": 1.0}),
     "eb_kl1_sf1": ({"scale_fraction": 1.0}, {"kl_weight": 1.0, "prior": "empirical_bayes"}),
     "eb_kl1_sf1_fullcov": (
         {"scale_fraction": 1.0, "head_covariance": "full"},
