@@ -18,16 +18,35 @@ weight draws, the mixture of the class probabilities), wall and CPU time per ste
 ``Normal(0, 1/fan_in)``; see :class:`Classifier`); ``--json PATH`` appends one JSON line per
 guide (options, seed, the printed figures).
 
+``--protocol`` picks how a run ends, the same for both guides:
+
+* ``fixed``: the parameters after ``--steps`` steps on all training rows;
+* ``validation``: ``--val-fraction`` of the training rows (a seeded draw) are held out; each
+  guide trains on the rest for ``--steps`` steps, its held-out NLL
+  (:func:`lightning_dvi.pyro.predictive_nll`, ``--val-draws`` weight draws with a fixed seed) is
+  evaluated every ``--val-every`` steps, and a
+  :class:`lightning_dvi.pyro.ValidationCheckpoint` restores the parameters of the best
+  evaluation (``best_step``; ``nll_last``: the test NLL at the last step, before the restore).
+
+``--final-draws N`` evaluates the test NLL from ``N`` weight draws, vectorised
+(:func:`vectorised_probs`), instead of ``--predictive`` model runs. ``--categorical-method``
+(analysis only) trains the deterministic guide's ``Categorical`` site with another method of
+:class:`lightning_dvi.likelihoods.Categorical` (``tight``, the default, or ``bound``).
+
 Run:  .venv/bin/python recipes/pyro_classifier_swap.py --data digits --steps 1500 --seed 0
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
 
 import pyro
 import pyro.distributions as dist
@@ -37,7 +56,13 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule, PyroSample
 from torch import Tensor, nn
 
-from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide
+from lightning_dvi import likelihoods
+from lightning_dvi.pyro import (
+    DeterministicELBO,
+    DeterministicGuide,
+    ValidationCheckpoint,
+    predictive_nll,
+)
 
 
 class Classifier(PyroModule):
@@ -106,6 +131,59 @@ def class_probs(model: Classifier, guide: nn.Module, x: Tensor, draws: int) -> T
     return torch.softmax(f, -1).mean(0)
 
 
+def vectorised_probs(guide: Any, x: Tensor, likelihood: str, draws: int) -> Tensor:
+    """The posterior predictive ``[N, K]`` of the recipe's classifier from ``draws`` weight draws.
+
+    The same mixture as :func:`class_probs`, drawn in chunks of 1,000 with batched matrix
+    products instead of one model run per draw.
+    """
+    params = {
+        site: guide._get_loc_and_scale(site)
+        for site in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+    }
+    total = torch.zeros(())
+    with torch.no_grad():
+        for start in range(0, draws, 1000):
+            n = min(1000, draws - start)
+            w = {k: loc + scale * torch.randn(n, *loc.shape) for k, (loc, scale) in params.items()}
+            h = torch.relu(x @ w["fc1.weight"].transpose(1, 2) + w["fc1.bias"][:, None])
+            f = h @ w["fc2.weight"].transpose(1, 2) + w["fc2.bias"][:, None]
+            if likelihood == "bernoulli":
+                p = torch.sigmoid(f.squeeze(-1))
+                probs = torch.stack([1 - p, p], -1)
+            else:
+                probs = torch.softmax(f, -1)
+            total = total + probs.sum(0)
+    return total / draws
+
+
+def test_probs(args: argparse.Namespace, model: Classifier, guide: nn.Module, x: Tensor) -> Tensor:
+    """The test predictive: ``--final-draws`` vectorised draws, else ``--predictive`` runs."""
+    if args.final_draws:
+        return vectorised_probs(guide, x, args.likelihood, args.final_draws)
+    return class_probs(model, guide, x, args.predictive)
+
+
+def nll_of(probs: Tensor, y: Tensor) -> float:
+    """Mean negative log of the true class's predictive probability (clamped at 1e-12)."""
+    return -probs.clamp_min(1e-12).log().gather(-1, y[:, None]).mean().item()
+
+
+@contextlib.contextmanager
+def categorical_method(method: str) -> Iterator[None]:
+    """Inside: the Pyro front-end's ``Categorical`` sites use ``method`` (analysis only)."""
+    if method == "tight":
+        yield
+        return
+
+    class Method(likelihoods.Categorical):
+        def __init__(self, num_classes: int) -> None:
+            super().__init__(num_classes, method=method)
+
+    with mock.patch.object(likelihoods, "Categorical", Method):
+        yield
+
+
 def build(args: argparse.Namespace, kind: str, x: Tensor) -> tuple[Classifier, nn.Module, SVI]:
     """The model, guide and SVI of one run (``kind``: ``"dvi"`` or ``"autonormal"``)."""
     outputs = 1 if args.likelihood == "bernoulli" else args.classes
@@ -134,14 +212,24 @@ def evaluate(
         check = torch.tensor(
             [Trace_ELBO().loss(model, guide, x, y) for _ in range(args.check_draws)]
         )
-    probs = class_probs(model, guide, x_te, args.predictive)
+    probs = test_probs(args, model, guide, x_te)
     return {
         "reported": float(reported),
         "true": check.mean().item(),
         "true_se": (check.std() / math.sqrt(args.check_draws)).item(),
         "acc": (probs.argmax(-1) == y_te).float().mean().item(),
-        "nll": -probs.clamp_min(1e-12).log().gather(-1, y_te[:, None]).mean().item(),
+        "nll": nll_of(probs, y_te),
     }
+
+
+def split_validation(
+    x: Tensor, y: Tensor, fraction: float, seed: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(x_fit, y_fit, x_val, y_val)``: a seeded ``fraction`` of the rows held out."""
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_val = round(fraction * len(x))
+    val, fit = order[:n_val], order[n_val:]
+    return x[fit], y[fit], x[val], y[val]
 
 
 def train(
@@ -150,7 +238,11 @@ def train(
     """Train every guide of ``args.guides`` on its own copy of the model, steps interleaved.
 
     Returns ``((x, y_obs, x_test, y_test), {kind: (model, guide, svi)}, cpu, wall)`` with the
-    CPU and wall seconds of each guide's steps after the first.
+    CPU and wall seconds of each guide's steps after the first. Under
+    ``--protocol validation`` ``x, y_obs`` are the rows trained on (the held-out ones
+    removed), every guide ends at its checkpoint's parameters, and ``args.validation`` holds,
+    per guide, the checkpoint's history, best step, CPU seconds and the test NLL and accuracy
+    at the last step (before the restore).
     """
     x, y, x_te, y_te = load(args.data, args.seed)
     args.classes = int(y.max()) + 1
@@ -159,15 +251,45 @@ def train(
     pyro.set_rng_seed(args.seed)
     kinds = args.guides.split(",")
     runs = {kind: build(args, kind, x) for kind in kinds}  # distinct guide names: one store
+    checkpoints: dict[str, ValidationCheckpoint] = {}
+    if args.protocol == "validation":
+        x, y_obs, x_val, y_val = split_validation(x, y_obs, args.val_fraction, args.seed)
+        for kind, (model, guide, _) in runs.items():
+            checkpoints[kind] = ValidationCheckpoint(
+                lambda m=model, g=guide: predictive_nll(  # type: ignore[misc]
+                    m, g, x_val, y_val, num_samples=args.val_draws, seed=args.seed
+                ),
+                every=args.val_every,
+                params=guide,
+            )
     for _, _, svi in runs.values():
         svi.step(x, y_obs)  # builds the guide (not timed)
     cpu, wall = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
-    for _ in range(args.steps - 1):  # interleaved, so that both see the same machine load
+    val_cpu = dict.fromkeys(kinds, 0.0)
+    for step in range(2, args.steps + 1):  # interleaved, so that both see the same machine load
         for kind, (_, _, svi) in runs.items():
             c, w = time.process_time(), time.perf_counter()
             svi.step(x, y_obs)
             cpu[kind] += time.process_time() - c
             wall[kind] += time.perf_counter() - w
+            if kind in checkpoints:
+                c = time.process_time()
+                checkpoints[kind].update(step)
+                val_cpu[kind] += time.process_time() - c
+    args.validation = {}
+    for kind, checkpoint in checkpoints.items():
+        model, guide, _ = runs[kind]
+        if checkpoint.best_step is None or checkpoint.history[-1][0] != args.steps:
+            checkpoint.evaluate(args.steps)  # the last step is always a candidate
+        probs = test_probs(args, model, guide, x_te)
+        args.validation[kind] = {
+            "nll_last": nll_of(probs, y_te),
+            "acc_last": (probs.argmax(-1) == y_te).float().mean().item(),
+            "best_step": checkpoint.restore(),
+            "best_val_nll": checkpoint.best_score,
+            "val_history": checkpoint.history,
+            "val_cpu_s": val_cpu[kind],
+        }
     return (x, y_obs, x_te, y_te), runs, cpu, wall
 
 
@@ -184,6 +306,14 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--guides", default="dvi,autonormal")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (timings)")
     parser.add_argument("--json", default=None, help="append one JSON line per guide here")
+    parser.add_argument("--protocol", choices=("fixed", "validation"), default="fixed")
+    parser.add_argument("--val-fraction", type=float, default=0.2)
+    parser.add_argument("--val-every", type=int, default=25)
+    parser.add_argument("--val-draws", type=int, default=100)
+    parser.add_argument("--final-draws", type=int, default=0, help="test NLL from N draws")
+    parser.add_argument(
+        "--categorical-method", choices=("tight", "bound"), default="tight", help="analysis"
+    )
     parser.add_argument(
         "--prior",
         choices=("standard", "fan_in"),
@@ -201,7 +331,19 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.data}, {args.likelihood}, {args.prior} prior, {args.steps} steps, seed {args.seed}, "
         f"{args.threads} thread(s), load {os.getloadavg()[0]:.2f}"
     )
-    data, runs, cpu, wall = train(args)
+    with categorical_method(args.categorical_method):
+        report(args, *train(args))
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+
+
+def report(
+    args: argparse.Namespace,
+    data: tuple,
+    runs: dict[str, tuple[Classifier, nn.Module, SVI]],
+    cpu: dict[str, float],
+    wall: dict[str, float],
+) -> None:
+    """Print (and with ``--json`` append) one row per guide."""
     x, y_obs, x_te, y_te = data
     print(
         "| guide + loss | reported loss | true loss (Trace_ELBO, s.e.) | true / reported | "
@@ -220,12 +362,22 @@ def main(argv: list[str] | None = None) -> None:
             f"{wall_ms:.2f} | {cpu_ms:.2f} |",
             flush=True,
         )
+        if kind in args.validation:
+            v = args.validation[kind]
+            print(
+                f"  {kind}: best validation NLL {v['best_val_nll']:.4f} at step {v['best_step']}"
+                f" (validation {v['val_cpu_s']:.1f} CPU s); at step {args.steps}: test NLL "
+                f"{v['nll_last']:.4f}, acc {v['acc_last']:.3f}",
+                flush=True,
+            )
         if args.json:
-            options = {k: getattr(args, k) for k in ("data", "likelihood", "prior", "steps", "lr")}
+            keys = ("data", "likelihood", "prior", "steps", "lr", "protocol", "val_fraction")
+            keys += ("val_every", "val_draws", "final_draws", "predictive", "categorical_method")
+            options = {k: getattr(args, k) for k in keys}
             row = {**options, "seed": args.seed, "guide": kind, **r, "cpu_ms": cpu_ms}
+            row.update(args.validation.get(kind, {}))
             with open(args.json, "a") as out:
                 out.write(json.dumps(row) + "\n")
-    print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

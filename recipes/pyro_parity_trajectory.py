@@ -45,7 +45,7 @@ from pyro.infer.autoguide import AutoNormal
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling recipe's model and data
-from pyro_classifier_swap import Classifier, class_probs, load
+from pyro_classifier_swap import Classifier, class_probs, load, vectorised_probs
 
 from lightning_dvi.pyro import DeterministicELBO, DeterministicGuide, init_to_he
 
@@ -74,32 +74,6 @@ def site_scales(guide: Any) -> dict[str, list[float]]:
 def test_nll(probs: Tensor, y: Tensor) -> float:
     """Mean negative log of the true class's predictive probability (clamped at 1e-12)."""
     return -probs.clamp_min(1e-12).log().gather(-1, y[:, None]).mean().item()
-
-
-def vectorised_probs(guide: Any, x: Tensor, likelihood: str, draws: int) -> Tensor:
-    """The posterior predictive ``[N, K]`` of the recipe's classifier from ``draws`` weight draws.
-
-    The same mixture as :func:`class_probs`, drawn in chunks of 1,000 with batched matrix
-    products instead of one model run per draw.
-    """
-    params = {
-        site: guide._get_loc_and_scale(site)
-        for site in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
-    }
-    total = torch.zeros(())
-    with torch.no_grad():
-        for start in range(0, draws, 1000):
-            n = min(1000, draws - start)
-            w = {k: loc + scale * torch.randn(n, *loc.shape) for k, (loc, scale) in params.items()}
-            h = torch.relu(x @ w["fc1.weight"].transpose(1, 2) + w["fc1.bias"][:, None])
-            f = h @ w["fc2.weight"].transpose(1, 2) + w["fc2.bias"][:, None]
-            if likelihood == "bernoulli":
-                p = torch.sigmoid(f.squeeze(-1))
-                probs = torch.stack([1 - p, p], -1)
-            else:
-                probs = torch.softmax(f, -1)
-            total = total + probs.sum(0)
-    return total / draws
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:

@@ -15,6 +15,7 @@ from .elbo import DeterministicELBO
 from .guide import DeterministicGuide, init_to_he
 from .modules import PyroBayesNet
 from .moment_tensor import MomentTensor
+from .validation import ValidationCheckpoint, predictive_nll
 
 __all__ = [
     "Categorical",
@@ -23,5 +24,7 @@ __all__ = [
     "HeteroscedasticGaussian",
     "MomentTensor",
     "PyroBayesNet",
+    "ValidationCheckpoint",
     "init_to_he",
+    "predictive_nll",
 ]
