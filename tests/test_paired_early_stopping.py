@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import lightning
 import numpy as np
@@ -110,6 +111,38 @@ def _feed_one(callback: PairedEarlyStopping, rows: np.ndarray, k: int) -> None:
     callback.decide(torch.as_tensor(rows, dtype=torch.float64), module)
 
 
+def _stops_at(callback: PairedEarlyStopping, steps: list[np.ndarray]) -> int | None:
+    """Feed ``steps`` through the callback's end-of-validation hook; the index it stops at."""
+    module = _Module()
+    trainer = SimpleNamespace(sanity_checking=False, world_size=1, should_stop=False)
+    for k, rows in enumerate(steps):
+        with torch.no_grad():
+            module.step.fill_(k)
+        callback._rows = [torch.as_tensor(rows, dtype=torch.float64)]
+        callback.on_validation_epoch_end(trainer, module)  # type: ignore[arg-type]
+        if trainer.should_stop:
+            assert callback.stopped_step == k
+            return k
+    return None
+
+
+@pytest.mark.parametrize(
+    ("best", "growth", "stop"),
+    # stop = best + max(patience, ceil(growth * best)), patience 3, written out by hand
+    [(29, 0.0, 32), (29, 0.1, 32), (29, 0.2, 35), (29, 0.5, 44), (4, 0.5, 7), (40, 0.25, 50)],
+)
+def test_the_patience_grows_with_the_best_steps_index(best, growth, stop):
+    """``patience_growth``: a new best at step ``best``, then only clearly worse steps."""
+    rng = np.random.default_rng(5)
+    base = rng.normal(-1.0, 1.0, size=50)
+    steps = [base + 0.1 * k for k in range(best + 1)]  # a new best every step up to `best`
+    steps += [base - 1.0] * 30  # then steps shown worse, never a new best
+    callback = PairedEarlyStopping(patience=3, z=0.5, patience_growth=growth)
+    assert _stops_at(callback, steps) == stop
+    assert callback.best_step == best and callback.kept_step == best
+    assert callback.current_patience == stop - best
+
+
 def test_a_non_finite_step_is_never_kept():
     callback = PairedEarlyStopping(z=5.0)
     steps = [np.full(10, -1.0), np.array([-1.0] * 9 + [math.nan])]
@@ -170,7 +203,9 @@ def test_trim_is_ignored_on_too_few_rows():
 
 def test_bad_arguments_are_refused():
     for kwargs in ({"patience": 0}, {"z": -1.0}, {"z": math.inf}, {"skip": -1},
-                   {"patience_on": "mean"}, {"min_steps": 1.5}, {"trim": -1}):  # fmt: skip
+                   {"patience_on": "mean"}, {"min_steps": 1.5}, {"trim": -1},
+                   {"patience_growth": -0.1}, {"patience_growth": math.inf},
+                   {"patience_growth": True}):  # fmt: skip
         with pytest.raises(ValueError, match="PairedEarlyStopping"):
             PairedEarlyStopping(**kwargs)
 

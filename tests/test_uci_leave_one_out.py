@@ -159,8 +159,18 @@ def test_the_runners_default_is_the_leave_one_out_choice():
     assert uci.PRESETS["lbfgs-best"] == loo.CANDIDATES["today"]
 
 
-def test_the_runner_hands_the_candidates_selection_settings_to_the_callback(tmp_path, monkeypatch):
-    """``paired-trim1``: run_job builds PairedEarlyStopping with z, skip and trim of the candidate."""
+@pytest.mark.parametrize(
+    ("name", "patience_on", "growth"),
+    [
+        ("paired-trim1", "best", 0.0),
+        ("paired-trim1-kept", "kept", 0.0),
+        ("paired-trim1-grow", "best", 0.1),
+    ],
+)
+def test_the_runner_hands_the_candidates_selection_settings_to_the_callback(
+    tmp_path, monkeypatch, name, patience_on, growth
+):
+    """run_job builds PairedEarlyStopping with z, skip, trim, patience_on and growth of the candidate."""
     import lightning_dvi.callbacks as callbacks
 
     seen = []
@@ -174,12 +184,14 @@ def test_the_runner_hands_the_candidates_selection_settings_to_the_callback(tmp_
     rng = np.random.default_rng(1)
     x = rng.normal(size=(80, 3))
     write_standard_layout(tmp_path / "toy", x, x[:, 0] + 0.3 * rng.normal(size=80), n_splits=1)
-    settings = replace(loo.CANDIDATES["paired-trim1"], max_steps=2, patience=1)
+    settings = replace(loo.CANDIDATES[name], max_steps=2, patience=1)
     assert settings == replace(loo.CANDIDATES["paired-skip3"], selection_trim=1, max_steps=2,
-                               patience=1)  # fmt: skip
+                               patience=1, patience_on=patience_on,
+                               patience_growth=growth)  # fmt: skip
     job = uci.Job(str(tmp_path), "toy", "dvi", 0, 8, 0.0, None, settings)
     result = uci.run_job(job)
-    assert seen == [{"patience": 1, "z": 0.5, "skip": 3, "patience_on": "best", "trim": 1}]
+    assert seen == [{"patience": 1, "z": 0.5, "skip": 3, "patience_on": patience_on, "trim": 1,
+                     "patience_growth": growth}]  # fmt: skip
     assert result["kept_step"] is not None
 
 

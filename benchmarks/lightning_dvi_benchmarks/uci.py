@@ -137,7 +137,8 @@ class Settings:
     Which early-stopped step is restored (``selection``): ``"best"``, the best mean validation
     NLL (Lightning's ``EarlyStopping`` with :class:`~lightning_dvi.callbacks.RestoreBestWeights`);
     ``"paired"``, :class:`~lightning_dvi.callbacks.PairedEarlyStopping` with ``z =
-    selection_z``, ``skip = selection_skip``, ``patience_on`` and ``trim = selection_trim``:
+    selection_z``, ``skip = selection_skip``, ``patience_on``, ``trim = selection_trim`` and
+    ``patience_growth``:
     the last step that the carve-out's per-row log-likelihoods do not show worse than the best
     by more than ``z`` standard errors.
     """
@@ -170,6 +171,7 @@ class Settings:
     selection_skip: int = 3
     patience_on: Literal["best", "kept"] = "best"
     selection_trim: int = 0
+    patience_growth: float = 0.0
 
     @property
     def regressor_resolution(self) -> float | Literal["auto"] | None:
@@ -429,6 +431,7 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
             skip=s.selection_skip,
             patience_on=s.patience_on,
             trim=s.selection_trim,
+            patience_growth=s.patience_growth,
         )
         callbacks.append(paired)
     elif early > 0:

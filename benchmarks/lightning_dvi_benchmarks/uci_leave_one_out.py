@@ -44,7 +44,7 @@ __all__ = [
 
 _TODAY = replace(DEFAULTS, selection="best", patience_on="best", selection_skip=0)
 
-# The fixed list: today's protocol and six per-run rules for which step to keep (issue 45).
+# The fixed list: today's protocol and eight per-run rules for which step to keep (issue 45).
 CANDIDATES: dict[str, Settings] = {
     "today": _TODAY,
     "skip3": replace(_TODAY, selection="paired", selection_z=0.0, selection_skip=3),
@@ -57,6 +57,25 @@ CANDIDATES: dict[str, Settings] = {
     # added after the first selection (energy split 5): paired-skip3, no single row deciding
     "paired-trim1": replace(
         _TODAY, selection="paired", selection_z=0.5, selection_skip=3, selection_trim=1
+    ),
+    # added after the second selection (energy's mean): paired-trim1 with a patience counted in
+    # standard errors (the run stops after `patience` steps in a row each shown worse than the
+    # best by more than z standard errors), or growing with the best step's index
+    "paired-trim1-kept": replace(
+        _TODAY,
+        selection="paired",
+        selection_z=0.5,
+        selection_skip=3,
+        selection_trim=1,
+        patience_on="kept",
+    ),
+    "paired-trim1-grow": replace(
+        _TODAY,
+        selection="paired",
+        selection_z=0.5,
+        selection_skip=3,
+        selection_trim=1,
+        patience_growth=0.1,
     ),
 }
 
