@@ -82,7 +82,7 @@ def _fit(tmp_path, **kwargs):  # type: ignore[no-untyped-def]
     )
     val = DataLoader(TensorDataset(x[300:], y[300:]), batch_size=100)
     torch.manual_seed(0)
-    model = DVIClassifier(hidden=[32], lr=1e-2, **kwargs)
+    model = DVIClassifier(**{"hidden": [32], "lr": 1e-2, **kwargs})
     trainer = cpu_trainer(max_epochs=12, enable_checkpointing=False, default_root_dir=tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -101,7 +101,26 @@ def test_empirical_bayes_collapse_is_warned_about_once_with_the_fix(tmp_path) ->
 
 
 def test_the_defaults_do_not_collapse_and_log_the_diagnostics(tmp_path) -> None:
-    metrics, messages = _fit(tmp_path)
+    metrics, messages = _fit(tmp_path, hidden=[128, 128], lr=3e-3)  # DVIClassifier()'s own
     assert messages == []
     assert float(metrics["val/entropy_ratio"]) < collapse.ENTROPY_RATIO
     assert float(metrics["train/accuracy"]) > 0.9
+
+
+def test_the_tempered_posterior_does_not_collapse(tmp_path) -> None:
+    # the defaults until issue 41 (kl_weight 0.1, N(0, 1)), on the narrow fast network
+    metrics, messages = _fit(tmp_path, kl_weight=0.1, prior_variance=1.0)
+    assert messages == []
+    assert float(metrics["val/entropy_ratio"]) < collapse.ENTROPY_RATIO
+    assert float(metrics["train/accuracy"]) > 0.9
+
+
+def test_too_much_kl_under_a_gaussian_prior_is_warned_about_with_the_fix(tmp_path) -> None:
+    # the untempered ELBO under N(0, 0.1) (the default kl_weight and prior) on 300 rows with one
+    # hidden layer of 32 at lr 1e-2: the logits' noise swamps their means
+    metrics, messages = _fit(tmp_path)
+    assert len(messages) == 1
+    assert "too much KL for 300 training rows" in messages[0]
+    assert "kl_weight (now 1, e.g. 0.1)" in messages[0]
+    assert float(metrics["val/entropy_ratio"]) > collapse.ENTROPY_RATIO
+    assert float(metrics["train/accuracy"]) >= collapse.TRAIN_ACCURACY
