@@ -132,3 +132,48 @@ def test_temperature_scaling_needs_validation_data_and_a_classifier(tmp_path) ->
         trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=32))
     with pytest.raises(ValueError, match="predictive"):
         TemperatureScaling().on_fit_end(trainer, torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def _closed_form_kl(model: DVIClassifier, variance: float) -> float:
+    """KL(q || N(0, s)) summed over every weight and bias, from the layers' means and scales."""
+    total = 0.0
+    for layer in model.net.layers:
+        if not hasattr(layer, "weight_loc"):
+            continue
+        for loc, scale in (
+            (layer.weight_loc, layer.weight_scale),
+            (layer.bias_loc, layer.bias_scale),
+        ):
+            v = scale.detach().double() ** 2
+            m2 = loc.detach().double() ** 2
+            total += float(0.5 * (v / variance + m2 / variance - 1 - torch.log(v / variance)).sum())
+    return total
+
+
+def test_the_defaults_are_the_elbo_under_a_gaussian_prior_of_variance_one_tenth() -> None:
+    model = DVIClassifier(in_features=5, num_classes=3, hidden=[4], num_data=10)
+    assert model.kl_weight == 1.0 and model.hparams["kl_weight"] == 1.0
+    assert model.hparams["prior"] == "gaussian" and model.hparams["prior_variance"] == 0.1
+    kl = float(model.prior.kl(model.net).detach())
+    assert kl == pytest.approx(_closed_form_kl(model, 0.1), rel=1e-5)
+    assert kl != pytest.approx(_closed_form_kl(model, 1.0), rel=1e-2)
+    again = DVIClassifier(**model.hparams)  # what a checkpoint rebuilds
+    assert again.hparams["prior_variance"] == 0.1 and again.kl_weight == 1.0
+
+
+def test_the_prior_variance_default_applies_to_the_gaussian_shorthand_only() -> None:
+    from lightning_dvi.priors import EmpiricalBayes, GaussianPrior
+
+    shared = {"in_features": 5, "num_classes": 3, "hidden": [4], "num_data": 10}
+    given = DVIClassifier(**shared, prior_variance=0.5)
+    assert given.hparams["prior_variance"] == 0.5
+    assert float(given.prior.kl(given.net).detach()) == pytest.approx(
+        _closed_form_kl(given, 0.5), rel=1e-5
+    )
+    eb = DVIClassifier(**shared, prior="empirical_bayes", eb_mode="buffer")
+    assert isinstance(eb.prior, EmpiricalBayes) and eb.hparams["prior_variance"] == 1.0
+    assert float(eb.net.layers[0].weight_prior_variance) == 1.0  # the buffers start at 1
+    own = DVIClassifier(**shared, prior=GaussianPrior(2.0))  # an object keeps its variance
+    assert float(own.prior.kl(own.net).detach()) == pytest.approx(
+        _closed_form_kl(own, 2.0), rel=1e-5
+    )
