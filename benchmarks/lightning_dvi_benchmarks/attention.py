@@ -1,7 +1,8 @@
 r"""Attention-weight rules against Monte Carlo over weights and inputs (``docs/transformers.md``).
 
 ``python -m lightning_dvi_benchmarks.attention`` prints the table; with ``--cost B T D H`` it
-prints each rule's CPU time per ``diag`` forward instead (:func:`rule_cost`).
+prints each rule's CPU time per ``diag`` forward instead (:func:`rule_cost`); with ``--skip``
+the skip rules' table (:func:`skip_cell`).
 
 One multi-head self-attention layer (:func:`lightning_dvi.moments.attention.self_attention_moments`)
 with ``T = 6`` tokens of width ``D = 8``, ``H = 2`` heads, causal; projection weight means
@@ -31,7 +32,7 @@ import torch
 
 from lightning_dvi.moments import attention as A
 
-__all__ = ["AttentionCell", "attention_cell", "main", "rule_cost"]
+__all__ = ["AttentionCell", "SkipCell", "attention_cell", "main", "rule_cost", "skip_cell"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,105 @@ def attention_cell(
     ]
 
 
+@dataclass(frozen=True)
+class SkipCell:
+    """Both skip rules on one cell: std relative errors ``(mean, max)`` against Monte Carlo."""
+
+    scale_fraction: float
+    input_var: float
+    norm_first: bool
+    errors: dict[str, tuple[float, float]]
+    """``{"<where> <rule>": (mean, max)}``, ``where`` in attention/mlp/layer, averaged over seeds."""
+
+
+def skip_cell(
+    scale_fraction: float,
+    input_var: float,
+    norm_first: bool = True,
+    *,
+    draws: int = 20_000,
+    seeds: int = 2,
+    batch: int = 4,
+    tokens: int = 6,
+) -> SkipCell:
+    r"""The skip rules (:mod:`lightning_dvi.moments.skip`) of one encoder layer against Monte Carlo.
+
+    A ``torch.nn.TransformerEncoderLayer(8, 2, 16, activation="gelu")`` (LayerNorm gains and
+    biases moved off 1 and 0 by :math:`\mathcal N(0, 0.3^2)`), converted in float64 with
+    posterior standard deviations ``scale_fraction`` :math:`\times |w|` and SUQ's attention
+    rule, the cheap rule set (first-order LayerNorm, closed GELU); tokens with standard-normal
+    means and variance ``input_var``. For the attention skip (its input the tokens), the MLP
+    skip (its input the carried rule's output of the attention skip) and the whole layer,
+    each rule's ``diag`` standard deviations against ``draws`` Monte Carlo draws of inputs and
+    whole weights: the relative error :math:`|\sigma/\hat\sigma - 1|`, mean and largest over
+    the ``batch x tokens x 8`` outputs, averaged over ``seeds`` layers.
+    """
+    from torch import nn
+
+    from lightning_dvi.gaussian import Gaussian
+    from lightning_dvi.nn import TransformerEncoderLayer, from_torch
+    from lightning_dvi.nn.attention import _independent_skip
+    from lightning_dvi.nn.posthoc import set_rules
+    from lightning_dvi.propagation import DIAG, propagation
+
+    sums: dict[str, list[float]] = {}
+    sample = propagation("sample", num_samples=draws)
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        model = nn.TransformerEncoderLayer(
+            8, 2, 16, dropout=0.0, activation="gelu", batch_first=True, norm_first=norm_first
+        )
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.startswith("norm"):
+                    p.add_(0.3 * torch.randn_like(p))
+        converted = from_torch(model.double().eval(), scale_fraction=scale_fraction)
+        set_rules(
+            converted, attention_rule="mean", layer_norm_route="first_order", gelu_rule="closed"
+        )
+        layer = next(m for m in converted.modules() if isinstance(m, TransformerEncoderLayer))
+        gen = torch.Generator().manual_seed(100 + seed)
+        mean = torch.randn(batch, tokens, 8, generator=gen, dtype=torch.float64)
+        x = Gaussian(mean, var=torch.full_like(mean, input_var))
+        attention, mlp = (layer[0], layer[1]) if norm_first else (layer[0], layer[2])
+        with torch.no_grad():
+            h = attention.propagate(x, DIAG)
+            if not norm_first:
+                h = layer[1].propagate(h, DIAG)
+            assert isinstance(h, Gaussian)
+            cases = {"attention": (attention, x), "mlp": (mlp, h)}
+            for where, (block, inp) in cases.items():
+                xs = inp.mean + inp.var.sqrt() * torch.randn(
+                    draws, *inp.mean.shape, generator=gen, dtype=torch.float64
+                )
+                torch.manual_seed(1000 + seed)
+                mc = (xs + block.branch.propagate(xs, sample)).std(0)
+                got = {
+                    "carried": block.propagate(inp, DIAG),
+                    "independent": _independent_skip(block, inp, DIAG),
+                }
+                for rule, g in got.items():
+                    rel = (g.var.sqrt() / mc - 1).abs()
+                    acc = sums.setdefault(f"{where} {rule}", [0.0, 0.0])
+                    acc[0] += rel.mean().item()
+                    acc[1] += rel.max().item()
+            xs = mean + input_var**0.5 * torch.randn(
+                draws, *mean.shape, generator=gen, dtype=torch.float64
+            )
+            torch.manual_seed(2000 + seed)
+            mc = layer.propagate(xs, sample).std(0)
+            for rule in ("carried", "independent"):
+                layer.skip_rule = rule  # type: ignore[assignment]  # one of SKIP_RULES
+                out = layer.propagate(x, DIAG)
+                assert isinstance(out, Gaussian)
+                rel = (out.var.sqrt() / mc - 1).abs()
+                acc = sums.setdefault(f"layer {rule}", [0.0, 0.0])
+                acc[0] += rel.mean().item()
+                acc[1] += rel.max().item()
+    errors = {k: (v[0] / seeds, v[1] / seeds) for k, v in sums.items()}
+    return SkipCell(scale_fraction, input_var, norm_first, errors)
+
+
 def rule_cost(
     batch: int,
     tokens: int,
@@ -175,8 +275,28 @@ def main(argv: list[str] | None = None) -> None:
         "--cost", type=int, nargs=4, action="append", metavar=("B", "T", "D", "H"),
         help="print each rule's CPU time per diag forward at this size instead (repeatable)",
     )  # fmt: skip
+    parser.add_argument(
+        "--skip", action="store_true",
+        help="print the skip rules' table instead (--weight-std as posterior std / |w|)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.skip:
+        wheres = ("attention", "mlp", "layer")
+        head = " | ".join(f"{w} {r}" for w in wheres for r in ("carried", "independent"))
+        print(f"| std / abs(w) | input var | norm_first | {head} |")
+        print("|---|---|---|" + "---|" * 6)
+        for std in args.weight_std:
+            for var in args.input_var:
+                for norm_first in (True, False):
+                    cell = skip_cell(std, var, norm_first, draws=args.draws, seeds=args.seeds)
+                    cells = " | ".join(
+                        "{:.3f} / {:.3f}".format(*cell.errors[f"{w} {r}"])
+                        for w in wheres
+                        for r in ("carried", "independent")
+                    )
+                    print(f"| {std:g} | {var:g} | {norm_first} | {cells} |", flush=True)
+        return
     if args.cost:
         print("| B, T, D, H | input var | " + " | ".join(A.ATTENTION_RULES) + " |")
         print("|---|---|" + "---|" * len(A.ATTENTION_RULES))

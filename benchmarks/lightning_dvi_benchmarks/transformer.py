@@ -37,7 +37,9 @@ Rows (every one after ``deterministic`` starts from a trained network):
   LayerNorm's first-order form (``layer_norm_route="first_order"``), and
   ``posthoc_ivon_fast`` with that and SUQ's attention rule (``attention_rule="mean"``), and
   ``posthoc_ivon_closed`` with those and GELU's closed form (``gelu_rule="closed"``): the
-  cheap rule set of :func:`~lightning_dvi.nn.posthoc.set_rules`;
+  cheap rule set of :func:`~lightning_dvi.nn.posthoc.set_rules`; ``posthoc_ivon_indep``
+  adds SUQ's skip connections (``skip_rule="independent"``: skip and branch added as
+  independent, no cross-covariance carried through the branches);
 * ``ivon_mc8``, ``ivon_mc32``: the Monte Carlo predictive of that same IVON posterior,
   :math:`\frac1S\sum_s\operatorname{softmax}f(x; w_s)`, :math:`w_s` drawn by IVON's own
   ``sampled_params``, with :math:`S = 8` and :math:`32`.
@@ -119,6 +121,7 @@ ROWS = (
     "posthoc_ivon_ln1",
     "posthoc_ivon_fast",
     "posthoc_ivon_closed",
+    "posthoc_ivon_indep",
     "ivon_mc8",
     "ivon_mc32",
 )
@@ -555,11 +558,18 @@ def fit_temperature_row(task: Task, base: Fitted) -> Fitted:
 
 
 def moment_probs(net: nn.Module) -> Callable[[Tensor], Tensor]:
-    """The one-pass predictive of a declared network: diag moments, then the categorical predictive."""
+    """The one-pass predictive of a declared network: diag moments, then the categorical predictive.
+
+    The weight moments are taken once, here (:func:`lightning_dvi.nn.posterior.frozen_moments`:
+    the posterior is fixed from now on), not on every call.
+    """
     from lightning_dvi.likelihoods.predictive import categorical_predictive
+    from lightning_dvi.nn.posterior import frozen_moments
+
+    frozen = frozen_moments(net)
 
     def predict(x: Tensor) -> Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), frozen:
             out = net(x, mode="diag")
             return categorical_predictive(out.mean, out.var)
 
@@ -611,6 +621,12 @@ RULES: dict[str, dict[str, str]] = {
         "attention_rule": "mean",
         "gelu_rule": "closed",
     },
+    "posthoc_ivon_indep": {
+        "layer_norm_route": "first_order",
+        "attention_rule": "mean",
+        "gelu_rule": "closed",
+        "skip_rule": "independent",
+    },
 }
 
 
@@ -627,7 +643,7 @@ def ivon_posterior(fit: IVONFit, **rules: Any) -> nn.Module:
 
 
 def fit_posthoc_ivon_rules(fit: IVONFit, row: str) -> Fitted:
-    """Rows ``posthoc_ivon_ln1``, ``_fast``, ``_closed``: IVON's stds as they are, cheaper rules."""
+    """Rows ``posthoc_ivon_ln1``, ``_fast``, ``_closed``, ``_indep``: IVON's stds as they are, cheaper rules."""
     start = time.process_time()
     net = ivon_posterior(fit, **RULES[row])
     seconds = time.process_time() - start

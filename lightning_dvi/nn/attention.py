@@ -27,6 +27,8 @@ from torch import Tensor, nn
 
 from ..gaussian import Gaussian
 from ..moments import attention as A
+from ..moments.linear import linear_diag
+from ..moments.skip import SkipRule, check_skip_rule, skip_independent
 from ..propagation import Propagation
 from .base import BayesModule, Moments
 from .container import Residual, Sequential
@@ -295,18 +297,50 @@ class TokenWise(BayesModule):
         self.module = module
 
     def propagate(self, x: Moments, mode: Propagation) -> Moments:
-        """The module's output, tokens folded into the batch for ``sample`` draws."""
+        """The module's output, tokens folded into the batch for ``sample`` draws.
+
+        In ``diag`` mode a :class:`~lightning_dvi.nn.BayesLinear` on per-token variances gives
+        per-token variances (:func:`~lightning_dvi.moments.linear_diag`), also at widths up
+        to :data:`~lightning_dvi.moments.layers.HEAD_WIDTH`, where the layer alone returns a
+        network head's full covariance: inside a block the next skip connection keeps only
+        its diagonal, so the ``[D, D]`` per token would be computed for nothing (the same
+        variances up to rounding).
+        """
         if (mode.samples and not mode.local) and isinstance(x, Tensor) and x.dim() == 4:
             out = self.module.propagate(x.flatten(1, 2), mode)
             assert isinstance(out, Tensor)
             folded: Tensor = out.unflatten(1, x.shape[1:3])
             return folded
+        diag_input = mode.diag and isinstance(x, Gaussian) and x.cov is None
+        if diag_input and isinstance(self.module, BayesLinear):
+            assert isinstance(x, Gaussian)
+            self.module.check_input(x, mode)
+            p = _projection(self.module)
+            if p.w_var is not None:
+                mean, var = linear_diag(x.mean, x.var, p.w_loc, p.w_var, p.b_loc, p.b_var)
+                return Gaussian(mean, var=var, validate=False)
         result: Moments = self.module.propagate(x, mode)
         return result
 
     def propagate_cross(self, cross: Tensor, x: Gaussian, mode: Propagation) -> Tensor:
         """The module's rule."""
         return self.module.propagate_cross(cross, x, mode)
+
+
+def _independent_skip(block: Residual, x: Gaussian, mode: Propagation) -> Gaussian:
+    """``x + block.branch(x)`` by :func:`~lightning_dvi.moments.skip.skip_independent`."""
+    x = x.to_full() if mode.full else x.to_diag()
+    delta = block.branch.propagate(x, mode)
+    if not isinstance(delta, Gaussian):  # pragma: no cover - every branch holds a weight layer
+        raise ValueError("Residual branch must contain a BayesLinear layer")
+    if mode.full:
+        mean, cov = skip_independent(
+            x.mean, cast(Tensor, x.cov), delta.mean, cast(Tensor, delta.to_full().cov)
+        )
+        return Gaussian(mean, cov=cov, validate=False)
+    delta = delta.to_diag()
+    mean, var = skip_independent(x.mean, x.var, delta.mean, delta.var)
+    return Gaussian(mean, var=var, validate=False)
 
 
 _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
@@ -385,6 +419,15 @@ class TransformerEncoderLayer(Sequential):
         bias: biases in the linear layers and LayerNorms.
         causal: causal self-attention.
         rule: the attention-weight rule.
+        skip_rule: the skip connections' moment rule in the moment modes
+            (:data:`~lightning_dvi.moments.skip.SKIP_RULES`): ``"carried"`` (the default)
+            carries :math:`\operatorname{Cov}(x, f(x))` through each branch;
+            ``"independent"`` (SUQ's) drops it, :math:`\operatorname{Var}(x + f(x)) =
+            \operatorname{Var}(x) + \operatorname{Var}(f(x))`
+            (:func:`~lightning_dvi.moments.skip.skip_independent`; its error against Monte
+            Carlo is tabulated in ``docs/transformers.md``). It applies to the block's own
+            skips; a cross-covariance asked of the whole block (the block inside an outer
+            skip connection) is still carried.
         **layer_kwargs: forwarded to every Bayesian linear layer.
     """
 
@@ -400,9 +443,12 @@ class TransformerEncoderLayer(Sequential):
         bias: bool = True,
         causal: bool = False,
         rule: A.AttentionRule | None = None,
+        skip_rule: SkipRule = "carried",
         **layer_kwargs: Any,
     ) -> None:
         from .activations import GELU, ReLU
+
+        check_skip_rule(skip_rule)
 
         if activation not in ("relu", "gelu"):
             raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
@@ -431,8 +477,31 @@ class TransformerEncoderLayer(Sequential):
             "bias": bias,
             "causal": causal,
             "rule": attn.rule,
+            "skip_rule": skip_rule,
             "scale_transform": lin1.scale_transform,
         }
+
+    @property
+    def skip_rule(self) -> SkipRule:
+        """The skip connections' moment rule (``"carried"`` or ``"independent"``; settable)."""
+        rule: SkipRule = self.options.get("skip_rule", "carried")
+        return rule
+
+    @skip_rule.setter
+    def skip_rule(self, rule: SkipRule) -> None:
+        self.options["skip_rule"] = check_skip_rule(rule)
+
+    def propagate(self, x: Moments, mode: Propagation) -> Moments:
+        """The blocks in order; with ``skip_rule="independent"`` each skip by that rule."""
+        if self.skip_rule == "carried" or not isinstance(x, Gaussian) or mode.samples:
+            return super().propagate(x, mode)
+        h: Moments = x
+        for block in self:
+            if isinstance(block, Residual) and isinstance(h, Gaussian):
+                h = _independent_skip(block, h, mode)
+            else:
+                h = block.propagate(h, mode)
+        return h
 
     def _part(self, pre: tuple[int, ...], post: tuple[int, ...]) -> BayesModule:
         module: nn.Module = self

@@ -48,6 +48,7 @@ __all__ = [
     "SoftplusScales",
     "WeightMoments",
     "cached_scale",
+    "frozen_moments",
     "given_weights",
     "has_posterior",
     "posterior_moments",
@@ -189,6 +190,39 @@ def given_weights(weights: Mapping[nn.Module, WeightMoments | GroupMoments]) -> 
     are weight *values* (``[..., out, in]``, e.g. a batch of Pyro samples) and the layer is the
     plain affine map. Nests.
     """
+    return PosteriorContext(weights=weights)
+
+
+def frozen_moments(net: nn.Module) -> PosteriorContext:
+    r"""A reusable block in which every layer of ``net`` uses its weight moments as of now.
+
+    Computes :math:`(\mu, \sigma^2)` of every group of every layer with a posterior once
+    (:func:`posterior_moments`, detached, no graph) and hands them to the layers as a
+    substitution (:func:`given_weights`) whenever the returned context is entered, so repeated
+    predictions of a fixed posterior skip the ``softplus`` and square of every scale on every
+    pass (a trained torch network holds its weights ready in the same way). The values are a
+    snapshot: a later change of ``net``'s parameters (training, a calibration) is not seen;
+    take a new one.
+
+    Examples:
+        >>> from lightning_dvi.nn import BayesLinear, ReLU, Sequential
+        >>> net = Sequential(BayesLinear(3, 4), ReLU(), BayesLinear(4, 2))
+        >>> frozen = frozen_moments(net)
+        >>> x = torch.randn(5, 3)
+        >>> with frozen:
+        ...     out = net(x, mode="diag")
+        >>> bool(torch.allclose(out.var, net(x, mode="diag").var))
+        True
+    """
+    with torch.no_grad():
+        weights: dict[nn.Module, GroupMoments] = {}
+        for layer in net.modules():
+            if has_posterior(layer):
+                groups = posterior_moments(cast(HasPosterior, layer))
+                weights[layer] = {
+                    name: (loc.detach(), None if var is None else var.detach())
+                    for name, (loc, var) in groups.items()
+                }
     return PosteriorContext(weights=weights)
 
 

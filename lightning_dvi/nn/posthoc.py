@@ -56,6 +56,7 @@ from ..gaussian import Gaussian, NonFiniteMomentsError
 from ..likelihoods import Likelihood
 from ..moments.attention import AttentionRule
 from ..moments.layer_norm import LayerNormRoute
+from ..moments.skip import SkipRule, check_skip_rule
 from ..moments.smooth import GeluRule
 from ..propagation import moment_propagation
 from .base import BayesModule
@@ -187,6 +188,7 @@ def from_torch_posterior(
     attention_rule: AttentionRule | None = None,
     layer_norm_route: LayerNormRoute | None = None,
     gelu_rule: GeluRule | None = None,
+    skip_rule: SkipRule | None = None,
     **layer_kwargs: Any,
 ) -> BayesModule:
     r"""Convert a trained torch network with a diagonal Gaussian posterior :math:`\mathcal N(w, \sigma^2)`.
@@ -216,6 +218,8 @@ def from_torch_posterior(
             ``docs/transformer_benchmark.md`` (with ``gelu_rule="closed"``).
         gelu_rule: the moment rule of every exact GELU (:func:`set_rules`; ``None``:
             ``"quadrature"``).
+        skip_rule: the skip connections' rule of every transformer block (:func:`set_rules`;
+            ``None``: ``"carried"``).
         **layer_kwargs: forwarded to every declared weight layer (``prior_variance``, ...).
 
     Returns:
@@ -265,7 +269,11 @@ def from_torch_posterior(
             "(give them, or strict=False for point values)"
         )
     set_rules(
-        net, attention_rule=attention_rule, layer_norm_route=layer_norm_route, gelu_rule=gelu_rule
+        net,
+        attention_rule=attention_rule,
+        layer_norm_route=layer_norm_route,
+        gelu_rule=gelu_rule,
+        skip_rule=skip_rule,
     )
     return net
 
@@ -276,6 +284,7 @@ def set_rules(
     attention_rule: AttentionRule | None = None,
     layer_norm_route: LayerNormRoute | None = None,
     gelu_rule: GeluRule | None = None,
+    skip_rule: SkipRule | None = None,
 ) -> int:
     r"""Set the moment rules of every attention layer, LayerNorm and GELU of a converted network.
 
@@ -286,7 +295,10 @@ def set_rules(
     linearization :math:`y \approx \hat m + J(a - \mu)`, :math:`O(D)` per token, no
     quadrature) and ``gelu_rule="closed"`` (GELU's mean and slope in closed form, its variance
     through one 10-node Gauss–Legendre integral, within 1e-7 of the quadrature's oracle:
-    :func:`lightning_dvi.moments.smooth.gelu_closed_diag`). ``None`` leaves a kind as it is.
+    :func:`lightning_dvi.moments.smooth.gelu_closed_diag`) and ``skip_rule="independent"``
+    (SUQ's: a transformer block's skip connections add the variances of skip and branch,
+    without the cross-covariance that ``"carried"`` carries through every branch layer,
+    :mod:`lightning_dvi.moments.skip`). ``None`` leaves a kind as it is.
 
     Args:
         net: a declared network (e.g. from :func:`from_torch_posterior`), changed in place.
@@ -297,6 +309,8 @@ def set_rules(
         gelu_rule: for every :class:`~lightning_dvi.nn.GELU` with ``approximate="none"``
             (:data:`lightning_dvi.moments.smooth.GELU_RULES`); GELUs in torch's tanh form have
             no closed form and keep the quadrature (they are not counted).
+        skip_rule: for every :class:`~lightning_dvi.nn.TransformerEncoderLayer`
+            (:data:`lightning_dvi.moments.skip.SKIP_RULES`).
 
     Returns:
         The number of modules changed.
@@ -322,13 +336,19 @@ def set_rules(
         raise ValueError(f"layer_norm_route must be one of {ROUTES}, got {layer_norm_route!r}")
     if gelu_rule is not None:
         check_gelu_rule(gelu_rule)
+    if skip_rule is not None:
+        check_skip_rule(skip_rule)
     changed = 0
     for module in net.modules():
-        if attention_rule is not None and isinstance(module, MultiheadAttention):
+        if isinstance(module, TransformerEncoderLayer):
+            if attention_rule is not None:
+                module.options["rule"] = attention_rule  # its description; the layer is a child
+            if skip_rule is not None:
+                module.skip_rule = skip_rule
+                changed += 1
+        elif attention_rule is not None and isinstance(module, MultiheadAttention):
             module.rule = attention_rule
             changed += 1
-        elif attention_rule is not None and isinstance(module, TransformerEncoderLayer):
-            module.options["rule"] = attention_rule  # its description; the layer is a child
         elif layer_norm_route is not None and isinstance(module, LayerNorm):
             module.route = layer_norm_route
             changed += 1
