@@ -27,7 +27,23 @@ Protocols (:data:`PRESETS`):
   :func:`~lightning_dvi.lightning.regressor.target_grid_step`: wine's integer quality scores
   made the noise collapse on splits 7 and 8, test LL -12 and -77, docs/benchmarks.md);
   ``target_resolution="none"`` turns it off, a number sets the step in the targets' units.
-* ``"lbfgs-best"``: the same, restoring the step of the best mean validation NLL
+
+  **Large tables** (the rule, read from the data in hand: a training set of more than
+  ``large_rows`` rows, 5,000, i.e. at least five mini-batches of ``large_batch_size``; UCI
+  power and protein, none of the four small sets): a full-batch evaluation then costs N times
+  what it costs on a small table while the L-BFGS run needs as many steps, so the split's
+  time grows with N times the steps (protein: 210 CPU s). Instead (:func:`_run_large`):
+  the warm start and at most ``large_subsample_steps`` (20) L-BFGS steps on the ELBO run on
+  ``large_subsample`` (4,096) seeded random training rows as one batch (``num_data`` still
+  the full training set's, so the KL weighs as on every row), early-stopped on the carve-out
+  as above; then Adam on mini-batches of ``large_batch_size`` (1,024) of every training row
+  for ``large_epochs`` (16) epochs, learning rate ``large_lr`` (0.01) decayed by a cosine to
+  ``large_final_lr_fraction`` (0.1) of it, the KL at full weight. Its cost is a fixed number
+  of subsample steps plus a fixed number of epochs: linear in N (docs/uci_large.md).
+  ``large_rows=0`` (``"lbfgs-full-batch"``) runs the full-batch protocol at every size.
+* ``"lbfgs-full-batch"``: the default without the large-table rule (the default until
+  issue 39's fourth item).
+* ``"lbfgs-best"``: the same (full batch at every size), restoring the step of the best mean validation NLL
   (:class:`~lightning_dvi.callbacks.RestoreBestWeights`; the default until issue 45).
 * ``"lbfgs-adam"``: the same, with ``warm_start="adam"`` (the protocol of issue 31's second to
   sixth passes): on training sets of at most ``adam_max_rows`` rows, ``adam_steps`` full-batch
@@ -141,6 +157,11 @@ class Settings:
     ``patience_growth``:
     the last step that the carve-out's per-row log-likelihoods do not show worse than the best
     by more than ``z`` standard errors.
+
+    Large tables (``optimizer="lbfgs"`` with the ``"point"`` or ``"none"`` warm start, more
+    than ``large_rows`` training rows; 0 turns the rule off): ``large_subsample``,
+    ``large_subsample_steps``, ``large_batch_size``, ``large_epochs``, ``large_lr`` and
+    ``large_final_lr_fraction`` (the module docstring).
     """
 
     optimizer: Literal["lbfgs", "adam"] = "lbfgs"
@@ -171,6 +192,13 @@ class Settings:
     selection_skip: int = 3
     patience_on: Literal["best", "kept"] = "best"
     selection_trim: int = 0
+    large_rows: int = 5000
+    large_subsample: int = 4096
+    large_subsample_steps: int = 20
+    large_batch_size: int = 1024
+    large_epochs: float = 16.0
+    large_lr: float = 1e-2
+    large_final_lr_fraction: float = 0.1
     patience_growth: float = 0.0
 
     @property
@@ -183,7 +211,8 @@ class Settings:
 
 PRESETS: dict[str, Settings] = {
     "lbfgs": Settings(),
-    "lbfgs-best": Settings(selection="best", selection_skip=0),
+    "lbfgs-full-batch": Settings(large_rows=0),
+    "lbfgs-best": Settings(selection="best", selection_skip=0, large_rows=0),
     "lbfgs-adam": Settings(warm_start="adam", selection="best", selection_skip=0),
     "adam8000": Settings(
         optimizer="adam",
@@ -358,7 +387,16 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
     if job.steps_cap is not None:
         steps = min(steps, job.steps_cap)
 
-    def build(optimizer: str, warmup: int, anneal: int, cosine: bool) -> Any:
+    num_data = dm.num_train
+
+    def build(
+        optimizer: str,
+        warmup: int,
+        anneal: int,
+        cosine: bool,
+        lr: float = s.lr,
+        final: float = s.final_lr_fraction,
+    ) -> Any:
         return DVIRegressor(
             in_features=dm.in_features,
             hidden=[job.hidden],
@@ -369,13 +407,13 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
             prior_alpha=1.0,
             prior_beta=10.0,
             prior_variance=s.fixed_prior_variance,
-            lr=s.lr,
+            lr=lr,
             lr_schedule="cosine" if cosine else "constant",
-            min_lr=s.lr * s.final_lr_fraction if cosine else 0.0,
+            min_lr=lr * final if cosine else 0.0,
             kl_warmup_steps=warmup,
             kl_anneal_steps=anneal,
             init_log_noise=s.init_log_noise,
-            num_data=dm.num_train,
+            num_data=num_data,
             optimizer=optimizer,
             lbfgs_iterations=s.lbfgs_iterations,
             lbfgs_history=s.lbfgs_history,
@@ -385,7 +423,9 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
             target_resolution=s.regressor_resolution,
         )
 
-    def trainer(max_steps: int, callbacks: list[Any], validate: bool, clip: float) -> Any:
+    def trainer(
+        max_steps: int, callbacks: list[Any], validate: bool, clip: float, every: int = 1
+    ) -> Any:
         return lightning.Trainer(
             accelerator=accelerator,
             devices=1,
@@ -393,7 +433,7 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
             max_epochs=-1,
             precision=s.precision,
             limit_val_batches=1.0 if validate else 0,
-            check_val_every_n_epoch=1,
+            check_val_every_n_epoch=every,
             enable_progress_bar=False,
             enable_model_summary=False,
             enable_checkpointing=False,
@@ -405,6 +445,9 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
             callbacks=callbacks,
         )
 
+    if lbfgs and s.warm_start != "adam" and 0 < s.large_rows < dm.num_train:
+        model, counts = _run_large(job, s, dm, build, trainer, early)
+        return {**_scored(job, model, dm, s, start, cpu_start), **counts, "protocol": "large"}
     warm, a = None, 0
     adam_first = lbfgs and s.warm_start == "adam" and s.adam_steps > 0
     if adam_first and dm.num_train <= s.adam_max_rows:  # Adam first (KL warm-up)
@@ -441,6 +484,20 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
         ]
     trainer_ = trainer(steps, callbacks, early > 0, 0.0 if lbfgs else s.grad_clip)
     trainer_.fit(model, datamodule=dm)
+    return {
+        **_scored(job, model, dm, s, start, cpu_start),
+        "steps": int(trainer_.global_step),
+        "adam_steps": a,
+        "warm_start_steps": 0 if point.result is None else point.result.steps,
+        "kept_step": None if paired is None else paired.kept_step,
+        "protocol": "full-batch",
+    }
+
+
+def _scored(
+    job: Job, model: Any, dm: Any, s: Settings, start: float, cpu_start: float
+) -> dict[str, Any]:
+    """The split, the held-out test LL and RMSE, and the job's wall and CPU seconds so far."""
     held_out = dm.val_dataset if job.validation > 0 else dm.test_dataset
     assert held_out is not None
     x, y = held_out.tensors[0], held_out.tensors[1]
@@ -451,10 +508,84 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
         "rmse": rmse,
         "seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time() - cpu_start,
-        "steps": int(trainer_.global_step),
-        "adam_steps": a,
+    }
+
+
+def _train_rows(dm: Any, rows: int, seed: int) -> Any:
+    """A data module of ``rows`` seeded random training rows of ``dm`` as one batch.
+
+    Its validation batches are ``dm``'s, and it declares ``dm``'s target statistics
+    (:class:`~lightning_dvi.transforms.TargetStatistics`), so a regressor fitted on it
+    standardises the targets as one fitted on every training row does.
+    """
+    import torch
+    from lightning import LightningDataModule
+    from torch.utils.data import DataLoader, TensorDataset
+
+    full = dm.train_dataset
+    generator = torch.Generator().manual_seed(seed)
+    keep = torch.randperm(len(full), generator=generator)[: min(rows, len(full))].sort().values
+    subset = TensorDataset(*(t[keep] for t in full.tensors))
+
+    class TrainRows(LightningDataModule):
+        targets_standardized = False
+        target_loc, target_scale = float(dm.target_loc), float(dm.target_scale)
+
+        def train_dataloader(self) -> Any:
+            return DataLoader(subset, batch_size=len(subset), shuffle=False)
+
+        def val_dataloader(self) -> Any:
+            return dm.val_dataloader()
+
+    return TrainRows()
+
+
+def _run_large(
+    job: Job,
+    s: Settings,
+    dm: Any,
+    build: Callable[..., Any],
+    trainer: Callable[..., Any],
+    early: float,
+) -> tuple[Any, dict[str, Any]]:
+    """The large-table protocol (module docstring); returns the model and the step counts.
+
+    1. On ``large_subsample`` seeded training rows (one batch, ``num_data`` still the full
+       training set's): the point-estimate warm start, then at most ``large_subsample_steps``
+       L-BFGS steps on the ELBO, early-stopped on the carve-out (paired, as the default).
+    2. On every training row: Adam on mini-batches of ``large_batch_size`` for
+       ``large_epochs`` epochs, learning rate ``large_lr`` decayed (cosine) to
+       ``large_final_lr_fraction`` of it, the KL at full weight.
+    """
+    from lightning_dvi.callbacks import PairedEarlyStopping, PointEstimateWarmStart
+
+    cap = job.steps_cap
+    rows = _train_rows(dm, s.large_subsample, s.seed + job.split)
+    first = build("lbfgs", 0, 0, False)
+    point = PointEstimateWarmStart(patience=s.patience, mode="point")
+    callbacks: list[Any] = [point] if s.warm_start == "point" else []
+    if early > 0:
+        callbacks.append(
+            PairedEarlyStopping(
+                patience=s.patience, z=s.selection_z, skip=s.selection_skip, trim=s.selection_trim
+            )
+        )
+    sub_steps = s.large_subsample_steps if cap is None else min(s.large_subsample_steps, cap)
+    fit_sub = trainer(sub_steps, callbacks, early > 0, 0.0)
+    fit_sub.fit(first, datamodule=rows)
+    dm.batch_size = min(s.large_batch_size, dm.num_train)
+    steps = math.ceil(s.large_epochs * math.ceil(dm.num_train / dm.batch_size))
+    steps = steps if cap is None else min(steps, cap)
+    model = build("adam", 0, 0, True, s.large_lr, s.large_final_lr_fraction)
+    model.load_state_dict(first.state_dict())
+    fit_adam = trainer(steps, [], False, 0.0)
+    if steps > 0:
+        fit_adam.fit(model, datamodule=dm)
+    return model, {
+        "steps": int(fit_sub.global_step),
+        "adam_steps": int(fit_adam.global_step) if steps > 0 else 0,
         "warm_start_steps": 0 if point.result is None else point.result.steps,
-        "kept_step": None if paired is None else paired.kept_step,
+        "kept_step": None if early == 0 else callbacks[-1].kept_step,
     }
 
 
