@@ -10,17 +10,19 @@ with :math:`K` and its derivatives as in :mod:`lightning_dvi.moments._relu` and 
 exact output variances (the Cauchy-Schwarz clamp of
 :func:`~lightning_dvi.moments.activations.relu_full`).
 
-**The formula, once.** :class:`_Terms`, :func:`_raw`, :func:`_clamp` and :func:`_vjp` write the
-forward and its closed-form backward elementwise over *broadcastable operands*: a column of the
-row units' statistics (``sd_j``, ``mu_j``, ``cdf_j``, ``osd_j``, ``[n, r, 1]``), a row of the
-column units' (``sd_l``, ... ``[n, 1, c]``) and the matching ``[n, r, c]`` entries of the
-covariance and of the output gradient. Every intermediate is written with ``out=`` into a buffer
-from a *scratch allocator*: :class:`_Workspace` hands out reused block-sized buffers,
-:data:`_FRESH` hands out ``None`` (torch allocates the result; what the whole-tensor path and
-``torch.compile`` want). The in-place updates that follow are safe either way, every buffer
-being private to the call. The per-unit gradients are contractions of elementwise pieces
-:math:`A_{jl}` over the pairs that contain the unit (``_vjp`` hands each piece to an ``emit``
-callback as soon as it is complete),
+**The formula, once.** :class:`_Terms`, :func:`_raw`, :func:`_clamp`, :func:`_coefficients`
+and :func:`_apply` write the forward and its closed-form backward elementwise over
+*broadcastable operands*: a column of the row units' statistics (``sd_j``, ``mu_j``, ``cdf_j``,
+``osd_j``, ``[n, r, 1]``), a row of the column units' (``sd_l``, ... ``[n, 1, c]``) and the
+matching ``[n, r, c]`` entries of the covariance and of the output gradient. Every intermediate
+is written with ``out=`` into a buffer from a *scratch allocator*: :class:`_Workspace` hands out
+reused block-sized buffers, :data:`_FRESH` hands out ``None`` (torch allocates the result; what
+the whole-tensor path and ``torch.compile`` want). The in-place updates that follow are safe
+either way, every buffer being private to the call. The backward is linear in the output
+gradient: :func:`_coefficients` computes its per-pair factors from the forward's terms alone
+(:class:`_Coefficients`), and :func:`_apply` multiplies them by :math:`G` and hands each piece
+to an ``emit`` callback. The per-unit gradients are contractions of those pieces
+:math:`A_{jl}` over the pairs that contain the unit,
 
 .. math::
     \bar\Phi_j = \sum_l h_{jl}\Phi_l,\quad
@@ -34,18 +36,24 @@ assembled once by :func:`_unit_grads` (:math:`h = G\Sigma`, :math:`u = GSK`,
 
 **Two executors** (:mod:`lightning_dvi.moments.policy` chooses):
 
-* *blocked* (:class:`_ReluCov`, the CPU): the formula on blocks of :data:`BLOCK` elements of
-  the upper triangle (row bands of a large matrix, whole small matrices grouped), with one
-  :class:`_Workspace` reused by every block; the contractions are matrix-vector products of the
-  cache-resident block over its rows and over its columns (each pair :math:`j < l` lives in one
-  block), and the clamp's gradient is skipped when no entry of a block binds (a host read,
-  free on a CPU). Why blocks: the formula is ~30 elementwise passes over ``[B, D, D]``. Done on
-  whole tensors each pass streams the array through memory and allocates a fresh output (for
-  tensors above glibc's mmap threshold every allocation page-faults its memory in again); done
-  on blocks the temporaries stay in cache and are reused. The triangle halves the work and
-  makes the output exactly symmetric without averaging. The backward recomputes each block
-  instead of storing ~10 full-size intermediates, so the peak memory of the full mode is a few
-  blocks on top of the output.
+* *blocked* (:class:`_ReluCov`, the CPU): the formula on blocks, with one :class:`_Workspace`
+  reused by every block. Small matrices (:math:`D^2 \le` :data:`BLOCK`) are grouped whole,
+  about ``4 * BLOCK`` elements per block (each op of the formula costs a dispatch per block);
+  a larger matrix is cut into row bands of about :data:`BLOCK` elements of its upper triangle
+  (the triangle halves the work). The forward computes each block's terms once and, when the
+  backward will run and :func:`policy.keep_factors` allows (a quarter of the memory budget),
+  the backward's factors from the same terms: the backward is then a few products with
+  :math:`G` and the contractions, with nothing recomputed. Past that budget the backward
+  computes the terms and factors again, block by block (the peak memory stays a few blocks on
+  top of the output). On whole matrices (the covariance's upper triangle mirrored first) the
+  factors are the row unit's (:func:`_row_factors`: each pair appears twice, the partner's
+  value folded in) and the contractions are row sums of :math:`G` times them, one product and
+  one sum for three factors; on row bands each pair's piece is contracted for both of its
+  units by matrix-vector products. A host read per block skips the clamp and its gradient
+  where no entry binds (free on a CPU). Why blocks: the formula is ~70 elementwise passes over
+  ``[B, D, D]``; whole tensors would allocate a fresh output per pass (for tensors above
+  glibc's mmap threshold every allocation page-faults its memory in again), blocks reuse their
+  buffers.
 * *whole* (:func:`relu_cov_forward`, :func:`relu_cov_backward`, chunked over the batch by
   :class:`_ReluCovWhole`; CUDA, and anything ``torch.compile`` traces): the same functions on
   the whole ``[n, D, D]``, with the covariance mirrored to a symmetric matrix, fresh
@@ -85,7 +93,8 @@ def _row_bands(n: int, d: int, target: int) -> list[tuple[int, int, int, int]]:
     is cut into row bands of about ``target`` elements of its upper triangle each.
     """
     if n * d * d <= 2 * target or d * d <= target:
-        nb = max(1, min(n, target // (d * d)))
+        # larger groups than bands: each op of the formula costs a dispatch per block
+        nb = max(1, min(n, 4 * target // (d * d)))
         return [(n0, min(n, n0 + nb), 0, d) for n0 in range(0, n, nb)]
     tri = d * (d + 1) // 2
     bands = max(2, round(tri / target))
@@ -124,14 +133,25 @@ class _Workspace:
     def take(self) -> Tensor:
         """A free contiguous buffer of the block's shape (one view op: dispatch costs here)."""
         self.next += 1
+        if self.next > _BUFFERS:  # more than the formula is known to need: a fresh one
+            return self.bufs.new_empty(self.shape)
         return self.bufs.as_strided(self.shape, self.stride, (self.next - 1) * self.size)
+
+    def take_many(self, k: int) -> Tensor:
+        """``k`` consecutive free buffers as one ``[k, *shape]`` tensor."""
+        self.next += k
+        if self.next > _BUFFERS:  # more than the formula is known to need: a fresh one
+            return self.bufs.new_empty((k, *self.shape))
+        return self.bufs.as_strided(
+            (k, *self.shape), (self.size, *self.stride), (self.next - k) * self.size
+        )
 
     def reuse(self, buf: Tensor) -> Tensor:
         """``buf`` itself: its value is dead, its memory takes the next result."""
         return buf
 
 
-_BUFFERS = 21
+_BUFFERS = 30
 
 
 class _Fresh:
@@ -151,7 +171,7 @@ _Scratch = _Workspace | _Fresh
 _Emit = Callable[[str, Tensor], None]
 
 _PARTNERS = {"osd": "osd", "cdf": "cdf", "mu": "mu", "ub": None, "sd": None}
-"""Per-pair pieces emitted by :func:`_vjp` and the per-unit vector each is contracted with."""
+"""Per-pair pieces emitted by :func:`_apply` and the per-unit vector each is contracted with."""
 
 
 # ------------------------------------------------------------------------ the formula
@@ -222,30 +242,51 @@ def _bound_factors(var: Tensor) -> Tensor:
     return var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
 
 
-def _vjp(
-    ws: _Scratch,
-    t: _Terms,
-    g: Tensor,
-    operands: tuple[Tensor, Tensor, Tensor, Tensor],
-    emit: _Emit,
-    skip_unclamped: bool,
-) -> Tensor:
-    r"""The closed-form backward on the operands of ``t``; returns the gradient of :math:`\Sigma`.
+class _Coefficients:
+    r"""The backward's per-pair factors, linear in nothing but :math:`G` (forward-computable).
 
-    ``g`` is :math:`G` on these entries (zero where an entry is not to count; modified in
-    place), ``operands`` ``(cdf_j, cdf_l, osd_j, osd_l)``. Each per-pair piece is handed to
-    ``emit(name, piece)`` as soon as it is complete (its buffer is reused afterwards); the names
-    and the vectors they are contracted with are :data:`_PARTNERS`. ``skip_unclamped``: skip
-    the clamp's gradient when no entry binds (a host read).
+    The closed-form backward is linear in the symmetrised output gradient :math:`G`: each
+    per-pair piece of the module docstring is a factor of the forward's intermediates times
+    :math:`G`. These are those factors (all ``[n, r, c]``, on the operands of one
+    :class:`_Terms`):
+
+    * ``dcov`` = :math:`\Phi_j\Phi_l + \partial_\rho K`: the gradient of :math:`\Sigma_{jl}`
+      per unit of :math:`G`;
+    * ``ub`` = :math:`SK\beta` and ``mu`` = :math:`SK\gamma`: the mean pieces;
+    * ``sd`` = :math:`SK - \Sigma\,\partial_\rho K`: :math:`\sigma_j\,\partial C/\partial\sigma_j`;
+    * ``clamp``: ``None`` where no entry's Cauchy-Schwarz clamp binds, else ``(inside,
+      outside)``: 0/1 weights of the formula and :math:`\pm1` (the sign of the unclamped
+      value) where the clamp routed the entry to its bound.
+
+    The ``cdf`` piece's factor is :math:`\Sigma` itself (``t.cov``).
     """
-    cdf_j, cdf_l, osd_j, osd_l = operands
+
+    __slots__ = ("clamp", "dcov", "mu", "sd", "stack", "ub")
+
+    def __init__(
+        self, dcov: Tensor, ub: Tensor, mu: Tensor, sd: Tensor, clamp: tuple[Tensor, Tensor] | None
+    ) -> None:
+        self.dcov, self.ub, self.mu, self.sd, self.clamp = dcov, ub, mu, sd, clamp
+        self.stack: Tensor | None = None  # [dcov, ub, mu, sd] as one tensor, where they are
+
+
+def _coefficients(
+    ws: _Scratch,
+    keep: _Scratch,
+    t: _Terms,
+    sk: Tensor,
+    raw: Tensor,
+    cdf: tuple[Tensor, Tensor],
+    excess: Tensor | None,
+) -> _Coefficients:
+    r"""The :class:`_Coefficients` of the operands of ``t``: the formula of the backward.
+
+    ``sk`` and ``raw`` are :func:`_raw`'s (read, not modified), ``cdf`` ``(cdf_j, cdf_l)``,
+    ``excess`` :math:`|C| - \sqrt{V_jV_l}` (modified in place) or ``None`` when no entry binds.
+    Temporaries come from ``ws``; the factors that the caller keeps from ``keep`` (the same
+    allocator when they die with the block, a longer-lived one when the forward saves them).
+    """
     unclipped, huge = 1 - clip_eps(t.cov.dtype), big(t.cov.dtype)
-    sk, raw = _raw(ws, t, cdf_j, cdf_l)
-    excess = torch.abs(raw, out=ws.take()).sub_(osd_j * osd_l)
-    if not skip_unclamped or excess.amax() > 0:  # the Cauchy-Schwarz clamp: route to the bound
-        inside = excess.mul_(-huge).clamp_(0, 1)  # 0 where it bit
-        emit("osd", (1 - inside).mul_(g).mul_(raw.sign()))
-        g.mul_(inside)
     # dK/drho (module docstring of _relu), zero where rho was clipped
     inv_q = torch.div(t.inv, t.rho_bar, out=ws.take())
     tmp = torch.mul(t.p, t.rho, out=ws.take())
@@ -254,16 +295,64 @@ def _vjp(
     p_gamma = (
         torch.mul(t.rho, t.rho, out=ws.reuse(tmp)).mul_(inv_q).addcmul_(t.gamma, t.asin, value=-1)
     )
-    d_rho = torch.mul(p_beta, t.sum_sq, out=ws.take()).neg_().add_(t.asin)
-    d_rho.addcmul_(p_gamma, t.prod).mul_(t.gauss).mul_(INV_2PI)
-    d_rho.mul_(torch.abs(t.rho, out=ws.reuse(inv_q)).neg_().add_(unclipped).mul_(huge).clamp_(0, 1))
-    g_cov = torch.mul(cdf_j, cdf_l, out=ws.take()).add_(d_rho).mul_(g)
-    emit("cdf", torch.mul(g, t.cov, out=ws.reuse(tmp)))  # dC/dPhi_j = Sigma Phi_l
-    u = torch.mul(sk, g, out=ws.reuse(tmp))  # dC/dmu_j = S K (gamma mu_l - 2 beta mu_j)
-    emit("ub", torch.mul(u, t.beta, out=ws.reuse(p_beta)))
-    emit("mu", u.mul_(t.gamma))
-    emit("sd", sk.sub_(d_rho.mul_(t.cov)).mul_(g))  # s_j dC/ds_j
+    d_rho = torch.addcmul(t.asin, p_beta, t.sum_sq, value=-1, out=ws.take())
+    d_rho.addcmul_(p_gamma, t.prod).mul_(t.gauss)
+    # times 1/2pi where rho was not clipped, 0 where it was
+    clip = torch.abs(t.rho, out=ws.reuse(inv_q)).neg_().add_(unclipped).mul_(huge)
+    d_rho.mul_(clip.clamp_(0, INV_2PI))
+    dcov = torch.mul(cdf[0], cdf[1], out=keep.take()).add_(d_rho)  # dC/dSigma
+    ub = torch.mul(sk, t.beta, out=keep.take())  # dC/dmu_j = S K (gamma mu_l - 2 beta mu_j)
+    mu = torch.mul(sk, t.gamma, out=keep.take())
+    sd = torch.sub(sk, d_rho.mul_(t.cov), out=keep.take())  # s_j dC/ds_j
+    clamp = None
+    if excess is not None:  # the Cauchy-Schwarz clamp: route to the bound
+        inside = torch.mul(excess, -huge, out=keep.take()).clamp_(0, 1)  # 0 where it bit
+        outside = torch.sign(raw, out=keep.take()).mul_(torch.sub(1, inside, out=ws.take()))
+        clamp = (inside, outside)
+    return _Coefficients(dcov, ub, mu, sd, clamp)
+
+
+def _row_factors(c: _Coefficients, cov: Tensor, mu: tuple[Tensor, Tensor], cdf_l: Tensor) -> None:
+    r"""Turn ``c`` into the row unit's factors, in place, for whole (square) matrices.
+
+    On a whole matrix every pair :math:`j \ne l` appears twice, so with the symmetric
+    :math:`G` each unit's gradient is a row sum of :math:`G` times a factor that holds the
+    partner's value: ``ub`` becomes :math:`\partial C_{jl}/\partial\Phi_j = \Sigma_{jl}\Phi_l`,
+    ``mu`` :math:`\partial C_{jl}/\partial\mu_j = SK(\gamma\mu_l - 2\beta\mu_j)`; ``sd``
+    stays :math:`\sigma_j\partial C_{jl}/\partial\sigma_j`. ``mu`` is ``(mu_j, mu_l)``.
+    """
+    c.mu.mul_(mu[1]).addcmul_(c.ub, mu[0], value=-2)
+    torch.mul(cov, cdf_l, out=c.ub)
+
+
+def _apply(
+    ws: _Scratch, c: _Coefficients, cov: Tensor, g: Tensor, emit: _Emit, out: Tensor | None = None
+) -> Tensor:
+    r"""The backward given :math:`G` and the factors: returns the gradient of :math:`\Sigma`.
+
+    ``g`` is :math:`G` on these entries (zero where an entry is not to count; modified in
+    place), ``cov`` :math:`\Sigma` on them. Each per-pair piece is handed to
+    ``emit(name, piece)`` as soon as it is complete (its buffer is reused afterwards); the names
+    and the vectors they are contracted with are :data:`_PARTNERS`. The gradient of
+    :math:`\Sigma` is written into ``out`` when given.
+    """
+    if c.clamp is not None:
+        inside, outside = c.clamp
+        emit("osd", torch.mul(outside, g, out=ws.take()))
+        g.mul_(inside)
+    g_cov = torch.mul(c.dcov, g, out=out)
+    piece = torch.mul(g, cov, out=ws.take())
+    emit("cdf", piece)  # dC/dPhi_j = Sigma Phi_l
+    emit("ub", torch.mul(c.ub, g, out=ws.reuse(piece)))
+    emit("mu", torch.mul(c.mu, g, out=ws.reuse(piece)))
+    emit("sd", torch.mul(c.sd, g, out=ws.reuse(piece)))
     return g_cov
+
+
+def _excess(ws: _Scratch, raw: Tensor, osd: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    r"""``(bound, excess)``: :math:`\sqrt{V_jV_l}` and :math:`|C| - \sqrt{V_jV_l}`."""
+    bound = torch.mul(osd[0], osd[1], out=ws.take())
+    return bound, torch.abs(raw, out=ws.take()).sub_(bound)
 
 
 def _unit_grads(
@@ -291,10 +380,15 @@ def _block_terms(
     mu: Tensor,
     sl: tuple[int, int, int, int],
     gain: float,
+    upper: Tensor | None = None,
 ) -> _Terms:
+    """The terms on a block; with ``upper`` (whole matrices) on the mirrored upper triangle."""
     n0, n1, r0, r1 = sl
     ws.start((n1 - n0, r1 - r0, cov.shape[-1] - r0))
-    return _Terms(ws, cov[n0:n1, r0:r1, r0:], *_slices(sd, sl), *_slices(mu, sl), gain)
+    block = cov[n0:n1, r0:r1, r0:]
+    if upper is not None:
+        block = torch.where(upper, block, block.transpose(-1, -2), out=ws.take())
+    return _Terms(ws, block, *_slices(sd, sl), *_slices(mu, sl), gain)
 
 
 def _workspace(cov: Tensor, blocks: list[tuple[int, int, int, int]]) -> _Workspace:
@@ -311,8 +405,81 @@ def _sym_sum(ws: _Workspace, grad: Tensor, sl: tuple[int, int, int, int]) -> Ten
     return g
 
 
+def _keep_factors(ctx: FunctionCtx, cov: Tensor) -> bool:
+    """Whether the forward keeps the backward's factors (:func:`policy.keep_factors`)."""
+    needs = ctx.needs_input_grad  # type: ignore[attr-defined]  # set by Function.apply
+    return any(needs[:4]) and policy.keep_factors(cov.numel() * _KEPT, cov.dtype)
+
+
+_KEPT = 4
+"""Full-size factors a forward keeps for its backward (:class:`_Coefficients` but the clamp)."""
+
+
+class _Kept:
+    """An allocator over ``stack`` (``[_KEPT, *block]``): its buffers in order, then fresh ones.
+
+    The forward's kept factors live in one fresh stack per block; the clamp's two rare factors
+    are allocated apart.
+    """
+
+    def __init__(self, stack: Tensor) -> None:
+        self.stack, self.bufs, self.next = stack, stack.unbind(0), 0
+
+    def take(self) -> Tensor:
+        """The next buffer of the stack, or a fresh one past its end."""
+        self.next += 1
+        if self.next > len(self.bufs):
+            return torch.empty_like(self.bufs[0])
+        return self.bufs[self.next - 1]
+
+    def reuse(self, buf: Tensor) -> Tensor:
+        """Not used for kept factors (each is alive until the backward)."""
+        return buf
+
+
+def _block_factors(
+    ws: _Workspace,
+    stack: Tensor,
+    t: _Terms,
+    sl: tuple[int, int, int, int],
+    vectors: tuple[Tensor, Tensor, Tensor],
+) -> tuple[Tensor, Tensor | None, _Coefficients]:
+    """One block's unclamped covariance, the clamp's bound where it binds, and the factors.
+
+    The factors are written into ``stack``; on whole matrices they are the row unit's
+    (:func:`_row_factors`). ``vectors``: ``(mu, cdf, osd)`` of all units. The host read (does
+    any entry bind?) skips the clamp in the forward and its gradient in the backward where no
+    entry binds: free on a CPU.
+    """
+    mu, cdf, osd = vectors
+    cdf_jl, osd_jl = _slices(cdf, sl), _slices(osd, sl)
+    sk, raw = _raw(ws, t, *cdf_jl)
+    bound, excess = _excess(ws, raw, osd_jl)
+    binds = bool(excess.amax() > 0)
+    coefs = _coefficients(ws, _Kept(stack), t, sk, raw, cdf_jl, excess if binds else None)
+    if _whole_rows(sl, mu.shape[-1]):
+        _row_factors(coefs, t.cov, _slices(mu, sl), cdf_jl[1])
+        coefs.stack = stack
+    return raw, bound if binds else None, coefs
+
+
+def _whole_rows(sl: tuple[int, int, int, int], d: int) -> bool:
+    """Whether a block holds whole ``d x d`` matrices (else a row band of one's triangle)."""
+    return sl[3] - sl[2] == d
+
+
 class _ReluCov(torch.autograd.Function):
-    """The blocked executor: the formula on row bands of the upper triangle, mirrored."""
+    """The blocked executor: the formula on whole matrices or row bands of the upper triangle.
+
+    The forward computes each block's terms once; when the policy lets it keep them
+    (:func:`policy.keep_factors`), it also computes the backward's factors
+    (:class:`_Coefficients`) from the same terms and keeps them, so the backward is a few
+    products with the output gradient and the contractions. Otherwise the backward computes
+    the terms and factors again, block by block (the peak memory then stays a few blocks on top
+    of the output). On whole matrices (the covariance mirrored first) the factors are the row
+    unit's and the contractions row sums of the symmetric :math:`G` times them; on row bands
+    the per-pair pieces are contracted for both units of each pair.
+    """
 
     @staticmethod
     def forward(
@@ -320,35 +487,69 @@ class _ReluCov(torch.autograd.Function):
     ) -> Tensor:
         osd = _bound_factors(var)
         out = torch.empty_like(cov, memory_format=torch.contiguous_format)
-        blocks = _row_bands(cov.shape[0], cov.shape[-1], BLOCK)
+        n, d = cov.shape[0], cov.shape[-1]
+        blocks = _row_bands(n, d, BLOCK)
         ws = _workspace(cov, blocks)
+        keep = _keep_factors(ctx, cov)
+        kept: list[_Coefficients] = []
+        upper = _masks(d, cov.device)[0]
         for sl in blocks:
             n0, n1, r0, r1 = sl
-            t = _block_terms(ws, cov, sd, mu, sl, gain)
-            raw = _clamp(ws, _raw(ws, t, *_slices(cdf, sl))[1], *_slices(osd, sl))
+            whole = _whole_rows(sl, d)
+            # the lower triangle of a whole matrix's terms only matters to the kept factors
+            t = _block_terms(ws, cov, sd, mu, sl, gain, upper if whole and keep else None)
+            if keep:
+                stack = torch.empty(_KEPT, *ws.shape, dtype=cov.dtype, device=cov.device)
+                raw, bound, coefs = _block_factors(ws, stack, t, sl, (mu, cdf, osd))
+                kept.append(coefs)
+                if bound is not None:  # clamp to +-sqrt(V_j V_l) in place
+                    torch.maximum(torch.minimum(raw, bound, out=raw), bound.neg_(), out=raw)
+            else:
+                raw = _clamp(ws, _raw(ws, t, *_slices(cdf, sl))[1], *_slices(osd, sl))
             torch.hardshrink(raw, tail_cutoff(raw.dtype), out=raw)
-            # the lower part, mirrored (a single matrix uses the blocked 2-D transpose kernel)
-            mirror = raw[0].t().contiguous() if n1 - n0 == 1 else raw.transpose(-1, -2)
-            out[n0:n1, r0:, r0:r1] = mirror
+            if whole:  # the upper triangle mirrored, in one pass
+                torch.where(upper, raw, raw.transpose(-1, -2), out=out[n0:n1])
+                continue
+            # a row band: the lower part, mirrored (the blocked 2-D transpose kernel)
+            out[n0:n1, r0:, r0:r1] = raw[0].t().contiguous()
             out[n0:n1, r0:r1, r0:] = raw
             square = out[n0:n1, r0:r1, r0:r1]  # its own lower triangle: mirror the upper
             square.copy_(square.triu(1) + square.triu().transpose(-1, -2))
         out.diagonal(dim1=-2, dim2=-1).copy_(var)
         ctx.save_for_backward(cov, sd, mu, cdf, var, osd)
-        ctx.gain = gain  # type: ignore[attr-defined]  # carried to backward
+        ctx.gain, ctx.kept = gain, kept  # type: ignore[attr-defined]  # carried to backward
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
         cov, sd, mu, cdf, var, osd = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
+        kept: list[_Coefficients] = ctx.kept  # type: ignore[attr-defined]  # set in forward
+        ctx.kept = []  # type: ignore[attr-defined]  # the factors die with this backward
+        n, d = cov.shape[0], cov.shape[-1]
         g_cov = torch.zeros_like(cov, memory_format=torch.contiguous_format)
         sums = {key: torch.zeros_like(sd) for key in _PARTNERS}
+        rows = torch.empty(3, n, d, dtype=sd.dtype, device=sd.device)  # cdf, mu, sd: row sums
         vectors = {"osd": osd, "cdf": cdf, "mu": mu}
-        blocks = _row_bands(cov.shape[0], cov.shape[-1], BLOCK)
+        blocks = _row_bands(n, d, BLOCK)
         ws = _workspace(cov, blocks)
-        for sl in blocks:
+        upper = _masks(d, cov.device)[0]
+        for i, sl in enumerate(blocks):
             n0, n1, r0, r1 = sl
+            whole = _whole_rows(sl, d)
+            if kept:
+                ws.start((n1 - n0, r1 - r0, d - r0))
+                coefs = kept[i]
+                block = cov[n0:n1, r0:r1, r0:]
+            else:
+                t = _block_terms(ws, cov, sd, mu, sl, ctx.gain, upper if whole else None)  # type: ignore[attr-defined]  # set in forward
+                stack = ws.take_many(_KEPT)
+                coefs = _block_factors(ws, stack, t, sl, (mu, cdf, osd))[2]
+                block = t.cov
+            if whole:
+                into = (g_cov[n0:n1], rows[:, n0:n1], sums["osd"][n0:n1])
+                _whole_backward(ws, coefs, grad[n0:n1], osd[n0:n1], into)
+                continue
 
             def emit(key: str, piece: Tensor, sl: tuple[int, int, int, int] = sl) -> None:
                 # each pair j < l of the block counts for its row unit and its column unit
@@ -362,12 +563,36 @@ class _ReluCov(torch.autograd.Function):
                     acc[n0:n1, r0:r1] += (piece @ x[n0:n1, r0:, None]).squeeze(-1)
                     acc[n0:n1, r0:] += (x[n0:n1, None, r0:r1] @ piece).squeeze(-2)
 
-            t = _block_terms(ws, cov, sd, mu, sl, ctx.gain)  # type: ignore[attr-defined]  # set in forward
             g = _sym_sum(ws, grad, sl)
-            operands = (*_slices(cdf, sl), *_slices(osd, sl))
-            g_cov[n0:n1, r0:r1, r0:] = _vjp(ws, t, g, operands, emit, skip_unclamped=True)
+            _apply(ws, coefs, block, g, emit, out=g_cov[n0:n1, r0:r1, r0:])
+        if blocks and _whole_rows(blocks[0], d):  # row sums of whole matrices
+            sums["cdf"], sums["mu"], sums["sd"] = rows.unbind(0)
         grads = (g_cov, *_unit_grads(sums, grad, sd, mu, var, osd))
         return *(flush(g) for g in grads), None
+
+
+def _whole_backward(
+    ws: _Workspace, c: _Coefficients, grad: Tensor, osd: Tensor, into: tuple[Tensor, Tensor, Tensor]
+) -> None:
+    r"""The backward on whole matrices from their row factors (:func:`_row_factors`).
+
+    ``into`` is ``(g_cov, rows, osd_sum)``: the gradient of the covariance (strict upper
+    triangle), the row sums of :math:`G` times the ``cdf``, ``mu`` and ``sd`` factors
+    (``[3, nb, D]``) and, where a clamp binds, the row sum of the clamp's piece times
+    :math:`\sqrt V` of the partner.
+    """
+    g_cov, rows, osd_sum = into
+    g = torch.add(grad, grad.transpose(-1, -2), out=ws.take())  # G, symmetric
+    g.diagonal(dim1=-2, dim2=-1).zero_()
+    stack = c.stack
+    assert stack is not None  # _row_factors set it
+    if c.clamp is not None:
+        inside, outside = c.clamp
+        piece = torch.mul(outside, g, out=ws.take())
+        osd_sum.copy_((piece @ osd[..., None]).squeeze(-1))
+        g.mul_(inside)
+    torch.mul(stack[0], g, out=g_cov).triu_(1)
+    torch.sum(torch.mul(stack[1:], g, out=ws.take_many(3)), -1, out=rows)
 
 
 # ------------------------------------------------ executor 2: whole tensors (GPU, compile)
@@ -409,7 +634,7 @@ def relu_cov_backward(
     r"""Closed-form vector-Jacobian product of :func:`relu_cov_forward` (module docstring).
 
     With :math:`G = g + g^\top` off the diagonal (the output is symmetric and only the upper
-    triangle of ``cov`` is read) and the covariance mirrored, every piece of :func:`_vjp` is a
+    triangle of ``cov`` is read) and the covariance mirrored, every piece of :func:`_apply` is a
     symmetric matrix and each per-unit contraction one row sum, so the backward is a fixed
     set of whole-tensor kernels.
 
@@ -428,8 +653,11 @@ def relu_cov_backward(
         sums[key] = piece.sum(-1) if x is None else (piece * x[..., None, :]).sum(-1)
 
     g = torch.where(eye, 0, grad + grad.mT)
-    operands = (cdf[..., :, None], cdf[..., None, :], osd[..., :, None], osd[..., None, :])
-    g_cov = _vjp(_FRESH, t, g, operands, emit, skip_unclamped=False)
+    cdf_jl = (cdf[..., :, None], cdf[..., None, :])
+    sk, raw = _raw(_FRESH, t, *cdf_jl)
+    excess = _excess(_FRESH, raw, (osd[..., :, None], osd[..., None, :]))[1]
+    coefs = _coefficients(_FRESH, _FRESH, t, sk, raw, cdf_jl, excess)
+    g_cov = _apply(_FRESH, coefs, t.cov, g, emit)
     grads = (torch.where(upper, g_cov, 0), *_unit_grads(sums, grad, sd, mu, var, osd))
     return tuple(flush(g) for g in grads)  # type: ignore[return-value]  # five tensors
 

@@ -41,7 +41,9 @@ Knobs (each also read once from an environment variable at import):
 * :func:`set_memory_budget` / :func:`memory_budget` (context manager), env
   ``LIGHTNING_DVI_MEMORY_BUDGET`` = bytes (default 2 GiB): the scratch memory the whole-tensor
   paths may use at once, estimated as ``k * n * D * D * itemsize`` with ``k`` =
-  :data:`SCRATCH_ARRAYS` per path. It bounds temporaries, not the output nor the inputs.
+  :data:`SCRATCH_ARRAYS` per path. It bounds temporaries, not the output nor the inputs. A
+  quarter of it bounds what a blocked forward keeps for its backward (:func:`keep_factors`:
+  the ReLU covariance's four ``[n, D, D]`` factors); past that the backward recomputes them.
 
 Examples:
     >>> import torch
@@ -76,6 +78,7 @@ __all__ = [
     "get_fused",
     "get_kernel_backend",
     "get_memory_budget",
+    "keep_factors",
     "kernel_backend",
     "memory_budget",
     "reset_compiled",
@@ -310,6 +313,22 @@ def chunk_size(n: int, d: int, dtype: torch.dtype, path: str) -> int:
     per_matrix = SCRATCH_ARRAYS.get(path, SCRATCH_ARRAYS["whole"]) * d * d
     per_matrix *= dtype.itemsize
     return max(1, min(n, get_memory_budget() // max(per_matrix, 1)))
+
+
+def keep_factors(numel: int, dtype: torch.dtype) -> bool:
+    """Whether a forward may keep ``numel`` elements of factors for its backward.
+
+    A Function whose backward needs intermediates of its forward either keeps them (the
+    backward only combines them with the output gradient) or computes them again in the
+    backward (less memory, more time). Kept when they fit in a quarter of the memory budget
+    (:func:`set_memory_budget`); ``memory_budget(1)`` forces the recomputation.
+
+    Examples:
+        >>> import torch
+        >>> keep_factors(1 << 20, torch.float32), keep_factors(1 << 30, torch.float32)
+        (True, False)
+    """
+    return numel * dtype.itemsize <= get_memory_budget() // 4
 
 
 def chunks(n: int, size: int) -> list[tuple[int, int]]:
