@@ -28,6 +28,9 @@ guide (options, seed, the printed figures).
   :class:`lightning_dvi.pyro.ValidationCheckpoint` restores the parameters of the best
   evaluation (``best_step``; ``nll_last``: the test NLL at the last step, before the restore).
 
+``--trace-evals`` records, at each validation evaluation, the validation rows' log predictive
+densities and the test NLL from ``--trace-draws`` vectorised draws (``trace`` in the JSON line;
+:func:`traced_score`), so that other selection rules can be replayed offline.
 ``--final-draws N`` evaluates the test NLL from ``N`` weight draws, vectorised
 (:func:`vectorised_probs`), instead of ``--predictive`` model runs. ``--categorical-method``
 (analysis only) trains the deterministic guide's ``Categorical`` site with another method of
@@ -61,6 +64,7 @@ from lightning_dvi.pyro import (
     DeterministicELBO,
     DeterministicGuide,
     ValidationCheckpoint,
+    predictive_log_density,
     predictive_nll,
 )
 
@@ -232,6 +236,39 @@ def split_validation(
     return x[fit], y[fit], x[val], y[val]
 
 
+def traced_score(
+    args: argparse.Namespace, kind: str, model: Classifier, guide: nn.Module, data: tuple
+) -> Any:
+    """A validation score that also records, per evaluation, what a selection rule may use.
+
+    ``args.traces[kind]`` gets one row per evaluation: the validation rows' log predictive
+    densities (:func:`lightning_dvi.pyro.predictive_log_density`, the score's own draws) and
+    the test NLL and accuracy from ``--trace-draws`` vectorised draws (a forked generator with
+    a fixed seed: the training draws are those of a run without the trace). Analysis only:
+    the checkpoint sees the validation NLL alone.
+    """
+    x_val, y_val, x_te, y_te = data
+    rows = args.traces.setdefault(kind, [])
+
+    def score() -> float:
+        log_p = predictive_log_density(
+            model, guide, x_val, y_val, num_samples=args.val_draws, seed=args.seed
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed + 1)
+            probs = vectorised_probs(guide, x_te, args.likelihood, args.trace_draws)
+        rows.append(
+            {
+                "val_log_p": [round(v, 6) for v in log_p.tolist()],
+                "test_nll": nll_of(probs, y_te),
+                "test_acc": (probs.argmax(-1) == y_te).float().mean().item(),
+            }
+        )
+        return -log_p.mean().item()
+
+    return score
+
+
 def train(
     args: argparse.Namespace,
 ) -> tuple[tuple, dict[str, tuple[Classifier, nn.Module, SVI]], dict[str, float], dict[str, float]]:
@@ -252,16 +289,16 @@ def train(
     kinds = args.guides.split(",")
     runs = {kind: build(args, kind, x) for kind in kinds}  # distinct guide names: one store
     checkpoints: dict[str, ValidationCheckpoint] = {}
+    args.traces = {}
     if args.protocol == "validation":
         x, y_obs, x_val, y_val = split_validation(x, y_obs, args.val_fraction, args.seed)
         for kind, (model, guide, _) in runs.items():
-            checkpoints[kind] = ValidationCheckpoint(
-                lambda m=model, g=guide: predictive_nll(  # type: ignore[misc]
-                    m, g, x_val, y_val, num_samples=args.val_draws, seed=args.seed
-                ),
-                every=args.val_every,
-                params=guide,
+            score = lambda m=model, g=guide: predictive_nll(  # noqa: E731
+                m, g, x_val, y_val, num_samples=args.val_draws, seed=args.seed
             )
+            if args.trace_evals:
+                score = traced_score(args, kind, model, guide, (x_val, y_val, x_te, y_te))
+            checkpoints[kind] = ValidationCheckpoint(score, every=args.val_every, params=guide)
     for _, _, svi in runs.values():
         svi.step(x, y_obs)  # builds the guide (not timed)
     cpu, wall = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
@@ -290,6 +327,8 @@ def train(
             "val_history": checkpoint.history,
             "val_cpu_s": val_cpu[kind],
         }
+        if kind in args.traces:
+            args.validation[kind]["trace"] = args.traces[kind]
     return (x, y_obs, x_te, y_te), runs, cpu, wall
 
 
@@ -311,6 +350,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--val-every", type=int, default=25)
     parser.add_argument("--val-draws", type=int, default=100)
     parser.add_argument("--final-draws", type=int, default=0, help="test NLL from N draws")
+    parser.add_argument(
+        "--trace-evals", action="store_true", help="record each evaluation (traced_score)"
+    )
+    parser.add_argument("--trace-draws", type=int, default=2000)
     parser.add_argument(
         "--categorical-method", choices=("tight", "bound"), default="tight", help="analysis"
     )

@@ -18,6 +18,7 @@ from lightning_dvi.pyro import (
     DeterministicELBO,
     DeterministicGuide,
     ValidationCheckpoint,
+    predictive_log_density,
     predictive_nll,
 )
 
@@ -129,8 +130,13 @@ def test_predictive_nll_against_the_closed_form_predictive_of_a_linear_model():
     with torch.no_grad():
         mean = x @ m_w[0] + m_b
         var = (x**2) @ s_w[0] ** 2 + s_b**2 + 0.25
-        exact = -torch.distributions.Normal(mean, var.sqrt()).log_prob(y).mean().item()
+        exact_rows = torch.distributions.Normal(mean, var.sqrt()).log_prob(y)
+        exact = -exact_rows.mean().item()
+    rows = predictive_log_density(model, guide, x, y, num_samples=4000)
+    assert rows.shape == (40,)
+    torch.testing.assert_close(rows, exact_rows, atol=0.03, rtol=0.08)  # tail rows: rarer draws
     estimate = predictive_nll(model, guide, x, y, num_samples=4000)
+    assert estimate == -rows.mean().item()  # the same draws
     assert estimate == pytest.approx(exact, abs=0.01)
     # few draws: the log of a Monte Carlo mean reads high (Jensen), by more than the noise
     assert predictive_nll(model, guide, x, y, num_samples=2) > exact
@@ -204,3 +210,26 @@ def test_swap_recipe_validation_protocol_writes_the_checkpoint(tmp_path):
         assert r["best_val_nll"] == min(v for _, v in r["val_history"])
         assert r["best_step"] in steps and r["protocol"] == "validation"
         assert r["nll"] > 0.0 and r["nll_last"] > 0.0 and 0.0 <= r["acc_last"] <= 1.0
+    # the trace records each evaluation without changing the run (its draws are forked)
+    traced = tmp_path / "traced.jsonl"
+    swap.main(
+        [
+            *("--data", "cancer", "--likelihood", "bernoulli", "--steps", "12"),
+            *("--protocol", "validation", "--val-every", "4", "--val-draws", "4"),
+            *("--final-draws", "200", "--check-draws", "2", "--json", str(traced)),
+            *("--trace-evals", "--trace-draws", "50"),
+        ]
+    )
+    for plain, r in zip(
+        rows, [json.loads(line) for line in traced.read_text().splitlines()], strict=True
+    ):
+        assert r["val_history"] == plain["val_history"]
+        assert (r["nll"], r["nll_last"], r["true"]) == (
+            plain["nll"],
+            plain["nll_last"],
+            plain["true"],
+        )
+        assert len(r["trace"]) == 3 and len(r["trace"][0]["val_log_p"]) == round(0.2 * 443)
+        for (_, value), row in zip(r["val_history"], r["trace"], strict=True):
+            mean = -sum(row["val_log_p"]) / len(row["val_log_p"])
+            assert mean == pytest.approx(value, abs=1e-5)

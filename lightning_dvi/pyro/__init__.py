@@ -15,7 +15,7 @@ from .elbo import DeterministicELBO
 from .guide import DeterministicGuide, init_to_he
 from .modules import PyroBayesNet
 from .moment_tensor import MomentTensor
-from .validation import ValidationCheckpoint, predictive_nll
+from .validation import ValidationCheckpoint, predictive_log_density, predictive_nll
 
 __all__ = [
     "Categorical",
@@ -26,5 +26,6 @@ __all__ = [
     "PyroBayesNet",
     "ValidationCheckpoint",
     "init_to_he",
+    "predictive_log_density",
     "predictive_nll",
 ]

@@ -2,8 +2,9 @@ r"""Held-out predictive NLL and best-snapshot keeping for a user's ``SVI`` loop.
 
 Two plain pieces, no hidden state and no hooks into ``SVI``; the loop calls them:
 
-* :func:`predictive_nll`: the held-out negative log predictive density of any guide, from a
-  fixed set of weight draws (a seeded generator of its own, the global one untouched);
+* :func:`predictive_nll` (:func:`predictive_log_density` per row): the held-out negative log
+  predictive density of any guide, from a fixed set of weight draws (a seeded generator of its
+  own, the global one untouched);
 * :class:`ValidationCheckpoint`: every ``every`` steps it evaluates a score (such as
   :func:`predictive_nll` on a validation split), copies the parameters whose score is the best
   so far, and puts that copy back on :meth:`~ValidationCheckpoint.restore`.
@@ -37,10 +38,10 @@ import pyro.poutine as poutine
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ValidationCheckpoint", "predictive_nll"]
+__all__ = ["ValidationCheckpoint", "predictive_log_density", "predictive_nll"]
 
 
-def predictive_nll(
+def predictive_log_density(
     model: Callable[..., Any],
     guide: Callable[..., Any],
     *args: Any,
@@ -48,22 +49,22 @@ def predictive_nll(
     num_samples: int = 100,
     seed: int = 0,
     **kwargs: Any,
-) -> float:
-    r"""Mean negative log posterior predictive density of the observed ``site``.
+) -> Tensor:
+    r"""Log posterior predictive density of each observed element of ``site``.
 
     With :math:`w_s \sim q` the guide's draws, :math:`s = 1..S`,
 
     .. math::
 
-        \mathrm{NLL} = -\frac1N\sum_{n=1}^N
-            \log\Big(\frac1S\sum_{s=1}^S p(y_n\mid x_n, w_s)\Big),
+        \log \hat p(y_n\mid x_n) = \log\Big(\frac1S\sum_{s=1}^S p(y_n\mid x_n, w_s)\Big),
 
     each :math:`\log p(y_n\mid x_n, w_s)` the ``log_prob`` of ``site``'s distribution in the
     model replayed on the guide's draw (a ``logsumexp`` over draws, no underflow). The draws
     come from a generator seeded with ``seed`` inside :func:`torch.random.fork_rng`: every call
     with the same ``seed`` uses the same standard-normal noise (so two calls at different
     parameters differ by the parameters, not by the draws), and the global generator, hence a
-    sampled guide's training, is the same as without the call.
+    sampled guide's training, is the same as without the call. For a finite :math:`S` the log
+    of the Monte Carlo mean is biased low (Jensen), most where the predictive is confident.
 
     Args:
         model: the Pyro model; called as ``model(*args, **kwargs)``, which must observe
@@ -76,7 +77,7 @@ def predictive_nll(
         **kwargs: the model's keyword arguments.
 
     Returns:
-        The NLL per observed element, averaged (nats).
+        :math:`\log \hat p(y_n\mid x_n)`, the site's batch shape (one value per row).
 
     Raises:
         ValueError: if ``num_samples < 1`` or ``site`` is not an observed site of the model.
@@ -94,7 +95,32 @@ def predictive_nll(
             if node is None or node["type"] != "sample" or not node["is_observed"]:
                 raise ValueError(f"{site!r} is not an observed sample site of the model")
             draws.append(node["fn"].log_prob(node["value"]))
-    log_p = torch.logsumexp(torch.stack(draws), 0) - math.log(num_samples)
+    return torch.logsumexp(torch.stack(draws), 0) - math.log(num_samples)
+
+
+def predictive_nll(
+    model: Callable[..., Any],
+    guide: Callable[..., Any],
+    *args: Any,
+    site: str = "obs",
+    num_samples: int = 100,
+    seed: int = 0,
+    **kwargs: Any,
+) -> float:
+    r"""Mean negative log posterior predictive density of the observed ``site``.
+
+    :math:`-\frac1N\sum_n \log \hat p(y_n\mid x_n)`, the mean of
+    :func:`predictive_log_density`'s values negated (same arguments, same fixed draws).
+
+    Returns:
+        The NLL per observed element, averaged (nats).
+
+    Raises:
+        ValueError: if ``num_samples < 1`` or ``site`` is not an observed site of the model.
+    """
+    log_p = predictive_log_density(
+        model, guide, *args, site=site, num_samples=num_samples, seed=seed, **kwargs
+    )
     return -log_p.mean().item()
 
 
