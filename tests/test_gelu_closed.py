@@ -254,3 +254,51 @@ def test_in_place_path_equals_the_autograd_path(dtype):
     torch.testing.assert_close(fast[0], slow[0].detach(), rtol=20 * eps, atol=20 * eps)
     err = (fast[1] - slow[1].detach()).abs()
     assert bool((err <= 100 * eps * (slow[1].detach() + v.detach())).all()), err.max()
+
+
+@pytest.mark.parametrize("narrow", [True, False])
+def test_buffered_excess_in_the_narrow_case_against_owens_t(narrow):
+    """The predictive's buffered path: 5 nodes where every element has width <= 0.2 and
+    R <= 1 (a posterior's small variances), 10 otherwise; both to 1e-10 of scipy's Owen's T."""
+    h = torch.linspace(-12, 8, 81, dtype=torch.float64)
+    v = torch.logspace(-8, -1, 81, dtype=torch.float64).flip(0)
+    if narrow:  # keep R = h^2 v / (1 + 2v) <= 1 for every element
+        v = torch.minimum(v, 0.9 / (h * h).clamp_min(1e-3))
+    else:
+        v = v.clone()
+        v[40] = 3.0  # one wide element (h = -2): the whole tensor takes the full rule
+    q = (1 + 2 * v).sqrt()
+    width = 2 * v / (q * (q + 1))
+    assert S._narrow(h, v, q, width) is narrow
+    got = S._gelu_phi2_excess(h, v, q, S._Scratch(h, h.numel())).numpy()
+    # the integral on [a, 1] itself by adaptive quadrature, in u = 1 - x on [0, 1 - a] with
+    # 1 - a = 2v / (q (q + 1)) (Owen's T difference 2[T(h, 1) - T(h, a)] cancels to nothing at
+    # these widths; it checks the wide element below)
+    want = np.array(
+        [
+            integrate.quad(
+                lambda u, hh=hh: (
+                    math.exp(-hh * hh * (1 + (1 - u) ** 2) / 2) / (1 + (1 - u) ** 2) / math.pi
+                ),
+                0.0,
+                ww,
+                epsabs=0,
+                epsrel=1e-13,
+            )[0]
+            for hh, ww in zip(h.tolist(), width.tolist(), strict=True)
+        ]
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=0)
+    if not narrow:
+        hh, qq = h[40].item(), q[40].item()
+        cdf = special.ndtr(hh)
+        assert got[40] == pytest.approx(
+            2 * (special.owens_t(hh, 1.0) - special.owens_t(hh, 1 / qq)), rel=1e-8, abs=1e-13 * cdf
+        )
+    # and the moments through gelu_closed_diag: buffers (no autograd) against autograd's path
+    m, var = h * (1 + v).sqrt(), v
+    with torch.no_grad():
+        fast = S.gelu_closed_diag(m, var)
+    slow = S.gelu_closed_diag(m.requires_grad_(), var)
+    torch.testing.assert_close(fast[0], slow[0].detach(), rtol=1e-12, atol=1e-300)
+    torch.testing.assert_close(fast[1], slow[1].detach(), rtol=1e-9, atol=1e-300)

@@ -201,3 +201,24 @@ def test_frozen_moments_reproduce_the_pass_and_are_a_snapshot():
     with frozen:  # the snapshot does not see the change
         torch.testing.assert_close(net(x, mode="diag").var, want.var, rtol=0, atol=0)
     assert float(net(x, mode="diag").var.mean()) > 2 * float(want.var.mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_first_order_in_one_pass_equals_the_routed_form(dtype, affine):
+    """layer_norm_first_order_diag = normalize_diag(route="first_order") then the affine map."""
+    from lightning_dvi.moments.layer_norm import layer_norm_first_order_diag, normalize_diag
+
+    gen = torch.Generator().manual_seed(0)
+    mean = torch.randn(4, 5, 16, generator=gen, dtype=torch.float64).to(dtype)
+    var = (0.1 * torch.rand(4, 5, 16, generator=gen, dtype=torch.float64)).to(dtype)
+    weight = (1 + 0.3 * torch.randn(16, generator=gen, dtype=torch.float64)).to(dtype)
+    bias = (0.2 * torch.randn(16, generator=gen, dtype=torch.float64)).to(dtype)
+    got = layer_norm_first_order_diag(
+        mean, var, 1e-5, weight if affine else None, bias if affine else None
+    )
+    m, v = normalize_diag(mean, var, 1e-5, "first_order")
+    want = (weight * m + bias, weight**2 * v) if affine else (m, v)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(got[1], want[1], rtol=tol, atol=tol * float(want[1].max()))

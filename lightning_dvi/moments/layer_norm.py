@@ -90,6 +90,7 @@ from .special import flush
 __all__ = [
     "ROUTES",
     "LayerNormRoute",
+    "layer_norm_first_order_diag",
     "normalize_cross_diag",
     "normalize_diag",
     "normalize_diag_with_slope",
@@ -468,6 +469,56 @@ def normalize_diag(
     """
     out_mean, out_var, _ = _normalize_diag(mean, var, eps, route)
     return flush(out_mean.to(mean.dtype)), flush(out_var.to(mean.dtype))
+
+
+def layer_norm_first_order_diag(
+    mean: Tensor,
+    var: Tensor,
+    eps: float = 1e-5,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""LayerNorm's first-order form and its affine part in one pass, over the last dim.
+
+    The same moments as :func:`normalize_diag` with ``route="first_order"`` followed by the
+    affine map :math:`\gamma y + \beta`, with fewer operations (a transformer's predictive runs
+    it three times per block): :math:`\hat m = (\mu - \bar\mu)/\sqrt{s_0}`,
+    :math:`s_0 = \overline{(\mu - \bar\mu)^2} + \epsilon` by ``torch.native_layer_norm``,
+    then
+
+    .. math::
+        \operatorname{Var}(y_i) = \frac{\gamma_i^2}{s_0}\Big(v_i - \frac2D(1 + \hat m_i^2)v_i
+            + \frac{1}{D^2}\big(\textstyle\sum_j v_j + 2\hat m_i\sum_j\hat m_jv_j
+            + \hat m_i^2\sum_j\hat m_j^2v_j\big)\Big),
+
+    the diagonal of :math:`J\operatorname{diag}(v)J^\top` with
+    :math:`J = (I - \frac1D\mathbf 1\mathbf 1^\top - \frac1D\hat m\hat m^\top)/\sqrt{s_0}`
+    (module docstring), and :math:`E[y] = \gamma\hat m + \beta`. Differentiable by autograd.
+
+    Args:
+        mean: :math:`\mu` ``[..., D]``.
+        var: :math:`v \ge 0` ``[..., D]``.
+        eps: :math:`\epsilon > 0`.
+        weight: :math:`\gamma` ``[D]`` or ``None`` (1).
+        bias: :math:`\beta` ``[D]`` or ``None`` (0).
+
+    Returns:
+        ``(mean, var)``, each ``[..., D]``, in the input's dtype.
+    """
+    d = mean.shape[-1]
+    mh, _, rstd = torch.native_layer_norm(mean, (d,), None, None, eps)
+    mhv = mh * var
+    mh2v = mhv * mh
+    shared = torch.addcmul(var.sum(-1, keepdim=True), mh, mhv.sum(-1, keepdim=True), value=2)
+    shared = torch.addcmul(shared, mh * mh, mh2v.sum(-1, keepdim=True))
+    own = torch.add(var, mh2v, alpha=1.0).mul(-2.0 / d).add(var)
+    out_var = torch.add(own, shared, alpha=1.0 / d**2) * (rstd * rstd)
+    if weight is not None:
+        out_var = out_var * (weight * weight)
+        out_mean = mh * weight if bias is None else torch.addcmul(bias, mh, weight)
+    else:
+        out_mean = mh if bias is None else mh + bias
+    return out_mean, flush(out_var.clamp_min(0))
 
 
 def normalize_diag_with_slope(

@@ -185,6 +185,11 @@ class LayerNorm(BayesModule):
             scale, shift = self._flat_affine()
             mean, cov = N.affine_full(mean, cov, scale.to(mean), shift.to(mean))
             return Gaussian(mean, cov=cov, validate=False)
+        if self.route == "first_order" and k == 1:
+            mean, var = L.layer_norm_first_order_diag(
+                x.mean.reshape(user), x.var.reshape(user), self.eps, self.weight, self.bias
+            )
+            return Gaussian(mean, var=var, validate=False)
         flat = (*user[:-k], -1)
         mean, var = L.normalize_diag(
             x.mean.reshape(flat), x.var.reshape(flat), self.eps, self.route
