@@ -246,3 +246,35 @@ def test_positional_encoding_shifts_means_only_and_mean_tokens_pools():
     pooled = MeanTokens()(Gaussian(mean, var=var), mode="diag")
     torch.testing.assert_close(pooled.mean, mean.mean(1))
     torch.testing.assert_close(pooled.var, var.sum(1) / 9)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padding", [False, True])
+def test_mean_rule_diag_equals_the_diagonal_of_full_storage(causal, padding):
+    """SUQ's rule in diag storage (its own lean path) against full storage's diagonal: with
+    independent units the mixed tokens' covariance is diagonal within a head, so they agree
+    exactly (to rounding), also with deterministic tokens."""
+    gen = torch.Generator().manual_seed(0)
+
+    def projection() -> A.ProjectionMoments:
+        w = torch.randn(8, 8, generator=gen, dtype=torch.float64) / 8**0.5
+        b = 0.1 * torch.randn(8, generator=gen, dtype=torch.float64)
+        w_var = 0.01 * torch.rand(8, 8, generator=gen, dtype=torch.float64)
+        return A.ProjectionMoments(
+            w, w_var, b, 0.01 * torch.rand(8, generator=gen, dtype=torch.float64)
+        )
+
+    ps = [projection() for _ in range(4)]
+    mean = torch.randn(3, 5, 8, generator=gen, dtype=torch.float64)
+    var = 0.1 * torch.rand(3, 5, 8, generator=gen, dtype=torch.float64)
+    mask = None
+    if padding:
+        mask = torch.zeros(3, 5, dtype=torch.bool)
+        mask[0, 3:] = True
+    kw = {"heads": 2, "rule": "mean", "causal": causal, "key_padding_mask": mask}
+    for second, full in ((var, torch.diag_embed(var)), (None, torch.zeros(3, 5, 8, 8).double())):
+        d_mean, d_var = A.self_attention_moments(mean, second, *ps, **kw)
+        f_mean, f_cov = A.self_attention_moments(mean, full, *ps, **kw)
+        torch.testing.assert_close(d_mean, f_mean, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(d_var, f_cov.diagonal(0, -2, -1), rtol=1e-10, atol=1e-14)
+        assert float(d_var.min()) > 0

@@ -907,6 +907,10 @@ def self_attention_moments(
     full = second is not None and second.dim() == mean.dim() + 1
     if value.w_loc.shape[0] % heads:
         raise ValueError(f"the value width must be a multiple of heads={heads}")
+    if rule == "mean" and not full:
+        return _mean_rule_diag(
+            mean, second, query, key, value, output, heads, causal, key_padding_mask
+        )
     weights, qh, kh = _weights_and_heads(
         mean, second, query, key, heads, rule, causal, key_padding_mask
     )
@@ -1000,6 +1004,62 @@ def self_attention_moments(
     if parts is not None:  # the tokens' variance through every head at once
         out_var = out_var + _input_through_heads(a, parts, token_var, c_heads)
         out_var = out_var + _query_path_through_heads(a, parts, kh, query, token_var, c_heads)
+    return flush(out_mean), flush(out_var.clamp_min(0))
+
+
+def _mean_rule_diag(
+    mean: Tensor,
+    var: Tensor | None,
+    query: ProjectionMoments,
+    key: ProjectionMoments,
+    value: ProjectionMoments,
+    output: ProjectionMoments,
+    heads: int,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    r"""SUQ's rule in ``diag`` storage, the terms that are not zero for it, and nothing else.
+
+    The same moments as the general path of :func:`self_attention_moments` (to rounding;
+    ``tests/test_attention.py``), whose terms for the attention weights' fluctuation, the
+    tokens' variance through the weights and the query path all vanish under
+    :math:`A = \operatorname{softmax}(\bar q\bar k^\top/\sqrt d)`. With
+    :math:`\bar z^h_i = \sum_j A^h_{ij}\bar x_j`, :math:`s^h_i = \sum_j (A^h_{ij})^2 v_j`,
+    :math:`B = \operatorname{blockdiag}_h(W_v^h)` (means :math:`M_v`, variances :math:`V_v`),
+    :math:`C = M_o M_v`:
+
+    .. math::
+        u &= (\bar z^2 + s)V_v^\top + \sigma_{b_v}^2
+            &&\text{(the value weights' part of } \operatorname{Var} o),\\
+        \operatorname{Var} o &= u + s\,(M_v^{\circ 2})^\top,\qquad E[o] = \bar zM_v^\top + b_v,\\
+        \operatorname{Var} y_k &= (E[o]^2 + \operatorname{Var} o)V_o^\top + \sigma_{b_o}^2
+            + u\,(M_o^{\circ 2})^\top
+            + \sum_{h,g,c}\Big(\sum_j A^h_{ij}A^g_{ij}v_{jc}\Big)C_{khc}C_{kgc},
+
+    the last term the tokens' variance through the mean weights, the heads coupled (they mix
+    the same tokens).
+    """
+    allowed = attention_mask(mean.shape[-2], mean.shape[-2], causal, key_padding_mask, mean.device)
+    qh = split_heads(torch.nn.functional.linear(mean, query.w_loc, query.b_loc), heads)
+    kh = split_heads(torch.nn.functional.linear(mean, key.w_loc, key.b_loc), heads)
+    scores = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(qh.shape[-1]))
+    a = torch.softmax(_masked(scores, allowed, float("-inf")), -1)  # [B, H, Tq, Tk]
+    block = value_weights(value, heads)
+    z_mean = (a @ mean.unsqueeze(1)).transpose(1, 2).flatten(-2)  # [B, Tq, H*D]
+    token_var = torch.zeros_like(mean) if var is None else var
+    z_var = flush(((a * a) @ token_var.unsqueeze(1)).transpose(1, 2).flatten(-2))
+    o_mean, o_var = _project(z_mean, z_var, block, False)
+    w_sq = block.w_loc * block.w_loc
+    o_weight_var = o_var - z_var @ w_sq.transpose(-1, -2)  # from W_v's variances
+    out_mean, out_var = _project(o_mean, o_var, output, False)
+    wo_sq = output.w_loc * output.w_loc
+    out_var = out_var + (o_weight_var.clamp_min(0) - o_var) @ wo_sq.transpose(-1, -2)
+    combined = output.w_loc @ block.w_loc  # [D_out, H*D]
+    c_heads = combined.reshape(combined.shape[0], heads, -1)  # [D_out, H, D]
+    hh = a.unsqueeze(2) * a.unsqueeze(1)
+    pair = (hh.flatten(1, 3) @ token_var).unflatten(1, hh.shape[1:4])  # [B, H, G, Tq, D]
+    cc = (c_heads.unsqueeze(2) * c_heads.unsqueeze(1)).flatten(1)  # [D_out, H * G * D]
+    out_var = out_var + pair.permute(0, 3, 1, 2, 4).flatten(2) @ cc.transpose(0, 1)
     return flush(out_mean), flush(out_var.clamp_min(0))
 
 
