@@ -148,15 +148,20 @@ def test_the_recipe_runs_resumes_and_reports_on_toy_sets(tmp_path, capsys):
 def test_every_candidate_is_a_runner_setting_and_today_is_the_pre_issue_45_protocol():
     today = loo.CANDIDATES["today"]
     assert today.selection == "best" and today.patience == 5
-    assert replace(uci.PRESETS["lbfgs"], selection="best", patience_on="best",
-                   selection_skip=0) == today  # fmt: skip
+    selection = {"selection": "best", "selection_z": 0.5, "selection_skip": 0,
+                 "patience_on": "best", "selection_trim": 0, "patience_growth": 0.0}  # fmt: skip
+    assert {k: getattr(today, k) for k in selection} == selection
+    # everything else is the runner's default: whatever the default's selection rule, `today`
+    # (and every candidate built on it) stays the same protocol
+    assert replace(uci.PRESETS["lbfgs"], **selection) == today
     assert len(loo.CANDIDATES) == len({v for v in loo.CANDIDATES.values()})
 
 
 def test_the_runners_default_is_the_leave_one_out_choice():
     """Issue 45: the default protocol is the candidate chosen leave-one-data-set-out."""
     assert uci.DEFAULTS == uci.PRESETS["lbfgs"] == loo.CANDIDATES["paired-skip3"]
-    assert uci.PRESETS["lbfgs-best"] == loo.CANDIDATES["today"]
+    # --preset lbfgs-best: today's rule with the full-batch protocol at every size (large_rows=0)
+    assert uci.PRESETS["lbfgs-best"] == replace(loo.CANDIDATES["today"], large_rows=0)
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,16 @@ __all__ = [
     "score_set",
 ]
 
-_TODAY = replace(DEFAULTS, selection="best", patience_on="best", selection_skip=0)
+# every selection field written out, so that a change of the runner's default changes no candidate
+_TODAY = replace(
+    DEFAULTS,
+    selection="best",
+    selection_z=0.5,
+    selection_skip=0,
+    patience_on="best",
+    selection_trim=0,
+    patience_growth=0.0,
+)
 
 # The fixed list: today's protocol and eight per-run rules for which step to keep (issue 45).
 CANDIDATES: dict[str, Settings] = {
