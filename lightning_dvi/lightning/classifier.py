@@ -162,9 +162,13 @@ class DVIClassifier(DVIModule):
             128-128 network with the same budget: accuracy +0.013 / +0.025 / -0.003, NLL
             -0.115 / -0.131 / -0.025; docs/classification_unseen.md), where the earlier
             default, the tempered ``kl_weight=0.1`` under N(0, 1), was 0.017-0.042 less
-            accurate than the plain network. Its cost, on clean digits (360 test rows): NLL
-            +0.019 and ECE +0.012 against that earlier default. Validation and test log the
-            untempered ELBO whatever :math:`\lambda`.
+            accurate than the plain network. Its cost, on clean digits (360 test rows, 3
+            seeds): standardised pixels, NLL 0.094 and ECE 0.029 against that earlier
+            default's 0.075 and 0.017 (under-confident); pixels in [0, 1], NLL 0.125 against
+            0.071, above a plain 128-128 network's 0.118. On clean, well-separated data the
+            earlier ``kl_weight=0.1, prior_variance=1.0`` can be better: compare the two on
+            validation rows. Validation and test log the untempered ELBO whatever
+            :math:`\lambda`.
         lr: Adam's learning rate; default 3e-3 (the regressor's is 1e-3): at 1e-3 a
             classifier is still under-trained after 60 digits epochs (docs/calibration.md).
         calibrate: at the end of every ``fit`` with validation data, fit a factor :math:`c`
