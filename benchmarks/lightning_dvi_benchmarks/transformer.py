@@ -40,6 +40,8 @@ Rows (every one after ``deterministic`` starts from a trained network):
   cheap rule set of :func:`~lightning_dvi.nn.posthoc.set_rules`; ``posthoc_ivon_indep``
   adds SUQ's skip connections (``skip_rule="independent"``: skip and branch added as
   independent, no cross-covariance carried through the branches);
+* ``ivon_mean``: the IVON network at its posterior means, one torch forward pass and a softmax
+  (no variance at all: what the posterior's uncertainty adds to the rows above);
 * ``ivon_mc8``, ``ivon_mc32``: the Monte Carlo predictive of that same IVON posterior,
   :math:`\frac1S\sum_s\operatorname{softmax}f(x; w_s)`, :math:`w_s` drawn by IVON's own
   ``sampled_params``, with :math:`S = 8` and :math:`32`.
@@ -122,6 +124,7 @@ ROWS = (
     "posthoc_ivon_fast",
     "posthoc_ivon_closed",
     "posthoc_ivon_indep",
+    "ivon_mean",
     "ivon_mc8",
     "ivon_mc32",
 )
@@ -660,6 +663,17 @@ def fit_posthoc_ivon(task: Task, fit: IVONFit, config: Config, calibrate: bool) 
     return Fitted(moment_probs(net), seconds, fit.best_epoch, net=net)
 
 
+def ivon_mean_row(fit: IVONFit) -> Fitted:
+    """Row ``ivon_mean``: the IVON network at its posterior means (one torch forward pass)."""
+    net = fit.net
+
+    def predict(x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return torch.softmax(net(x), dim=-1)
+
+    return Fitted(predict, 0.0, fit.best_epoch, net=net)
+
+
 def ivon_mc_row(task: Task, fit: IVONFit, samples: int) -> Fitted:
     """Rows ``ivon_mc8``/``ivon_mc32``: Monte Carlo over the same posterior as ``posthoc_ivon``.
 
@@ -873,7 +887,7 @@ def run_seed(
         fitted["ddvi_whole"] = fit_whole(task, base, config, seed)
     if "posthoc_det" in wanted:
         fitted["posthoc_det"] = fit_posthoc_deterministic(task, base, config)
-    ivon_rows = {"posthoc_ivon", "posthoc_ivon_cal", *RULES}
+    ivon_rows = {"posthoc_ivon", "posthoc_ivon_cal", "ivon_mean", *RULES}
     if wanted & {*ivon_rows, *(f"ivon_mc{s}" for s in config.mc_samples)}:
         ivon_fit = fit_ivon(task, config, seed)
         if "posthoc_ivon" in wanted:
@@ -883,6 +897,8 @@ def run_seed(
         for row in RULES:
             if row in wanted:
                 fitted[row] = fit_posthoc_ivon_rules(ivon_fit, row)
+        if "ivon_mean" in wanted:
+            fitted["ivon_mean"] = ivon_mean_row(ivon_fit)
         for samples in config.mc_samples:
             if f"ivon_mc{samples}" in wanted:
                 fitted[f"ivon_mc{samples}"] = ivon_mc_row(task, ivon_fit, samples)
