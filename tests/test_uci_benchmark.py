@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_dvi_benchmarks import uci
 from lightning_dvi_benchmarks.tables import markdown_table, summarise
@@ -254,6 +255,78 @@ def test_the_default_protocol_warm_starts_with_a_point_estimate(tmp_path):
     assert cold["warm_start_steps"] == 0 and cold["adam_steps"] == 0
     # y = x0 - 2 x1 + noise: five ELBO steps from the fitted means beat five from the prior
     assert warmed["rmse"] < cold["rmse"]
+
+
+def _large(**changes) -> uci.Settings:
+    """The default protocol with the large-table rule scaled to the toy set (45 training rows)."""
+    base = dict(large_rows=20, large_subsample=16, large_subsample_steps=3, large_batch_size=8,
+                large_epochs=2.0, patience=2, max_steps=4)  # fmt: skip
+    return replace(uci.DEFAULTS, **{**base, **changes})
+
+
+def test_large_tables_take_the_subsample_then_minibatch_protocol(tmp_path, monkeypatch):
+    """Above ``large_rows``: warm start and L-BFGS on the subsample, then mini-batch Adam epochs.
+
+    Every model of the run weighs its KL against the full training set (``num_data`` = 45),
+    also the one fitted on the 16-row subsample.
+    """
+    import lightning_dvi.lightning as front
+
+    built: list[tuple[int, str]] = []
+
+    class Recording(front.DVIRegressor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append((self.num_data, self.optimiser_config.optimizer))
+
+    monkeypatch.setattr(front, "DVIRegressor", Recording)
+    _write_dataset(tmp_path, rows=120)
+    (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], _large(), 1)
+    result = uci.run_job(job)
+    assert result["protocol"] == "large"
+    assert 1 <= result["steps"] <= 3 and result["warm_start_steps"] >= 1
+    assert result["adam_steps"] == 2 * math.ceil(45 / 8)  # two epochs of 8-row batches
+    assert result["kept_step"] is not None and 0 <= result["kept_step"] < result["steps"]
+    assert math.isfinite(result["test_ll"]) and result["rmse"] > 0
+    assert built == [(45, "lbfgs"), (45, "adam")]
+
+
+def test_the_large_table_rule_reads_the_training_rows_only(tmp_path):
+    """At or below ``large_rows`` the run is the full-batch protocol's, number for number."""
+    _write_dataset(tmp_path, rows=120)
+    (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], _large(large_rows=45), 1)
+    at_limit = uci.run_job(job)
+    full = replace(uci.PRESETS["lbfgs-full-batch"], patience=2, max_steps=4)
+    assert full.large_rows == 0
+    (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], full, 1)
+    reference = uci.run_job(job)
+    assert at_limit["protocol"] == reference["protocol"] == "full-batch"
+    for key in ("test_ll", "rmse", "steps", "warm_start_steps", "kept_step"):
+        assert at_limit[key] == reference[key]
+    (job,) = uci.make_jobs(tmp_path, ["toy"], ["dvi"], _large(large_rows=44), 1)
+    assert uci.run_job(job)["protocol"] == "large"
+
+
+def test_the_subsample_is_seeded_training_rows_with_the_full_statistics(tmp_path):
+    from lightning_dvi.data import UCIDataModule
+
+    _write_dataset(tmp_path, rows=120)
+    dm = UCIDataModule(str(tmp_path), "toy", split=0, val_fraction=0.1, batch_size=45, seed=0)
+    rows = uci._train_rows(dm, 16, seed=3)
+    (x, y), full = next(iter(rows.train_dataloader())), dm.train_dataset.tensors
+    assert x.shape == (16, 3) and y.shape == (16,)
+    # distinct training rows, each one of the full set's
+    matches = (x[:, None, :] == full[0][None, :, :]).all(-1)
+    assert (matches.sum(1) == 1).all() and len(set(matches.int().argmax(1).tolist())) == 16
+    assert torch.equal(y, full[1][matches.int().argmax(1)])
+    assert (rows.target_loc, rows.target_scale) == (dm.target_loc, dm.target_scale)
+    (vx, _), (dx, _) = next(iter(rows.val_dataloader())), next(iter(dm.val_dataloader()))
+    assert torch.equal(vx, dx)
+    again = next(iter(uci._train_rows(dm, 16, seed=3).train_dataloader()))[0]
+    other = next(iter(uci._train_rows(dm, 16, seed=4).train_dataloader()))[0]
+    assert torch.equal(again, x) and not torch.equal(other, x)
+    everything = next(iter(uci._train_rows(dm, 1000, seed=3).train_dataloader()))[0]
+    assert torch.equal(everything, full[0])
 
 
 def test_float64_training_through_the_runner(tmp_path):
