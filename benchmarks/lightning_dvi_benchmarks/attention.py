@@ -158,7 +158,8 @@ def skip_cell(
     from torch import nn
 
     from lightning_dvi.gaussian import Gaussian
-    from lightning_dvi.nn import TransformerEncoderLayer, from_torch
+    from lightning_dvi.moments.skip import SKIP_RULES
+    from lightning_dvi.nn import Residual, TransformerEncoderLayer, from_torch
     from lightning_dvi.nn.attention import _independent_skip
     from lightning_dvi.nn.posthoc import set_rules
     from lightning_dvi.propagation import DIAG, propagation
@@ -182,7 +183,8 @@ def skip_cell(
         gen = torch.Generator().manual_seed(100 + seed)
         mean = torch.randn(batch, tokens, 8, generator=gen, dtype=torch.float64)
         x = Gaussian(mean, var=torch.full_like(mean, input_var))
-        attention, mlp = (layer[0], layer[1]) if norm_first else (layer[0], layer[2])
+        skips = [m for m in layer if isinstance(m, Residual)]  # attention skip, MLP skip
+        attention, mlp = skips[0], skips[1]
         with torch.no_grad():
             h = attention.propagate(x, DIAG)
             if not norm_first:
@@ -194,11 +196,12 @@ def skip_cell(
                     draws, *inp.mean.shape, generator=gen, dtype=torch.float64
                 )
                 torch.manual_seed(1000 + seed)
-                mc = (xs + block.branch.propagate(xs, sample)).std(0)
-                got = {
-                    "carried": block.propagate(inp, DIAG),
-                    "independent": _independent_skip(block, inp, DIAG),
-                }
+                branch = block.branch.propagate(xs, sample)
+                assert isinstance(branch, torch.Tensor)
+                mc = (xs + branch).std(0)
+                carried = block.propagate(inp, DIAG)
+                assert isinstance(carried, Gaussian)
+                got = {"carried": carried, "independent": _independent_skip(block, inp, DIAG)}
                 for rule, g in got.items():
                     rel = (g.var.sqrt() / mc - 1).abs()
                     acc = sums.setdefault(f"{where} {rule}", [0.0, 0.0])
@@ -208,9 +211,11 @@ def skip_cell(
                 draws, *mean.shape, generator=gen, dtype=torch.float64
             )
             torch.manual_seed(2000 + seed)
-            mc = layer.propagate(xs, sample).std(0)
-            for rule in ("carried", "independent"):
-                layer.skip_rule = rule  # type: ignore[assignment]  # one of SKIP_RULES
+            whole = layer.propagate(xs, sample)
+            assert isinstance(whole, torch.Tensor)
+            mc = whole.std(0)
+            for rule in SKIP_RULES:
+                layer.skip_rule = rule
                 out = layer.propagate(x, DIAG)
                 assert isinstance(out, Gaussian)
                 rel = (out.var.sqrt() / mc - 1).abs()

@@ -51,7 +51,7 @@ def check_skip_rule(rule: str) -> SkipRule:
     """
     if rule not in SKIP_RULES:
         raise ValueError(f"skip_rule must be one of {SKIP_RULES}, got {rule!r}")
-    return rule  # type: ignore[return-value]  # checked against the literal's values above
+    return rule
 
 
 def skip_independent(
