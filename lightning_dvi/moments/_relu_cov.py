@@ -272,7 +272,7 @@ class _Coefficients:
 
 def _coefficients(
     ws: _Scratch,
-    keep: _Scratch,
+    keep: _Scratch | _Kept,
     t: _Terms,
     sk: Tensor,
     raw: Tensor,
