@@ -11,7 +11,10 @@ A short script over :mod:`lightning_dvi_benchmarks.uci` (the runner: one
 :mod:`lightning_dvi_benchmarks.tables` (the summary and markdown table). ``--preset lbfgs``
 (default): the means fitted as a plain network first (the point-estimate warm start), then
 full-batch L-BFGS on the ELBO, both early-stopped on a 10 % validation carve-out of the training
-rows; ``--preset lbfgs-adam``: a 300-step full-batch Adam phase instead of the warm start (the
+rows, and on a training set of more than 5,000 rows (``--large-rows``) the large-table protocol
+instead: the warm start and at most 20 L-BFGS steps on 4,096 seeded rows, then 16 epochs of
+mini-batch Adam on every row (docs/uci_large.md); ``--preset lbfgs-full-batch``: the
+full-batch protocol at every size; ``--preset lbfgs-adam``: a 300-step full-batch Adam phase instead of the warm start (the
 protocol until the seventh pass of issue 31); ``--preset adam8000``: the 8000-step Adam protocol
 of the committed paper-reproduction table. Methods: ``dvi`` (full covariance), ``ddvi`` (diagonal), ``mcvi`` (10 weight samples per
 step, always Adam), ``hodvi`` (homoscedastic), ``dvi-fixed`` (fixed ``N(0, v)`` prior). Every

@@ -320,6 +320,7 @@ def test_the_subsample_is_seeded_training_rows_with_the_full_statistics(tmp_path
     assert (matches.sum(1) == 1).all() and len(set(matches.int().argmax(1).tolist())) == 16
     assert torch.equal(y, full[1][matches.int().argmax(1)])
     assert (rows.target_loc, rows.target_scale) == (dm.target_loc, dm.target_scale)
+    assert rows.test_dataset is dm.test_dataset
     (vx, _), (dx, _) = next(iter(rows.val_dataloader())), next(iter(dm.val_dataloader()))
     assert torch.equal(vx, dx)
     again = next(iter(uci._train_rows(dm, 16, seed=3).train_dataloader()))[0]

@@ -514,9 +514,9 @@ def _scored(
 def _train_rows(dm: Any, rows: int, seed: int) -> Any:
     """A data module of ``rows`` seeded random training rows of ``dm`` as one batch.
 
-    Its validation batches are ``dm``'s, and it declares ``dm``'s target statistics
-    (:class:`~lightning_dvi.transforms.TargetStatistics`), so a regressor fitted on it
-    standardises the targets as one fitted on every training row does.
+    Its validation batches and ``test_dataset`` are ``dm``'s, and it declares ``dm``'s target
+    statistics (:class:`~lightning_dvi.transforms.TargetStatistics`), so a regressor fitted on
+    it standardises the targets as one fitted on every training row does.
     """
     import torch
     from lightning import LightningDataModule
@@ -530,6 +530,7 @@ def _train_rows(dm: Any, rows: int, seed: int) -> Any:
     class TrainRows(LightningDataModule):
         targets_standardized = False
         target_loc, target_scale = float(dm.target_loc), float(dm.target_scale)
+        test_dataset = dm.test_dataset  # for callbacks that score the test rows per step
 
         def train_dataloader(self) -> Any:
             return DataLoader(subset, batch_size=len(subset), shuffle=False)
