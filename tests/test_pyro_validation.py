@@ -233,3 +233,22 @@ def test_swap_recipe_validation_protocol_writes_the_checkpoint(tmp_path):
         for (_, value), row in zip(r["val_history"], r["trace"], strict=True):
             mean = -sum(row["val_log_p"]) / len(row["val_log_p"])
             assert mean == pytest.approx(value, abs=1e-5)
+
+
+def test_replay_recipe_reproduces_the_recorded_best_states(tmp_path):
+    swap = load_recipe("pyro_classifier_swap")
+    replay = load_recipe("pyro_validation_replay")
+    runs = tmp_path / "runs.jsonl"
+    swap.main(
+        [
+            *("--data", "cancer", "--likelihood", "bernoulli", "--steps", "12", "--seed", "1"),
+            *("--protocol", "validation", "--val-every", "3", "--val-draws", "4"),
+            *("--final-draws", "100", "--check-draws", "2", "--json", str(runs)),
+        ]
+    )
+    args = ["--data", "cancer", "--seed", "1", "--runs", str(runs), "--draws", "100"]
+    result = replay.main([*args, "--repeats", "2"])
+    for kind in ("dvi", "autonormal"):
+        r = result[kind]
+        assert r["val_nll"] == r["recorded_val_nll"]  # the same state, step for step
+        assert len(r["nll"]) == 2 and r["nll"][0] != r["nll"][1]  # independent draw sets

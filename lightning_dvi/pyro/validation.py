@@ -94,7 +94,8 @@ def predictive_log_density(
             node = model_trace.nodes.get(site)
             if node is None or node["type"] != "sample" or not node["is_observed"]:
                 raise ValueError(f"{site!r} is not an observed sample site of the model")
-            draws.append(node["fn"].log_prob(node["value"]))
+            fn: Any = node["fn"]
+            draws.append(fn.log_prob(node["value"]))
     return torch.logsumexp(torch.stack(draws), 0) - math.log(num_samples)
 
 
