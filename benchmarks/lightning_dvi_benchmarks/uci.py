@@ -18,10 +18,12 @@ Protocols (:data:`PRESETS`):
   the training rows: validation NLL after every step, stop after ``patience`` steps without
   improvement (5: chosen on UCI splits 5-9, which issue 31's acceptance does not use; see
   docs/benchmarks.md), at most ``max_steps`` steps. The step restored is chosen per run
-  (issue 45, :class:`~lightning_dvi.callbacks.PairedEarlyStopping`, ``z=0.5, skip=3``): the
-  last step whose per-row carve-out log-likelihoods are not worse than the best step's by more
-  than half a standard error of their paired difference, the first three ELBO steps never
-  being the reference best; chosen leave-one-data-set-out (docs/uci_protocol.md).
+  (issue 45, :class:`~lightning_dvi.callbacks.PairedEarlyStopping`, ``z=0.5, skip=3,
+  trim=1, patience_growth=0.1``): the last step whose per-row carve-out log-likelihoods are
+  not worse than the best step's by more than half a standard error of their paired
+  difference (the largest and smallest difference set aside), the first three ELBO steps never
+  being the reference best, the patience at least a tenth of the best step's index; chosen
+  leave-one-data-set-out (docs/uci_protocol.md).
   ``precision`` is the Trainer's (``"64-true"`` trains in float64). The targets are
   dequantised at their decimal grid (``target_resolution="auto"``,
   :func:`~lightning_dvi.lightning.regressor.target_grid_step`: wine's integer quality scores
@@ -191,7 +193,7 @@ class Settings:
     selection_z: float = 0.5
     selection_skip: int = 3
     patience_on: Literal["best", "kept"] = "best"
-    selection_trim: int = 0
+    selection_trim: int = 1
     large_rows: int = 5000
     large_subsample: int = 4096
     large_subsample_steps: int = 20
@@ -199,7 +201,7 @@ class Settings:
     large_epochs: float = 16.0
     large_lr: float = 1e-2
     large_final_lr_fraction: float = 0.1
-    patience_growth: float = 0.0
+    patience_growth: float = 0.1
 
     @property
     def regressor_resolution(self) -> float | Literal["auto"] | None:
@@ -212,8 +214,16 @@ class Settings:
 PRESETS: dict[str, Settings] = {
     "lbfgs": Settings(),
     "lbfgs-full-batch": Settings(large_rows=0),
-    "lbfgs-best": Settings(selection="best", selection_skip=0, large_rows=0),
-    "lbfgs-adam": Settings(warm_start="adam", selection="best", selection_skip=0),
+    "lbfgs-best": Settings(
+        selection="best", selection_skip=0, selection_trim=0, patience_growth=0.0, large_rows=0
+    ),
+    "lbfgs-adam": Settings(
+        warm_start="adam",
+        selection="best",
+        selection_skip=0,
+        selection_trim=0,
+        patience_growth=0.0,
+    ),
     "adam8000": Settings(
         optimizer="adam",
         early_stopping_fraction=0.0,
