@@ -52,6 +52,10 @@ def test_hparams_record_every_argument_at_its_default(model):
         for name, p in inspect.signature(cls.__init__).parameters.items()
         if p.default is not inspect.Parameter.empty and name not in ("net", "out_features")
     }
+    # DVIClassifier's prior_variance=None is recorded resolved: N(0, 0.1) under "gaussian"
+    if model is DVIClassifier:
+        assert params["prior_variance"] is None
+        params["prior_variance"] = 0.1
     assert dict(model().hparams) == params
 
 
