@@ -369,7 +369,6 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
     import lightning
 
     from lightning_dvi.callbacks import (
-        PairedEarlyStopping,
         PointEstimateWarmStart,
         RestoreBestWeights,
     )
@@ -478,14 +477,7 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
         callbacks.append(point)
     paired = None
     if early > 0 and s.selection == "paired":
-        paired = PairedEarlyStopping(
-            patience=s.patience,
-            z=s.selection_z,
-            skip=s.selection_skip,
-            patience_on=s.patience_on,
-            trim=s.selection_trim,
-            patience_growth=s.patience_growth,
-        )
+        paired = _paired_stopping(s)
         callbacks.append(paired)
     elif early > 0:
         callbacks += [
@@ -502,6 +494,20 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
         "kept_step": None if paired is None else paired.kept_step,
         "protocol": "full-batch",
     }
+
+
+def _paired_stopping(s: Settings) -> Any:
+    """The :class:`~lightning_dvi.callbacks.PairedEarlyStopping` of ``s``'s selection fields."""
+    from lightning_dvi.callbacks import PairedEarlyStopping
+
+    return PairedEarlyStopping(
+        patience=s.patience,
+        z=s.selection_z,
+        skip=s.selection_skip,
+        patience_on=s.patience_on,
+        trim=s.selection_trim,
+        patience_growth=s.patience_growth,
+    )
 
 
 def _scored(
@@ -568,19 +574,16 @@ def _run_large(
        ``large_epochs`` epochs, learning rate ``large_lr`` decayed (cosine) to
        ``large_final_lr_fraction`` of it, the KL at full weight.
     """
-    from lightning_dvi.callbacks import PairedEarlyStopping, PointEstimateWarmStart
+    from lightning_dvi.callbacks import PointEstimateWarmStart
 
     cap = job.steps_cap
     rows = _train_rows(dm, s.large_subsample, s.seed + job.split)
     first = build("lbfgs", 0, 0, False)
     point = PointEstimateWarmStart(patience=s.patience, mode="point")
     callbacks: list[Any] = [point] if s.warm_start == "point" else []
-    if early > 0:
-        callbacks.append(
-            PairedEarlyStopping(
-                patience=s.patience, z=s.selection_z, skip=s.selection_skip, trim=s.selection_trim
-            )
-        )
+    paired = _paired_stopping(s) if early > 0 else None
+    if paired is not None:
+        callbacks.append(paired)
     sub_steps = s.large_subsample_steps if cap is None else min(s.large_subsample_steps, cap)
     fit_sub = trainer(sub_steps, callbacks, early > 0, 0.0)
     fit_sub.fit(first, datamodule=rows)
@@ -596,7 +599,7 @@ def _run_large(
         "steps": int(fit_sub.global_step),
         "adam_steps": int(fit_adam.global_step) if steps > 0 else 0,
         "warm_start_steps": 0 if point.result is None else point.result.steps,
-        "kept_step": None if early == 0 else callbacks[-1].kept_step,
+        "kept_step": None if paired is None else paired.kept_step,
     }
 
 
