@@ -417,14 +417,27 @@ def summarise(
 
 
 def markdown_table(
-    results: Mapping[str, Sequence[Mapping[str, Any]]], keys: Sequence[str] = METRICS
+    results: Mapping[str, Sequence[Mapping[str, Any]]],
+    keys: Sequence[str] = METRICS,
+    *,
+    label: str = "model",
+    formats: Mapping[str, str] | None = None,
 ) -> str:
-    """A markdown table of ``{row name: runs}``: mean ± std per metric, train seconds as a mean."""
-    lines = [f"| model | {' | '.join(keys)} |", "|" + "---|" * (len(keys) + 1)]
+    """A markdown table of ``{row name: runs}``: one cell per metric, ``mean ± std`` by default.
+
+    Args:
+        results: runs per row name.
+        keys: the metrics, one column each.
+        label: the header of the first column.
+        formats: per metric, a template over ``(mean, std)``; by default ``"{0:.3f} ± {1:.3f}"``,
+            and train seconds as a mean, ``"{0:.1f}"``. Metrics absent from every run print "—".
+    """
+    templates = {"train_s": "{0:.1f}", **(formats or {})}
+    lines = [f"| {label} | {' | '.join(keys)} |", "|" + "---|" * (len(keys) + 1)]
     for name, runs in results.items():
         stats = summarise(runs, keys)
         cells = [
-            "—" if math.isnan(m) else (f"{m:.1f}" if k == "train_s" else f"{m:.3f} ± {s:.3f}")
+            "—" if math.isnan(m) else templates.get(k, "{0:.3f} ± {1:.3f}").format(m, s)
             for k, (m, s) in stats.items()
         ]
         lines.append(f"| {name} | {' | '.join(cells)} |")

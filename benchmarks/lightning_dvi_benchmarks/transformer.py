@@ -84,7 +84,7 @@ from torch import Tensor, nn
 from lightning_dvi.lightning.temperature import fit_temperature, temper_probs
 from lightning_dvi.metrics import classification_summary, ece_noise_floor
 
-from . import baselines
+from . import baselines, classification
 from .baselines import Fitted
 from .classification import Row, fit_dvi, summarise
 from .data import Budget, ClassificationSplit
@@ -943,21 +943,8 @@ def markdown_table(
     runs: Mapping[str, Sequence[Mapping[str, Any]]], keys: Sequence[str] = COLUMNS
 ) -> str:
     """``{row: runs}`` as a markdown table: mean ± std per column (cost and seconds as means ± std)."""
-    lines = [f"| row | {' | '.join(keys)} |", "|" + "---|" * (len(keys) + 1)]
-    for name, row_runs in runs.items():
-        stats = summarise(row_runs, keys)
-        cells = []
-        for key, (mean, std) in stats.items():
-            if math.isnan(mean):
-                cells.append("—")
-            elif key == "train_s":
-                cells.append(f"{mean:.1f} ± {std:.1f}")
-            elif key == "cost":
-                cells.append(f"{mean:.2f} ± {std:.2f}")
-            else:
-                cells.append(f"{mean:.3f} ± {std:.3f}")
-        lines.append(f"| {name} | {' | '.join(cells)} |")
-    return "\n".join(lines)
+    formats = {"train_s": "{0:.1f} ± {1:.1f}", "cost": "{0:.2f} ± {1:.2f}"}
+    return classification.markdown_table(runs, keys, label="row", formats=formats)
 
 
 def acceptance(
