@@ -101,8 +101,10 @@ def grouped_gaussian_kl(
         + n_\lambda\log s_\lambda\Big] - \sum_i\log\sigma_i - \tfrac{N}{2},
         \qquad T_\lambda = \sum_{i\in\lambda}(\sigma_i^2 + \mu_i^2),
 
-    computed with a few whole-network tensor ops instead of a dozen per group (every group's
-    sums are still ``Tensor.sum``'s pairwise sums). The backward pass is written out: per entry
+    computed with a few whole-network ``_foreach`` ops instead of a dozen per group
+    (:math:`T_\lambda` as :math:`\lVert\mu\rVert^2 + \lVert\sigma\rVert^2` from
+    ``_foreach_norm``, so within a few ulps of the per-group sums). The backward pass is
+    written out: per entry
     :math:`\partial\mathrm{KL}/\partial\mu_i = c_\lambda\mu_i` and
     :math:`\partial\mathrm{KL}/\partial\sigma_i = c_\lambda\sigma_i - 1/\sigma_i`, with
     :math:`c_\lambda = 1/s_\lambda` for fixed variances and, through the empirical-Bayes optimum
@@ -158,23 +160,23 @@ def _reference_grouped_kl(
     return torch.stack(terms).sum()
 
 
-_CONSTANTS: dict[tuple[tuple[int, ...], torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+_CONSTANTS: dict[
+    tuple[tuple[int, ...], float, torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]
+] = {}
 
 
 def _group_constants(
-    sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """``n`` (as ``dtype``) and the repeat counts (long) of groups of ``sizes``; never written to.
+    sizes: tuple[int, ...], alpha: float, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""``n``, :math:`c = n + 2\alpha + 2` and :math:`c + n` of groups of ``sizes``; never written to.
 
     Cached per network shape (a host-to-device copy saved per step on accelerators); built
     afresh while ``torch.compile`` traces, where they become graph constants.
     """
-    key = (sizes, dtype, device)
+    key = (sizes, alpha, dtype, device)
     if torch.compiler.is_compiling() or key not in _CONSTANTS:
-        made = (
-            torch.tensor(sizes, dtype=dtype, device=device),
-            torch.tensor(sizes, dtype=torch.long, device=device),
-        )
+        n = torch.tensor(sizes, dtype=dtype, device=device)
+        made = (n, n + (2 * alpha + 2), 2 * n + (2 * alpha + 2))
         if torch.compiler.is_compiling():
             return made
         if len(_CONSTANTS) >= 64:
@@ -184,7 +186,19 @@ def _group_constants(
 
 
 class _GroupedKL(torch.autograd.Function):
-    """Forward in no-grad tensor ops on the concatenated groups; backward written out."""
+    r"""Forward in no-grad ``_foreach`` ops on the groups' tensors; backward written out.
+
+    :math:`T_\lambda = \lVert\mu_\lambda\rVert^2 + \lVert\sigma_\lambda\rVert^2` from one
+    ``_foreach_norm`` of all tensors, and the per-entry gradients
+    :math:`c_\lambda\mu_i` and :math:`c_\lambda\sigma_i - 1/\sigma_i` from a few
+    ``_foreach`` ops: about 30 aten ops for forward and backward of four groups (one view per
+    group more), where concatenating, splitting and per-group sums took about 50.
+    With the empirical-Bayes optimum, :math:`k_\lambda s_\lambda = T_\lambda + 2\beta` for
+    :math:`k_\lambda = n_\lambda + 2\alpha + 2`, so the gradient coefficient of
+    :func:`grouped_gaussian_kl` is
+    :math:`(1 + (n_\lambda - T_\lambda/s_\lambda)/k_\lambda)/s_\lambda
+    = (k_\lambda + n_\lambda - T_\lambda/s_\lambda)/(T_\lambda + 2\beta)`.
+    """
 
     # Old-style ``forward(ctx, ...)``: a ``setup_context`` would make every ``apply`` bind its
     # arguments with ``inspect.signature`` (~60 us); torch.func transforms take the reference
@@ -198,32 +212,32 @@ class _GroupedKL(torch.autograd.Function):
         num_groups: int,
         *tensors: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        sizes = [t.numel() for t in tensors[:num_groups]]
-        total = sum(sizes)
-        flat = torch.cat([t.reshape(-1) for t in tensors]).view(2, total)  # locs; scales
-        entry = (flat * flat).sum(0)  # sigma_i^2 + mu_i^2
-        t = torch.stack([part.sum() for part in entry.split(sizes)])
-        n, _ = _group_constants(tuple(sizes), flat.dtype, flat.device)
+        scales = tensors[num_groups:]
+        sizes = tuple(t.numel() for t in tensors[:num_groups])
+        norms = torch.stack(torch._foreach_norm(list(tensors)))  # [2G]: |mu|, then |sigma|
+        t = (norms * norms).view(2, num_groups).sum(0)  # T = |mu|^2 + |sigma|^2 per group
+        log_sum = torch.cat([sc.reshape(-1) for sc in scales]).log().sum()
+        n, c, c_plus_n = _group_constants(sizes, alpha, t.dtype, t.device)
         if variances is None:
-            c = n + (2 * alpha + 2)
-            s = (t + 2 * beta) / c
+            t_beta = t + 2 * beta  # c s
+            s = t_beta / c
         else:
-            s = variances.to(dtype=flat.dtype, device=flat.device)
+            s = variances.to(dtype=t.dtype, device=t.device)
         t_over_s = t / s
         per_group = torch.addcmul(t_over_s, n, s.log())  # T/s + n log s
-        kl = (per_group.sum() - total) * 0.5 - flat[1].log().sum()
-        coef = (1 + (n - t_over_s) / c) / s if variances is None else s.reciprocal()
+        kl = (per_group.sum().sub_(log_sum, alpha=2) - sum(sizes)).mul_(0.5)
+        coef = (c_plus_n - t_over_s).div_(t_beta) if variances is None else s.reciprocal()
         ctx.mark_non_differentiable(s)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(coef, flat, *tensors)
+        ctx.save_for_backward(coef, *tensors)
         ctx.hyper = (variances, alpha, beta, num_groups)
         return kl, s
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor | None, _: Tensor | None) -> tuple[Tensor | None, ...]:
         if grad is None:
-            return (None,) * (4 + len(ctx.saved_tensors) - 2)
-        coef, flat, *tensors = ctx.saved_tensors
+            return (None,) * (4 + len(ctx.saved_tensors) - 1)
+        coef, *tensors = ctx.saved_tensors
         variances, alpha, beta, num_groups = ctx.hyper
         if torch.is_grad_enabled():  # create_graph=True: differentiate the per-group formulas
             with torch.enable_grad():
@@ -232,16 +246,12 @@ class _GroupedKL(torch.autograd.Function):
                 )
                 grads = torch.autograd.grad(kl, tensors, grad, create_graph=True, allow_unused=True)
             return (None, None, None, None, *grads)
-        sizes = [t.numel() for t in tensors[:num_groups]]
-        _, reps = _group_constants(tuple(sizes), flat.dtype, flat.device)
-        # row 0: c * mu; row 1: c * sigma - 1 / sigma (times the incoming gradient)
-        out = flat * (coef * grad).repeat_interleave(reps, output_size=flat.shape[1])
-        out[1].addcdiv_(grad, flat[1], value=-1)
-        parts = out.view(-1).split(sizes + sizes)
-        return (
-            None,
-            None,
-            None,
-            None,
-            *(g.view(t.shape) for g, t in zip(parts, tensors, strict=True)),
+        # c g mu for the means; c g sigma - g / sigma for the scales
+        per_group = list((coef * grad).unbind())
+        scales = tensors[num_groups:]
+        out = torch._foreach_mul(tensors, per_group + per_group)
+        scale_grads = out[num_groups:]
+        torch._foreach_addcmul_(
+            scale_grads, torch._foreach_reciprocal(scales), [grad.neg()] * num_groups
         )
+        return (None, None, None, None, *out)
