@@ -89,6 +89,105 @@ def test_the_rule_counts_sets_meeting_both_lines_then_the_worst_mean_then_cost()
     assert loo.choose(scores(tie), ["A", "B"]) == "y"  # equal quality: the cheaper
 
 
+def _stop_and_keep(callback, trace: list, module) -> tuple[int, int]:
+    """Feed per-row log-likelihoods to ``callback`` as its Trainer would; (stopped, kept) step."""
+    import torch
+
+    for index, rows in enumerate(trace):
+        callback.decide(torch.as_tensor(rows), module)
+        if callback._since >= callback.current_patience:
+            return index, callback.kept_step
+    return len(trace) - 1, callback.kept_step
+
+
+def test_stops_no_earlier_holds_on_random_traces_and_only_for_longer_waits():
+    """The order of the candidates' patience settings, checked against the callback itself.
+
+    Oracle: the callback fed random traces of per-row log-likelihoods (slow drifts with
+    plateaus and single outlying rows), one callback per setting: where ``stops_no_earlier(a,
+    b)``, a's run stops at b's step or later on every trace and keeps the same step when it
+    stops at the same one.
+    """
+    import torch
+
+    from lightning_dvi.callbacks import PairedEarlyStopping
+
+    c = loo.CANDIDATES
+    pairs = [("paired-trim1-grow", "paired-trim1"), ("paired-trim1-kept", "paired-trim1"),
+             ("paired-kept", "paired"), ("paired-trim1-grow", "paired-trim1-grow")]  # fmt: skip
+    for a, b in pairs:
+        assert loo.stops_no_earlier(c[a], c[b])
+    assert not loo.stops_no_earlier(c["paired-trim1"], c["paired-trim1-grow"])
+    assert not loo.stops_no_earlier(c["paired-trim1"], c["paired-trim1-kept"])
+    assert not loo.stops_no_earlier(c["paired-trim1-kept"], c["paired-trim1-grow"])
+    assert not loo.stops_no_earlier(c["paired-trim1-grow"], c["paired-skip3"])  # trim differs
+    assert not loo.stops_no_earlier(c["paired-trim1-grow"], c["today"])  # not paired
+    assert loo.stops_no_earlier(replace(c["paired"], patience=8), c["paired"])
+
+    def callback(s):
+        return PairedEarlyStopping(patience=s.patience, z=s.selection_z, skip=s.selection_skip,
+                                   patience_on=s.patience_on, trim=s.selection_trim,
+                                   patience_growth=s.patience_growth)  # fmt: skip
+
+    module = torch.nn.Linear(1, 1)
+    rng = np.random.default_rng(3)
+    settings = {**c, "paired-trim1-p8": replace(c["paired-trim1"], patience=8),
+                "paired-trim1-grow3": replace(c["paired-trim1-grow"], patience_growth=0.3)}  # fmt: skip
+    names = [n for n, s in settings.items() if s.selection == "paired"]
+    later = same = 0
+    for _ in range(40):
+        steps = 120
+        drift = np.cumsum(rng.exponential(0.02, steps) * (rng.random(steps) < 0.3))
+        trace = [drift[t] + 0.05 * rng.normal(size=30) for t in range(steps)]
+        for t in rng.choice(steps, size=3):
+            trace[t][rng.integers(30)] -= 20.0  # one row far off
+        runs = {n: _stop_and_keep(callback(settings[n]), trace, module) for n in names}
+        for a in names:
+            for b in names:
+                if loo.stops_no_earlier(settings[a], settings[b]):
+                    assert runs[a][0] >= runs[b][0]
+                    if runs[a][0] == runs[b][0]:
+                        assert runs[a][1] == runs[b][1]
+                        same += a != b
+                    else:
+                        later += 1
+    assert later > 0 and same > 0  # both cases occur on these traces
+
+
+def test_candidates_with_the_same_runs_are_one_for_the_cost_tie_break():
+    """Same test LL and steps on every selection split: not the CPU time, the later stop decides."""
+
+    def score(name, d, lls, cpu, steps=(10, 10)):
+        runs = tuple((k, ll, n) for k, (ll, n) in enumerate(zip(lls, steps, strict=True)))
+        worst = min(lls)
+        return loo.SetScore(d, name, 2, sum(lls) / 2, 0.0, 0, worst, cpu, runs)
+
+    def table(cpu):
+        out = {
+            name: {d: score(name, d, (-0.01, -0.02), cpu[name]) for d in "AB"}
+            for name in ("today", "paired-trim1", "paired-trim1-grow")
+        }
+        # today's rule: the same quality here, but other runs (other steps)
+        out["today"] = {d: score("today", d, (-0.01, -0.02), cpu["today"], (9, 9)) for d in "AB"}
+        return out
+
+    cpu = {"today": 1.15, "paired-trim1": 1.0, "paired-trim1-grow": 1.2}
+    # identical runs: the cheaper CPU time of one sitting does not decide
+    assert loo.choose(table(cpu), ["A", "B"]) == "paired-trim1-grow"
+    # without settings no member is known to stop no earlier: the group's cheapest
+    assert loo.choose(table(cpu), ["A", "B"], settings={}) == "paired-trim1"
+    # today's other runs are a group of their own, compared by CPU time with the group's mean
+    assert loo.choose(table({**cpu, "today": 1.05}), ["A", "B"]) == "today"  # < (1.0 + 1.2) / 2
+    # one split with other steps: no longer the same runs, the CPU time decides again
+    scores = table(cpu)
+    scores["paired-trim1-grow"]["B"] = score("paired-trim1-grow", "B", (-0.01, -0.02), 1.2,
+                                             (10, 12))  # fmt: skip
+    assert loo.choose(scores, ["A", "B"]) == "paired-trim1"
+    # runs not known (records without per-split values): never the same
+    blind = {n: {d: replace(v, runs=()) for d, v in by.items()} for n, by in table(cpu).items()}
+    assert loo.choose(blind, ["A", "B"]) == "paired-trim1"
+
+
 def test_score_set_compares_split_by_split_and_names_the_worst():
     reference = {"A": {0: -1.0, 1: -2.0, 2: -3.0}}
     records = [_record("p", "A", 0, -1.1), _record("p", "A", 1, -1.5), _record("p", "A", 5, 9.0)]

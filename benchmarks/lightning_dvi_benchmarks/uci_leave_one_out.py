@@ -18,6 +18,17 @@ protocol before issue 45) on any selection set is out; among the others, the mos
 meeting both acceptance lines (mean test LL at most ``mean_line`` below Adam's, no split more
 than ``split_line`` below Adam's on the same split) wins; ties go to the larger worst-set mean
 difference against Adam, then to the lower total CPU time.
+
+Candidates the selection sets cannot tell apart (fourth pass, issue 45): two candidates whose
+runs give the same test LL and the same number of ELBO steps on every selection split ran the
+same steps, so their CPU seconds measure the load of two sittings, not the rules. Such a group
+counts as one for the cost tie-break (the mean of its members' CPU time), and within it the
+candidate whose stopping rule stops no earlier than every other member's on any run
+(:func:`stops_no_earlier`) is chosen: no selection run reached a step where the members would
+differ, so the selection data hold no evidence for the earlier stop, and the later one cost
+nothing on them. This tie-break was added after the third pass had shown the CPU tie-break
+deciding energy's held-out choice between two such candidates (docs/uci_protocol.md): it is
+not blind to that case.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ __all__ = [
     "load_records",
     "run_grid",
     "score_set",
+    "stops_no_earlier",
 ]
 
 # every selection field written out, so that a change of the runner's default changes no candidate
@@ -118,15 +130,18 @@ def run_grid(
 ) -> list[dict[str, Any]]:
     """Run every (candidate, dataset, split) not yet in ``output``, appending one JSON line each.
 
-    Returns all records of ``output`` afterwards. ``report(record)`` is called per new run.
+    Runs split by split, every candidate on a split before the next one, so that candidates'
+    CPU seconds on a set are measured under the same load. Returns all records of ``output``
+    afterwards. ``report(record)`` is called per new run.
     """
     done = {_key(r) for r in load_records(output)}
     data_dir = Path(data_dir)
     with Path(output).open("a") as out:
         for dataset in datasets:
             hidden = hidden_width(dataset_folder(data_dir, dataset))
-            for name, settings in candidates.items():
-                for split in splits:
+            # every candidate on a split before the next split: CPU ratios under the same load
+            for split in splits:
+                for name, settings in candidates.items():
                     if (name, dataset, split) in done:
                         continue
                     job = Job(str(data_dir), dataset, "dvi", split, hidden, 0.0, None,
@@ -176,6 +191,12 @@ class SetScore:
     worst_split: int
     worst_difference: float
     cpu_seconds: float
+    runs: tuple[tuple[int, float, int | None], ...] = ()
+    """``(split, test LL, ELBO steps)`` of each compared split (empty: not known)."""
+
+    def same_runs(self, other: SetScore) -> bool:
+        """Whether both gave the same test LL and steps on every split (known, and not empty)."""
+        return bool(self.runs) and self.runs == other.runs
 
     @property
     def difference(self) -> float:
@@ -211,6 +232,41 @@ def score_set(
         worst_split=worst,
         worst_difference=diffs[worst],
         cpu_seconds=sum(float(rows[k]["cpu_seconds"]) for k in common) / len(common),
+        runs=tuple(
+            (
+                k,
+                float(rows[k]["test_ll"]),
+                None if rows[k].get("steps") is None else int(rows[k]["steps"]),
+            )
+            for k in common
+        ),
+    )
+
+
+def stops_no_earlier(a: Settings, b: Settings) -> bool:
+    r"""Whether every run under ``a`` stops at the same ELBO step as under ``b`` or later.
+
+    True when both select with :class:`~lightning_dvi.callbacks.PairedEarlyStopping`
+    (``selection="paired"``) and differ at most in how long they wait: ``a``'s patience
+    :math:`p_a \ge p_b`, its growth :math:`g_a \ge g_b`, and its ``patience_on`` the same or
+    ``"kept"`` against ``"best"``. The callback's decision per step (new best, kept) reads only
+    the per-row carve-out log-likelihoods, not the patience, so both runs see the same steps and
+    decisions up to the earlier stop; the stop comes once the validations without a reset reach
+    :math:`\max(p, \lceil g\,b \rceil)` (:math:`b` the best step), which is larger under
+    ``a``; and a new best is always kept, so ``"kept"``'s count (reset by every kept step) is
+    never above ``"best"``'s (reset by new bests only). Where both stop at the same step they
+    restore the same kept step: the same result.
+    """
+    if a.selection != "paired" or b.selection != "paired":
+        return a == b
+    waits = {"patience": b.patience, "patience_growth": b.patience_growth,
+             "patience_on": b.patience_on}  # fmt: skip
+    on = a.patience_on == b.patience_on or (a.patience_on, b.patience_on) == ("kept", "best")
+    return (
+        replace(a, **waits) == b
+        and on
+        and a.patience >= b.patience
+        and a.patience_growth >= b.patience_growth
     )
 
 
@@ -221,8 +277,17 @@ def choose(
     cost_limit: float = 1.5,
     mean_line: float = 0.03,
     split_line: float = 0.3,
+    settings: Mapping[str, Settings] | None = None,
 ) -> str:
     """The candidate chosen on ``selection_sets`` by the module's rule.
+
+    Out: a candidate missing a selection set, or one whose CPU seconds per split exceed
+    ``cost_limit`` times the baseline's on any selection set. Ranked by the number of selection
+    sets meeting both lines, then by the worst set's mean difference against Adam. Among the
+    candidates tied on both, those with the same runs on every selection split
+    (:meth:`SetScore.same_runs`) form one group; the group of the lowest mean total CPU time
+    wins, and in it the member that :func:`stops_no_earlier` than every other member (else
+    its cheapest).
 
     Args:
         scores: ``scores[candidate][dataset]``; a candidate missing a selection set is out.
@@ -232,7 +297,11 @@ def choose(
             selection set.
         mean_line: the most nats a set's mean test LL may trail Adam's and still meet.
         split_line: the most nats any split may trail Adam's on the same split.
+        settings: each candidate's runner settings, for :func:`stops_no_earlier` among
+            candidates the selection sets cannot tell apart (default :data:`CANDIDATES`; a
+            name not in it is compared by CPU time only).
     """
+    settings = CANDIDATES if settings is None else settings
     eligible = []
     for name, by_set in scores.items():
         if not all(d in by_set for d in selection_sets):
@@ -244,11 +313,33 @@ def choose(
             continue
         met = sum(by_set[d].meets(mean_line, split_line) for d in selection_sets)
         worst = min(by_set[d].difference for d in selection_sets)
-        cost = sum(by_set[d].cpu_seconds for d in selection_sets)
-        eligible.append((-met, -worst, cost, name))
+        eligible.append((-met, -worst, name))
     if not eligible:
         raise ValueError(f"no candidate has results on every selection set {list(selection_sets)}")
-    return min(eligible)[3]
+    top = min(eligible)[:2]
+    tied = sorted(name for *key, name in eligible if tuple(key) == top)
+    # candidates with the same runs on every selection split are one for the cost tie-break
+    groups: list[list[str]] = []
+    for name in tied:
+        for group in groups:
+            first = scores[group[0]]
+            if all(scores[name][d].same_runs(first[d]) for d in selection_sets):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+
+    def cost(name: str) -> float:
+        return sum(scores[name][d].cpu_seconds for d in selection_sets)
+
+    group = min(groups, key=lambda g: (sum(cost(n) for n in g) / len(g), g[0]))
+    latest = [
+        a
+        for a in group
+        if a in settings
+        and all(o in settings and stops_no_earlier(settings[a], settings[o]) for o in group)
+    ]
+    return latest[0] if latest else min(group, key=lambda n: (cost(n), n))
 
 
 def leave_one_out(
