@@ -28,6 +28,7 @@ from lightning_dvi.priors import EmpiricalBayes
 
 F64 = torch.float64
 FUSED_NODES = {
+    "deterministic": "_LinearDeterministicBackward",
     "diag": "_LinearDiagBackward",
     "full_from_diag": "_LinearFullFromDiagBackward",
 }
@@ -42,13 +43,13 @@ def _layer_args(kind: str, lead: tuple[int, ...], k: int, bias: bool, seed: int 
     w_var = torch.rand(k, d, dtype=F64, generator=gen) + 0.05
     b_loc = torch.randn(k, dtype=F64, generator=gen) if bias else None
     b_var = torch.rand(k, dtype=F64, generator=gen) + 0.05 if bias else None
-    inputs = (mean,) if kind == "deterministic" else (mean, var)
-    return [
-        t.requires_grad_() if t is not None else None for t in (*inputs, w_loc, w_var, b_loc, b_var)
-    ]
+    args = [t.requires_grad_() if t is not None else None for t in (w_loc, w_var, b_loc, b_var)]
+    # a deterministic input is data (the fused node serves an input without gradient only)
+    return [mean, *args] if kind == "deterministic" else [mean.requires_grad_(), var, *args]
 
 
 _FNS = {
+    "deterministic": linear_deterministic,
     "diag": linear_diag,
     "full_from_diag": linear_full_from_diag,
 }
@@ -75,7 +76,7 @@ def _against_the_formula(call, wrt, node: str):
 @pytest.mark.parametrize(("kind", "lead", "bias"), _CASES)
 def test_fused_values_and_gradients_match_autograd_through_the_formula(kind, lead, bias):
     fn, args = _FNS[kind], _layer_args(kind, lead, k=3, bias=bias)
-    wrt = [t for t in args if t is not None]
+    wrt = [t for t in args if t is not None and t.requires_grad]
     fused, reference, got, want = _against_the_formula(lambda: fn(*args), wrt, FUSED_NODES[kind])
     assert "Linear" not in type(reference[0].grad_fn).__name__
     for a, b in zip(fused, reference, strict=True):
@@ -94,7 +95,7 @@ def test_fused_backward_passes_gradcheck(kind, lead, bias):
 def test_fused_backward_with_some_inputs_constant(kind):
     """Only the weights need gradients (a first layer's data input): the rest are skipped."""
     args = _layer_args(kind, (4,), k=2, bias=True)
-    n_inputs = 2
+    n_inputs = 1 if kind == "deterministic" else 2
     args = [t.detach() if i < n_inputs else t for i, t in enumerate(args)]
     out = _FNS[kind](*args)
     assert type(out[0].grad_fn).__name__ == FUSED_NODES[kind]
@@ -113,8 +114,13 @@ def test_wide_head_and_batched_weights_take_autograd():
     mean, var, w_loc, w_var, b_loc, b_var = _layer_args("diag", (4,), k=3, bias=True)
     batched = linear_diag(mean, var, w_loc.expand(2, 3, 5), w_var.expand(2, 3, 5), b_loc, b_var)
     assert "Linear" not in type(batched[0].grad_fn).__name__
-    # a deterministic input: autograd's two addmm nodes cost less than a Function's Python
+    # a deterministic input that needs a gradient (an input-gradient attack, a feature
+    # extractor below) takes autograd's two addmm nodes; data takes the fused node
     x = mean.detach()
+    assert type(linear_deterministic(x, w_loc, w_var, b_loc, b_var)[0].grad_fn).__name__ == (
+        "_LinearDeterministicBackward"
+    )
+    x.requires_grad_()
     assert type(linear_deterministic(x, w_loc, w_var, b_loc, b_var)[0].grad_fn).__name__ == (
         "AddmmBackward0"
     )
@@ -420,3 +426,72 @@ def test_running_batch_norm_bodies_compiled_only_where_the_policy_says(monkeypat
     want_g = torch.autograd.grad(ref, (weight, bias), [torch.ones_like(o) for o in ref])
     for a, b in zip(got, want_g, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+# ------------------------------------------------------- heteroscedastic likelihood (packed)
+def _packed_args(full: bool, lead: tuple[int, ...], seed: int = 0):
+    """``(mean [..., 2], cov [..., 2, 2] or var [..., 2], y)``; the covariance is not symmetric
+    so that the test also sees which entry is read."""
+    gen = torch.Generator().manual_seed(seed)
+    mean = torch.randn(*lead, 2, dtype=F64, generator=gen)
+    if full:
+        a = torch.randn(*lead, 2, 2, dtype=F64, generator=gen)
+        cov = a @ a.transpose(-1, -2) + 0.1 * torch.eye(2, dtype=F64)
+        cov = cov + 0.01 * torch.randn(*lead, 2, 2, dtype=F64, generator=gen)
+    else:
+        cov = torch.rand(*lead, 2, dtype=F64, generator=gen) + 0.1
+    y = torch.randn(lead, dtype=F64, generator=gen)
+    return mean.requires_grad_(), cov.requires_grad_(), y
+
+
+def _unpacked(mean, cov, y, extra):
+    from lightning_dvi.likelihoods.functional import heteroscedastic_expected_log_prob
+
+    if cov.dim() == mean.dim() + 1:
+        var_m, cov_ml, var_l = cov[..., 0, 0], cov[..., 0, 1], cov[..., 1, 1]
+    else:
+        var_m, cov_ml, var_l = cov[..., 0], None, cov[..., 1]
+    return heteroscedastic_expected_log_prob(
+        mean[..., 0], var_m + extra, mean[..., 1], var_l, cov_ml, y
+    )
+
+
+@pytest.mark.parametrize("full", [True, False])
+@pytest.mark.parametrize("lead", [(), (5,), (3, 4)])
+@pytest.mark.parametrize("extra", [0.0, 0.3])
+def test_packed_heteroscedastic_matches_the_formula_and_passes_gradcheck(full, lead, extra):
+    from lightning_dvi.likelihoods.functional import heteroscedastic_expected_log_prob_packed
+
+    mean, cov, y = _packed_args(full, lead)
+    got = heteroscedastic_expected_log_prob_packed(mean, cov, y, extra)
+    assert type(got.grad_fn).__name__ == "_HeteroscedasticELLBackward"
+    want = _unpacked(mean, cov, y, extra)
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+    cot = torch.randn(got.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+    for a, b in zip(
+        torch.autograd.grad(got, (mean, cov), cot),
+        torch.autograd.grad(want, (mean, cov), cot),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    assert torch.autograd.gradcheck(
+        lambda m, c: heteroscedastic_expected_log_prob_packed(m, c, y, extra), (mean, cov)
+    )
+
+
+@pytest.mark.parametrize("mode", ["diag", "full"])
+def test_heteroscedastic_likelihood_takes_the_packed_node_only_where_it_may(mode):
+    from lightning_dvi import Gaussian
+
+    mean, cov, y = _packed_args(mode == "full", (6,))
+    out = Gaussian(mean, cov=cov) if mode == "full" else Gaussian(mean, var=cov)
+    lik = HeteroscedasticGaussian()
+    got = lik.expected_log_prob(out, y)
+    assert type(got.grad_fn).__name__ == "_HeteroscedasticELLBackward"
+    with policy.fused_functions(False):
+        want = lik.expected_log_prob(out, y)
+    assert "Heteroscedastic" not in type(want.grad_fn).__name__
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+    # a differentiable target (the input of an attack, say) takes the unpacked formula
+    y_grad = y.clone().requires_grad_()
+    assert "Heteroscedastic" not in type(lik.expected_log_prob(out, y_grad).grad_fn).__name__

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..gaussian import Gaussian
+from ..moments import policy
 from . import functional as F
 from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 
@@ -374,6 +375,16 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         ``mc_samples`` is ignored (kept for the base-class signature).
         """
         y = self.validate_target(y, self.validate_output(out))
+        packed = out.cov if out.cov is not None else out.var
+        if (
+            not y.requires_grad
+            and y.shape == out.mean.shape[:-1]
+            and policy.use_fused(out.mean, packed, y)
+        ):
+            # one autograd node with its closed-form backward (the eager training step)
+            return F.heteroscedastic_expected_log_prob_packed(
+                out.mean, packed, y, self._extra_variance
+            )
         mean_m, var_m, mean_l, var_l, cov_ml = self._parts(out)
         var_m = self._dequantised(var_m)
         return F.heteroscedastic_expected_log_prob(mean_m, var_m, mean_l, var_l, cov_ml, y)
