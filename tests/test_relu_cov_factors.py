@@ -1,8 +1,8 @@
 """The full ReLU covariance's executors against autograd through the textbook formula (float64).
 
 :func:`lightning_dvi.moments._relu_cov.relu_cov` runs one formula (``moments/_relu_cov.py``) in
-several ways: whole matrices grouped in blocks or row bands of the upper triangle (the CPU's
-blocked executor), whole tensors (GPU, ``torch.compile``); the blocked forward keeps the
+several ways: circulant bands of the pairs (small matrices) or row bands of the upper
+triangle (the CPU's blocked executor), whole tensors (GPU, ``torch.compile``); the blocked forward keeps the
 backward's factors when :func:`~lightning_dvi.moments.policy.keep_factors` allows and the
 backward recomputes them otherwise. Every way must give the values and gradients of autograd
 through an independent, textbook transcription of the formula, written here with ordinary torch
@@ -64,12 +64,13 @@ def _inputs(n: int, d: int, seed: int, tight: bool = False):
 
 
 _WAYS = {
-    # (BLOCK, kernel backend, memory budget): grouped whole matrices / row bands, kept or not
-    "whole matrices, kept": (1 << 16, "blocked", None),
-    "whole matrices, recomputed": (1 << 16, "blocked", 1),
+    # (BLOCK, kernel backend, memory budget): circulant bands / row bands, kept or not
+    "circulant bands, kept": (1 << 16, "blocked", None),
+    "circulant bands, recomputed": (1 << 16, "blocked", 1),
     "row bands, kept": (12, "blocked", None),
     "row bands, recomputed": (12, "blocked", 1),
-    "several groups, kept": (60, "blocked", None),
+    "several band blocks, kept": (60, "blocked", None),
+    "several band blocks, recomputed": (60, "blocked", 1),
     "whole tensors": (1 << 16, "whole", None),
 }
 
@@ -79,7 +80,7 @@ _WAYS = {
 def test_every_way_matches_autograd_through_the_textbook_formula(monkeypatch, way, tight):
     block, backend, budget = _WAYS[way]
     monkeypatch.setattr(relu_cov_module, "BLOCK", block)
-    n, d = (7, 6) if block == 60 else (3, 5)
+    n, d = (7, 6) if block == 60 else (3, 5)  # 60: two blocks of circulant bands
     inputs = _inputs(n, d, seed=1, tight=tight)
     gen = torch.Generator().manual_seed(9)
     g_out = torch.randn(n, d, d, generator=gen, dtype=F64)
@@ -100,6 +101,27 @@ def test_every_way_matches_autograd_through_the_textbook_formula(monkeypatch, wa
         if name == "cov":  # only the upper triangle is read
             want = want.triu(1)
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10, msg=f"d/d{name} ({way})")
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["free", "clamped"])
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 7, 8])
+def test_circulant_bands_hold_every_pair_once_at_odd_and_even_sizes(d, tight):
+    # even D: the last offset's second half repeats its first half (zero gradient weight)
+    inputs = _inputs(5, d, seed=d, tight=tight)
+    g_out = torch.randn(5, d, d, generator=torch.Generator().manual_seed(d), dtype=F64)
+    expected = _textbook(*inputs)
+    with policy.kernel_backend("blocked"):
+        out = relu_cov(*inputs)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    grads = torch.autograd.grad(out, inputs, g_out)
+    for got, want in zip(grads, torch.autograd.grad(expected, inputs, g_out), strict=True):
+        want = want.triu(1) if got.dim() == 3 else want
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+
+
+def test_several_band_blocks_are_several():
+    assert len(relu_cov_module._band_rows(7, 3 * 6, 60)) == 2
+    assert len(relu_cov_module._band_rows(500, 16 * 32, 1 << 16)) == 2
 
 
 @pytest.mark.parametrize("block", [1 << 16, 12])

@@ -36,24 +36,27 @@ assembled once by :func:`_unit_grads` (:math:`h = G\Sigma`, :math:`u = GSK`,
 
 **Two executors** (:mod:`lightning_dvi.moments.policy` chooses):
 
-* *blocked* (:class:`_ReluCov`, the CPU): the formula on blocks, with one :class:`_Workspace`
-  reused by every block. Small matrices (:math:`D^2 \le` :data:`BLOCK`) are grouped whole,
-  about ``4 * BLOCK`` elements per block (each op of the formula costs a dispatch per block);
-  a larger matrix is cut into row bands of about :data:`BLOCK` elements of its upper triangle
-  (the triangle halves the work). The forward computes each block's terms once and, when the
+* *blocked* (the CPU): the formula on blocks of each pair :math:`j < l` once (the symmetric
+  pairs halve the work), with one :class:`_Workspace` reused by every block. Small matrices
+  (:math:`D^2 \le` :data:`BLOCK`, :class:`_ReluCovBand`) are laid out as circulant bands:
+  unit :math:`j`'s pairs are :math:`(j, (j + o) \bmod D)` for the offsets
+  :math:`o = 1 \dots \lfloor D/2\rfloor`, a ``[n, K, D]`` tensor whose covariance is
+  gathered from the upper triangle while the units' statistics are strided views (the row
+  unit a broadcast row, the partner a window of the doubled vector); groups of rows of about
+  ``2 * BLOCK`` band elements per block (each op of the formula costs a dispatch per block).
+  A larger matrix (:class:`_ReluCov`) is cut into row bands of about :data:`BLOCK` elements
+  of its upper triangle. The forward computes each block's terms once and, when the
   backward will run and :func:`policy.keep_factors` allows (a quarter of the memory budget),
   the backward's factors from the same terms: the backward is then a few products with
   :math:`G` and the contractions, with nothing recomputed. Past that budget the backward
   computes the terms and factors again, block by block (the peak memory stays a few blocks on
-  top of the output). On whole matrices (the covariance's upper triangle mirrored first) the
-  factors are the row unit's (:func:`_row_factors`: each pair appears twice, the partner's
-  value folded in) and the contractions are row sums of :math:`G` times them, one product and
-  one sum for three factors; on row bands each pair's piece is contracted for both of its
-  units by matrix-vector products. A host read per block skips the clamp and its gradient
-  where no entry binds (free on a CPU). Why blocks: the formula is ~70 elementwise passes over
-  ``[B, D, D]``; whole tensors would allocate a fresh output per pass (for tensors above
-  glibc's mmap threshold every allocation page-faults its memory in again), blocks reuse their
-  buffers.
+  top of the output). Each pair's piece is contracted for both of its units: on circulant
+  bands a sum over the offsets (row unit) and one along the anti-diagonals of the doubled
+  band (partner), on row bands matrix-vector products. A host read per block skips the
+  clamp and its gradient where no entry binds (free on a CPU). Why blocks: the formula is
+  ~70 elementwise passes; whole tensors would allocate a fresh output per pass (for tensors
+  above glibc's mmap threshold every allocation page-faults its memory in again), blocks
+  reuse their buffers.
 * *whole* (:func:`relu_cov_forward`, :func:`relu_cov_backward`, chunked over the batch by
   :class:`_ReluCovWhole`; CUDA, and anything ``torch.compile`` traces): the same functions on
   the whole ``[n, D, D]``, with the covariance mirrored to a symmetric matrix, fresh
@@ -86,16 +89,11 @@ BLOCK = 1 << 16
 
 
 def _row_bands(n: int, d: int, target: int) -> list[tuple[int, int, int, int]]:
-    """Blocks ``(n0, n1, r0, r1)``: matrices ``n0:n1``, rows ``r0:r1``, columns ``r0:d``.
+    """Blocks ``(n0, n0 + 1, r0, r1)``: matrix ``n0``, rows ``r0:r1``, columns ``r0:d``.
 
-    Matrices smaller than ``target`` are grouped whole (a block per group, no triangle: at
-    these sizes the per-block dispatch cost outweighs the halved arithmetic); a larger matrix
-    is cut into row bands of about ``target`` elements of its upper triangle each.
+    Each matrix is cut into row bands of about ``target`` elements of its upper triangle
+    (the executor of matrices larger than ``target``; smaller ones go to :class:`_ReluCovBand`).
     """
-    if n * d * d <= 2 * target or d * d <= target:
-        # larger groups than bands: each op of the formula costs a dispatch per block
-        nb = max(1, min(n, 4 * target // (d * d)))
-        return [(n0, min(n, n0 + nb), 0, d) for n0 in range(0, n, nb)]
     tri = d * (d + 1) // 2
     bands = max(2, round(tri / target))
     bounds, r = [0], 0
@@ -261,13 +259,12 @@ class _Coefficients:
     The ``cdf`` piece's factor is :math:`\Sigma` itself (``t.cov``).
     """
 
-    __slots__ = ("clamp", "dcov", "mu", "sd", "stack", "ub")
+    __slots__ = ("clamp", "dcov", "mu", "sd", "ub")
 
     def __init__(
         self, dcov: Tensor, ub: Tensor, mu: Tensor, sd: Tensor, clamp: tuple[Tensor, Tensor] | None
     ) -> None:
         self.dcov, self.ub, self.mu, self.sd, self.clamp = dcov, ub, mu, sd, clamp
-        self.stack: Tensor | None = None  # [dcov, ub, mu, sd] as one tensor, where they are
 
 
 def _coefficients(
@@ -310,19 +307,6 @@ def _coefficients(
         outside = torch.sign(raw, out=keep.take()).mul_(torch.sub(1, inside, out=ws.take()))
         clamp = (inside, outside)
     return _Coefficients(dcov, ub, mu, sd, clamp)
-
-
-def _row_factors(c: _Coefficients, cov: Tensor, mu: tuple[Tensor, Tensor], cdf_l: Tensor) -> None:
-    r"""Turn ``c`` into the row unit's factors, in place, for whole (square) matrices.
-
-    On a whole matrix every pair :math:`j \ne l` appears twice, so with the symmetric
-    :math:`G` each unit's gradient is a row sum of :math:`G` times a factor that holds the
-    partner's value: ``ub`` becomes :math:`\partial C_{jl}/\partial\Phi_j = \Sigma_{jl}\Phi_l`,
-    ``mu`` :math:`\partial C_{jl}/\partial\mu_j = SK(\gamma\mu_l - 2\beta\mu_j)`; ``sd``
-    stays :math:`\sigma_j\partial C_{jl}/\partial\sigma_j`. ``mu`` is ``(mu_j, mu_l)``.
-    """
-    c.mu.mul_(mu[1]).addcmul_(c.ub, mu[0], value=-2)
-    torch.mul(cov, cdf_l, out=c.ub)
 
 
 def _apply(
@@ -380,14 +364,11 @@ def _block_terms(
     mu: Tensor,
     sl: tuple[int, int, int, int],
     gain: float,
-    upper: Tensor | None = None,
 ) -> _Terms:
-    """The terms on a block; with ``upper`` (whole matrices) on the mirrored upper triangle."""
+    """The terms on a block (a row band of one matrix's upper triangle)."""
     n0, n1, r0, r1 = sl
     ws.start((n1 - n0, r1 - r0, cov.shape[-1] - r0))
     block = cov[n0:n1, r0:r1, r0:]
-    if upper is not None:
-        block = torch.where(upper, block, block.transpose(-1, -2), out=ws.take())
     return _Terms(ws, block, *_slices(sd, sl), *_slices(mu, sl), gain)
 
 
@@ -442,43 +423,33 @@ def _block_factors(
     stack: Tensor,
     t: _Terms,
     sl: tuple[int, int, int, int],
-    vectors: tuple[Tensor, Tensor, Tensor],
+    vectors: tuple[Tensor, Tensor],
 ) -> tuple[Tensor, Tensor | None, _Coefficients]:
     """One block's unclamped covariance, the clamp's bound where it binds, and the factors.
 
-    The factors are written into ``stack``; on whole matrices they are the row unit's
-    (:func:`_row_factors`). ``vectors``: ``(mu, cdf, osd)`` of all units. The host read (does
-    any entry bind?) skips the clamp in the forward and its gradient in the backward where no
-    entry binds: free on a CPU.
+    The factors are written into ``stack``. ``vectors``: ``(cdf, osd)`` of all units. The
+    host read (does any entry bind?) skips the clamp in the forward and its gradient in the
+    backward where no entry binds: free on a CPU.
     """
-    mu, cdf, osd = vectors
+    cdf, osd = vectors
     cdf_jl, osd_jl = _slices(cdf, sl), _slices(osd, sl)
     sk, raw = _raw(ws, t, *cdf_jl)
     bound, excess = _excess(ws, raw, osd_jl)
     binds = bool(excess.amax() > 0)
     coefs = _coefficients(ws, _Kept(stack), t, sk, raw, cdf_jl, excess if binds else None)
-    if _whole_rows(sl, mu.shape[-1]):
-        _row_factors(coefs, t.cov, _slices(mu, sl), cdf_jl[1])
-        coefs.stack = stack
     return raw, bound if binds else None, coefs
 
 
-def _whole_rows(sl: tuple[int, int, int, int], d: int) -> bool:
-    """Whether a block holds whole ``d x d`` matrices (else a row band of one's triangle)."""
-    return sl[3] - sl[2] == d
-
-
 class _ReluCov(torch.autograd.Function):
-    """The blocked executor: the formula on whole matrices or row bands of the upper triangle.
+    """The row-band executor: the formula on row bands of each matrix's upper triangle.
 
-    The forward computes each block's terms once; when the policy lets it keep them
+    For matrices larger than :data:`BLOCK` (smaller ones: :class:`_ReluCovBand`). The forward
+    computes each block's terms once; when the policy lets it keep them
     (:func:`policy.keep_factors`), it also computes the backward's factors
     (:class:`_Coefficients`) from the same terms and keeps them, so the backward is a few
     products with the output gradient and the contractions. Otherwise the backward computes
     the terms and factors again, block by block (the peak memory then stays a few blocks on top
-    of the output). On whole matrices (the covariance mirrored first) the factors are the row
-    unit's and the contractions row sums of the symmetric :math:`G` times them; on row bands
-    the per-pair pieces are contracted for both units of each pair.
+    of the output). The per-pair pieces are contracted for both units of each pair.
     """
 
     @staticmethod
@@ -492,25 +463,19 @@ class _ReluCov(torch.autograd.Function):
         ws = _workspace(cov, blocks)
         keep = _keep_factors(ctx, cov)
         kept: list[_Coefficients] = []
-        upper = _masks(d, cov.device)[0]
         for sl in blocks:
             n0, n1, r0, r1 = sl
-            whole = _whole_rows(sl, d)
-            # the lower triangle of a whole matrix's terms only matters to the kept factors
-            t = _block_terms(ws, cov, sd, mu, sl, gain, upper if whole and keep else None)
+            t = _block_terms(ws, cov, sd, mu, sl, gain)
             if keep:
                 stack = torch.empty(_KEPT, *ws.shape, dtype=cov.dtype, device=cov.device)
-                raw, bound, coefs = _block_factors(ws, stack, t, sl, (mu, cdf, osd))
+                raw, bound, coefs = _block_factors(ws, stack, t, sl, (cdf, osd))
                 kept.append(coefs)
                 if bound is not None:  # clamp to +-sqrt(V_j V_l) in place
                     torch.maximum(torch.minimum(raw, bound, out=raw), bound.neg_(), out=raw)
             else:
                 raw = _clamp(ws, _raw(ws, t, *_slices(cdf, sl))[1], *_slices(osd, sl))
             torch.hardshrink(raw, tail_cutoff(raw.dtype), out=raw)
-            if whole:  # the upper triangle mirrored, in one pass
-                torch.where(upper, raw, raw.transpose(-1, -2), out=out[n0:n1])
-                continue
-            # a row band: the lower part, mirrored (the blocked 2-D transpose kernel)
+            # the band's lower part, mirrored (the blocked 2-D transpose kernel)
             out[n0:n1, r0:, r0:r1] = raw[0].t().contiguous()
             out[n0:n1, r0:r1, r0:] = raw
             square = out[n0:n1, r0:r1, r0:r1]  # its own lower triangle: mirror the upper
@@ -529,27 +494,20 @@ class _ReluCov(torch.autograd.Function):
         n, d = cov.shape[0], cov.shape[-1]
         g_cov = torch.zeros_like(cov, memory_format=torch.contiguous_format)
         sums = {key: torch.zeros_like(sd) for key in _PARTNERS}
-        rows = torch.empty(3, n, d, dtype=sd.dtype, device=sd.device)  # cdf, mu, sd: row sums
         vectors = {"osd": osd, "cdf": cdf, "mu": mu}
         blocks = _row_bands(n, d, BLOCK)
         ws = _workspace(cov, blocks)
-        upper = _masks(d, cov.device)[0]
         for i, sl in enumerate(blocks):
             n0, n1, r0, r1 = sl
-            whole = _whole_rows(sl, d)
             if kept:
                 ws.start((n1 - n0, r1 - r0, d - r0))
                 coefs = kept[i]
                 block = cov[n0:n1, r0:r1, r0:]
             else:
-                t = _block_terms(ws, cov, sd, mu, sl, ctx.gain, upper if whole else None)  # type: ignore[attr-defined]  # set in forward
+                t = _block_terms(ws, cov, sd, mu, sl, ctx.gain)  # type: ignore[attr-defined]  # set in forward
                 stack = ws.take_many(_KEPT)
-                coefs = _block_factors(ws, stack, t, sl, (mu, cdf, osd))[2]
+                coefs = _block_factors(ws, stack, t, sl, (cdf, osd))[2]
                 block = t.cov
-            if whole:
-                into = (g_cov[n0:n1], rows[:, n0:n1], sums["osd"][n0:n1])
-                _whole_backward(ws, coefs, grad[n0:n1], osd[n0:n1], into)
-                continue
 
             def emit(key: str, piece: Tensor, sl: tuple[int, int, int, int] = sl) -> None:
                 # each pair j < l of the block counts for its row unit and its column unit
@@ -565,34 +523,184 @@ class _ReluCov(torch.autograd.Function):
 
             g = _sym_sum(ws, grad, sl)
             _apply(ws, coefs, block, g, emit, out=g_cov[n0:n1, r0:r1, r0:])
-        if blocks and _whole_rows(blocks[0], d):  # row sums of whole matrices
-            sums["cdf"], sums["mu"], sums["sd"] = rows.unbind(0)
         grads = (g_cov, *_unit_grads(sums, grad, sd, mu, var, osd))
         return *(flush(g) for g in grads), None
 
 
-def _whole_backward(
-    ws: _Workspace, c: _Coefficients, grad: Tensor, osd: Tensor, into: tuple[Tensor, Tensor, Tensor]
-) -> None:
-    r"""The backward on whole matrices from their row factors (:func:`_row_factors`).
+# -------------------------------------------- executor 1b: circulant bands (small, CPU)
+def _band_rows(n: int, band: int, target: int) -> list[tuple[int, int]]:
+    """Row blocks ``(n0, n1)`` of about ``2 * target`` band elements each (none if empty)."""
+    if band == 0:
+        return []
+    nb = max(1, min(n, 2 * target // band))
+    return [(n0, min(n, n0 + nb)) for n0 in range(0, n, nb)]
 
-    ``into`` is ``(g_cov, rows, osd_sum)``: the gradient of the covariance (strict upper
-    triangle), the row sums of :math:`G` times the ``cdf``, ``mu`` and ``sd`` factors
-    (``[3, nb, D]``) and, where a clamp binds, the row sum of the clamp's piece times
-    :math:`\sqrt V` of the partner.
+
+def _band_index(d: int, device: torch.device) -> tuple[Tensor, Tensor, int]:
+    r"""``(upper, lower, pairs)`` for the circulant band of ``d x d`` matrices.
+
+    Band entry ``[o, j]`` (flattened ``o D + j``) is the pair of unit :math:`j` and its
+    partner :math:`l = (j + o + 1) \bmod D`, :math:`o < \lfloor D/2 \rfloor`: ``upper`` is its
+    flat index in the upper triangle, :math:`\min(j,l) D + \max(j,l)`, ``lower`` the mirrored
+    one. For even :math:`D` the last offset's second half repeats its first half: the first
+    ``pairs`` = :math:`D(D-1)/2` entries hold every pair once.
     """
-    g_cov, rows, osd_sum = into
-    g = torch.add(grad, grad.transpose(-1, -2), out=ws.take())  # G, symmetric
-    g.diagonal(dim1=-2, dim2=-1).zero_()
-    stack = c.stack
-    assert stack is not None  # _row_factors set it
-    if c.clamp is not None:
-        inside, outside = c.clamp
-        piece = torch.mul(outside, g, out=ws.take())
-        osd_sum.copy_((piece @ osd[..., None]).squeeze(-1))
-        g.mul_(inside)
-    torch.mul(stack[0], g, out=g_cov).triu_(1)
-    torch.sum(torch.mul(stack[1:], g, out=ws.take_many(3)), -1, out=rows)
+    k = d // 2
+    j = torch.arange(d, device=device).repeat(k)
+    partner = (j + torch.arange(1, k + 1, device=device).repeat_interleave(d)) % d
+    lo, hi = torch.minimum(j, partner), torch.maximum(j, partner)
+    return lo * d + hi, hi * d + lo, d * (d - 1) // 2
+
+
+def _partner_of(v: Tensor, k: int) -> Tensor:
+    """``[n, K, D]`` view of ``v`` (``[n, D]``): entry ``[i, o, j]`` is ``v[i, (j + o + 1) % D]``."""
+    n, d = v.shape
+    doubled = torch.cat([v, v], -1)
+    return doubled.as_strided((n, k, d), (2 * d, 1, 1), 1)
+
+
+def _to_partner(a: Tensor) -> Tensor:
+    r"""``[n, D]``: for each unit :math:`l`, the sum of the band entries whose partner is :math:`l`.
+
+    ``a[i, o, j]`` belongs to the pair ``(j, (j + o + 1) % D)``; unit :math:`l` collects
+    ``a[i, o, (l - o - 1) % D]`` over the offsets ``o`` (anti-diagonals of the doubled band).
+    """
+    n, k, d = a.shape
+    doubled = torch.cat([a, a], -1)  # [n, K, 2D]
+    return doubled.as_strided((n, k, d), (2 * k * d, 2 * d - 1, 1), d - 1).sum(1)
+
+
+def _band_factors(
+    ws: _Workspace,
+    keep: _Scratch | _Kept,
+    c: Tensor,
+    ops: dict[str, tuple[Tensor, Tensor]],
+    gain: float,
+    factors: bool,
+) -> tuple[Tensor, _Coefficients | None]:
+    """One row block's clamped band and (``factors``) the backward's factors.
+
+    ``c`` is the covariance on the band (``[nb, K, D]``); ``ops`` maps ``sd``, ``mu``, ``cdf``
+    and ``osd`` to their ``(row unit, partner)`` operands (``[nb, 1, D]``, ``[nb, K, D]``).
+    """
+    t = _Terms(ws, c, *ops["sd"], *ops["mu"], gain)
+    sk, raw = _raw(ws, t, *ops["cdf"])
+    bound, excess = _excess(ws, raw, ops["osd"])
+    binds = bool(excess.amax() > 0)
+    coefs = None
+    if factors:
+        coefs = _coefficients(ws, keep, t, sk, raw, ops["cdf"], excess if binds else None)
+    if binds:  # clamp to +-sqrt(V_j V_l) in place
+        torch.maximum(torch.minimum(raw, bound, out=raw), bound.neg_(), out=raw)
+    return raw, coefs
+
+
+def _band_block(
+    ws: _Workspace, m: Tensor, index: Tensor, vectors: dict[str, Tensor], n0: int, n1: int
+) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
+    """A row block's covariance band (gathered into ``ws``) and its operands (strided views)."""
+    k, d = ws.shape[1], ws.shape[2]
+    flat = m[n0:n1].reshape(n1 - n0, d * d)
+    c = torch.gather(flat, 1, index.expand(n1 - n0, -1), out=ws.take().view(n1 - n0, k * d))
+    ops = {key: (v[n0:n1, None, :], _partner_of(v[n0:n1], k)) for key, v in vectors.items()}
+    return c.view(n1 - n0, k, d), ops
+
+
+class _ReluCovBand(torch.autograd.Function):
+    r"""The formula on circulant bands: each pair ``j < l`` once (small matrices, CPU).
+
+    Unit :math:`j`'s pairs are :math:`(j, (j + o) \bmod D)` for the offsets
+    :math:`o = 1 \dots \lfloor D/2 \rfloor`: every unordered pair appears once (for even
+    :math:`D` the last offset's second half repeats its first and gets a zero gradient
+    weight), about half the elements of whole matrices. The covariance is gathered from the
+    upper triangle; the units' statistics are strided views (the row unit a broadcast row,
+    the partner a window of the doubled vector). Each per-unit contraction is a sum over the
+    offsets (the row unit's) or along the anti-diagonals of the doubled band (the partner's).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, cov: Tensor, sd: Tensor, mu: Tensor, cdf: Tensor, var: Tensor, gain: float
+    ) -> Tensor:
+        n, d = cov.shape[0], cov.shape[-1]
+        k = d // 2
+        upper, lower, pairs = _band_index(d, cov.device)
+        osd = _bound_factors(var)
+        vectors = {"sd": sd, "mu": mu, "cdf": cdf, "osd": osd}
+        blocks = _band_rows(n, k * d, BLOCK)
+        ws = _Workspace(cov, max([(b - a) * k * d for a, b in blocks], default=0))
+        keep = _band_keep(ctx, n * k * d, cov.dtype)
+        kept: list[_Coefficients] = []
+        band = cov.new_empty(n, k * d)
+        for n0, n1 in blocks:
+            ws.start((n1 - n0, k, d))
+            c, ops = _band_block(ws, cov, upper, vectors, n0, n1)
+            stack = cov.new_empty(_KEPT, *ws.shape) if keep else None
+            raw, coefs = _band_factors(
+                ws, _Kept(stack) if stack is not None else ws, c, ops, gain, keep
+            )
+            if coefs is not None:
+                kept.append(coefs)
+            torch.hardshrink(raw.view(n1 - n0, k * d), tail_cutoff(raw.dtype), out=band[n0:n1])
+        once = band[:, :pairs]
+        out = cov.new_empty(n, d * d)
+        out.scatter_(1, upper[:pairs].expand(n, -1), once)
+        out.scatter_(1, lower[:pairs].expand(n, -1), once)
+        out = out.view(n, d, d)
+        out.diagonal(dim1=-2, dim2=-1).copy_(var)
+        ctx.save_for_backward(cov, sd, mu, cdf, var, osd)
+        ctx.gain, ctx.kept = gain, kept  # type: ignore[attr-defined]  # carried to backward
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        cov, sd, mu, cdf, var, osd = ctx.saved_tensors  # type: ignore[attr-defined]  # FunctionCtx declares no saved_tensors
+        kept: list[_Coefficients] = ctx.kept  # type: ignore[attr-defined]  # set in forward
+        ctx.kept = []  # type: ignore[attr-defined]  # the factors die with this backward
+        n, d = cov.shape[0], cov.shape[-1]
+        k = d // 2
+        upper, lower, pairs = _band_index(d, cov.device)
+        vectors = {"sd": sd, "mu": mu, "cdf": cdf, "osd": osd}
+        sums = {key: torch.zeros_like(sd) for key in _PARTNERS}
+        g_band = cov.new_empty(n, k * d)
+        g_flat = grad.reshape(n, d * d)
+        blocks = _band_rows(n, k * d, BLOCK)
+        ws = _Workspace(cov, max([(b - a) * k * d for a, b in blocks], default=0))
+        for i, (n0, n1) in enumerate(blocks):
+            ws.start((n1 - n0, k, d))
+            c, ops = _band_block(ws, cov, upper, vectors, n0, n1)
+            if kept:
+                coefs = kept[i]
+            else:
+                coefs = _band_factors(ws, ws, c, ops, ctx.gain, True)[1]  # type: ignore[attr-defined]  # set in forward
+                assert coefs is not None
+            nb = n1 - n0
+            g = torch.gather(g_flat[n0:n1], 1, upper.expand(nb, -1), out=ws.take().view(nb, -1))
+            g.add_(torch.gather(g_flat[n0:n1], 1, lower.expand(nb, -1)))  # G = g + g^T
+            g[:, pairs:] = 0  # each pair counts once
+            g = g.view(nb, k, d)
+
+            def emit(key: str, piece: Tensor, n0: int = n0, n1: int = n1, ops=ops) -> None:
+                acc, partner = sums[key][n0:n1], _PARTNERS[key]
+                if partner is None:
+                    acc += piece.sum(1)
+                    acc += _to_partner(piece)
+                else:
+                    x_j, x_l = ops[partner]
+                    acc += torch.mul(piece, x_l).sum(1)
+                    acc += _to_partner(piece.mul_(x_j))
+
+            _apply(ws, coefs, c, g, emit, out=g_band[n0:n1].view(nb, k, d))
+        g_cov = torch.zeros_like(g_flat)
+        g_cov.scatter_(1, upper[:pairs].expand(n, -1), g_band[:, :pairs])
+        grads = (g_cov.view(n, d, d), *_unit_grads(sums, grad, sd, mu, var, osd))
+        return *(flush(g) for g in grads), None
+
+
+def _band_keep(ctx: FunctionCtx, numel: int, dtype: torch.dtype) -> bool:
+    needs = ctx.needs_input_grad  # type: ignore[attr-defined]  # set by Function.apply
+    return any(needs[:4]) and policy.keep_factors(numel * _KEPT, dtype)
 
 
 # ------------------------------------------------ executor 2: whole tensors (GPU, compile)
@@ -736,7 +844,9 @@ def relu_cov(
     lead = cov.shape[:-2]
     flat = [t.reshape(-1, d) for t in (sd, mu, cdf, var)]
     path = policy.resolve(cov.device)
-    if path == "blocked":
+    if path == "blocked" and d * d <= BLOCK:
+        out = _ReluCovBand.apply(cov.reshape(-1, d, d), *flat, float(gain))
+    elif path == "blocked":
         out = _ReluCov.apply(cov.reshape(-1, d, d), *flat, float(gain))
     else:
         out = _ReluCovWhole.apply(cov.reshape(-1, d, d), *flat, path, float(gain))
