@@ -21,8 +21,9 @@ not timed. One torch thread. CPU time (``time.process_time``) is the figure to c
 shared machine.
 
 ``--step-cost ROUNDS`` measures instead one step of each guide (CPU ms, interleaved rounds, after
-50 training steps) and splits the deterministic step into the guide's trace, the loss, its
-backward and the categorical objective alone.
+50 training steps) and splits the deterministic step into the arithmetic of its parts (each
+layer's moments, the ``[N, K, K]`` head covariance, the categorical objective, the KL), the Pyro
+handling around them, the guide's trace, the site-shape check and SVI's bookkeeping.
 
 Run:  .venv/bin/python recipes/pyro_time_to_quality.py --data digits --steps 1500 --seed 0
       .venv/bin/python recipes/pyro_time_to_quality.py --data digits --step-cost 20
@@ -36,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pyro
 import torch
@@ -124,15 +126,34 @@ def step_cost(x: Tensor, y: Tensor, classes: int, warmup: int, repeats: int) -> 
     """CPU ms of one step of each guide (interleaved), and where the deterministic step goes.
 
     Both guides train ``warmup`` steps first (the objective's cost depends on the logit
-    variances, which grow in training); then ``repeats`` rounds of one step each, interleaved.
-    The parts of the deterministic step: the guide's trace, the loss (forward), the loss with
-    its backward, and the categorical objective alone (forward, and forward + backward) on the
-    head's moments captured from that pass.
+    variances, which grow in training); then ``repeats`` rounds, each timing once, in turn: an
+    AutoNormal step, a deterministic step, the deterministic loss (forward, and with its
+    backward), the guide's trace (the parameters collected, ``moment_posteriors``), Pyro's
+    site-shape check (now run at the first call of a signature only), and the arithmetic of the
+    loss on its own: each part called on detached leaves of the values the pass gives it, with
+    the library functions the moment pass calls (forward + backward):
+
+    * layer 1's moments (``linear_moments``), the ReLU's (``activation_moments``), layer 2's
+      with the ``[N, K, K]`` head covariance (``linear_moments``, diag mode keeps a head's
+      covariance), the categorical objective (``Categorical``'s default method, forward alone
+      too), the KL of the four weight sites.
+
+    Derived: *Pyro handling* = the loss (forward + backward) less the sum of its arithmetic
+    (the poutine traces, the messenger, the moment-tensor dispatch, the site terms and their
+    sum), and *SVI bookkeeping* = the step less the loss (the param-capture trace, Pyro's
+    per-parameter Adam, zeroing the gradients).
+
+    Returns:
+        CPU ms per part, and the loss the parts add up to (``"loss (parts)"``) beside the
+        ELBO's (``"loss (ELBO)"``): the parts are the whole loss.
     """
     import pyro.poutine as poutine
 
     from lightning_dvi import Gaussian
+    from lightning_dvi import moments as M
     from lightning_dvi.likelihoods import Categorical
+    from lightning_dvi.moments.activations import relu_diag, relu_full
+    from lightning_dvi.priors.functional import gaussian_kl_elementwise
 
     pyro.set_rng_seed(0)
     runs = {}
@@ -146,49 +167,111 @@ def step_cost(x: Tensor, y: Tensor, classes: int, warmup: int, repeats: int) -> 
     for _ in range(warmup):
         for *_, svi in runs.values():
             svi.step(x, y)
-    spent = dict.fromkeys(runs, 0.0)
-    for _ in range(repeats):
-        for kind, (*_, svi) in runs.items():
-            spent[kind] += cpu_ms(lambda: svi.step(x, y), 1) / repeats  # noqa: B023
     model, guide, elbo, _ = runs["dvi"]
-    parts = {"dvi step": spent["dvi"], "autonormal step": spent["autonormal"]}
-    parts["guide trace"] = cpu_ms(
-        lambda: poutine.trace(guide.moment_posteriors).get_trace(x, y), repeats
-    )
-    parts["loss forward"] = cpu_ms(lambda: elbo.differentiable_loss(model, guide, x, y), repeats)
-    parts["loss forward + backward"] = cpu_ms(
-        lambda: elbo.differentiable_loss(model, guide, x, y).backward(), repeats
-    )
-    captured = {}
-    original = Categorical.expected_log_prob
+    dvi_guide = cast(DeterministicGuide, guide)
+    mode = dvi_guide.mode
 
-    def capture(self: Categorical, out: object, value: Tensor, mc_samples: int | None = None):
-        captured["out"], captured["method"] = out, self.method
-        return original(self, out, value, mc_samples)
+    # The arithmetic of one pass, each part on detached leaves of its inputs.
+    def leaves(g: Gaussian) -> Gaussian:
+        mean = g.mean.detach().requires_grad_()
+        if g.cov is not None:
+            return Gaussian(mean, cov=g.cov.detach().requires_grad_(), validate=False)
+        return Gaussian(mean, var=g.var.detach().requires_grad_(), validate=False)
 
-    Categorical.expected_log_prob = capture  # type: ignore[method-assign]
-    try:
-        elbo.loss(model, guide, x, y)
-    finally:
-        Categorical.expected_log_prob = original  # type: ignore[method-assign]
-    out, method = captured["out"], captured["method"]
-    mean = out.mean.detach().requires_grad_()  # type: ignore[attr-defined]
-    cov = Categorical._cov(out).detach().requires_grad_()  # type: ignore[arg-type]
-    head = Gaussian(mean, cov=cov) if cov.dim() > mean.dim() else Gaussian(mean, var=cov)
-    likelihood = Categorical(classes, method=method)
-    parts[f"objective ({method}) forward"] = cpu_ms(
-        lambda: likelihood.expected_log_prob(head, y), repeats
+    def posterior(site: str) -> tuple[Tensor, Tensor]:
+        loc, scale = (t.detach().requires_grad_() for t in dvi_guide._get_loc_and_scale(site))
+        return loc, scale
+
+    def layer(h: Gaussian | Tensor, site: str) -> Gaussian:
+        (w, w_scale), (b, b_scale) = posterior(f"{site}.weight"), posterior(f"{site}.bias")
+        return M.linear_moments(h, w, w_scale**2, b, b_scale**2, mode=mode)
+
+    likelihood = Categorical(classes)
+    with torch.no_grad():
+        h1 = layer(x, "fc1")
+        h2 = M.activation_moments(h1, relu_full, relu_diag, mode=mode)
+        head = layer(h2, "fc2")
+        kl = sum(
+            gaussian_kl_elementwise(loc, scale**2, torch.zeros(()), torch.ones(())).sum()
+            for loc, scale in map(posterior, dvi_guide.weight_sites)
+        )  # the recipe's model: Normal(0, 1) priors
+        parts_loss = float(kl - likelihood.expected_log_prob(head, y).sum())
+    elbo_loss = elbo.loss(model, guide, x, y)  # the same parameters (the timed steps train)
+    h1_in, h2_in, head_in = leaves(h1), leaves(h2), leaves(head)
+
+    def kl_sum() -> Tensor:
+        return cast(
+            Tensor,
+            sum(
+                gaussian_kl_elementwise(loc, scale**2, torch.zeros(()), torch.ones(())).sum()
+                for loc, scale in map(posterior, dvi_guide.weight_sites)
+            ),
+        )
+
+    def backward(value: Tensor) -> None:
+        value.sum().backward()
+
+    def fresh_trace() -> object:
+        """A step's model trace with its log-probs (the check finds them memoised)."""
+        model_trace, _ = elbo._get_trace(model, guide, (x, y), {})  # type: ignore[attr-defined]
+        with pyro.validation_enabled(False):
+            model_trace.compute_log_prob()
+        return model_trace
+
+    method = likelihood.method
+    timed: dict[str, Callable[[], object]] = {
+        "dvi step": lambda: runs["dvi"][3].step(x, y),
+        "autonormal step": lambda: runs["autonormal"][3].step(x, y),
+        "loss forward": lambda: elbo.differentiable_loss(model, guide, x, y),
+        "loss forward + backward": lambda: elbo.differentiable_loss(model, guide, x, y).backward(),
+        "guide trace (parameters collected)": lambda: poutine.trace(
+            dvi_guide.moment_posteriors
+        ).get_trace(x, y),
+        "layer 1 moments": lambda: backward(layer(x, "fc1").var),
+        "ReLU moments": lambda: backward(
+            M.activation_moments(h1_in, relu_full, relu_diag, mode=mode).var
+        ),
+        "layer 2 moments, [N, K, K] head covariance": lambda: backward(
+            cast(Tensor, layer(h2_in, "fc2").cov)
+        ),
+        f"objective ({method}) forward": lambda: likelihood.expected_log_prob(head_in, y),
+        f"objective ({method}) forward + backward": lambda: backward(
+            likelihood.expected_log_prob(head_in, y)
+        ),
+        "KL of the weight sites": lambda: kl_sum().backward(),
+    }
+    spent = dict.fromkeys([*timed, "site-shape check (first call only)"], 0.0)
+    for _ in range(repeats):
+        for name, fn in timed.items():
+            spent[name] += cpu_ms(fn, 1) / repeats
+        trace = fresh_trace()  # untimed: the check of a trace the step built
+        spent["site-shape check (first call only)"] += (
+            cpu_ms(lambda: elbo._check_site_shapes(trace), 1) / repeats  # type: ignore[attr-defined]  # noqa: B023
+        )
+    for p in list(dvi_guide.parameters()):
+        p.grad = None
+    arithmetic = [
+        "layer 1 moments",
+        "ReLU moments",
+        "layer 2 moments, [N, K, K] head covariance",
+        f"objective ({method}) forward + backward",
+        "KL of the weight sites",
+    ]
+    spent["arithmetic (sum of the parts above)"] = sum(spent[k] for k in arithmetic)
+    spent["Pyro handling (loss f+b less arithmetic)"] = (
+        spent["loss forward + backward"] - spent["arithmetic (sum of the parts above)"]
     )
-    parts[f"objective ({method}) forward + backward"] = cpu_ms(
-        lambda: likelihood.expected_log_prob(head, y).sum().backward(), repeats
+    spent["SVI bookkeeping (step less loss f+b)"] = (
+        spent["dvi step"] - spent["loss forward + backward"]
     )
     print(
         f"Step cost, CPU ms (after {warmup} steps, {repeats} interleaved rounds; logits "
-        f"{tuple(mean.shape)}, covariance {tuple(cov.shape)}):"
+        f"{tuple(head.mean.shape)}, covariance {tuple(cast(Tensor, head.cov).shape)}; the "
+        f"parts' loss {parts_loss:.6g} against the ELBO's {elbo_loss:.6g}):"
     )
-    for name, value in parts.items():
+    for name, value in spent.items():
         print(f"  {name}: {value:.2f}")
-    return parts
+    return {**spent, "loss (parts)": parts_loss, "loss (ELBO)": elbo_loss}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -69,6 +69,65 @@ def test_full_covariance_shape_ops_gather_the_covariance_exactly():
     torch.testing.assert_close(mixed.dvi_var, cov.diagonal(dim1=-2, dim2=-1).t())
 
 
+@pytest.mark.parametrize("mode", ["diag", "full"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda t: t.expand(4, 3),
+        lambda t: t.expand(-1, 3),
+        lambda t: t.view(4, 3),
+        lambda t: t.reshape(4, -1),
+        lambda t: torch.reshape(t, (4, 3)),
+        lambda t: t.contiguous(),
+        lambda t: t.clone(),
+    ],
+)
+def test_same_shape_ops_keep_the_moments_as_the_general_gather_does(op, mode):
+    # An op that moves no element (the plate's expand of a site already of its batch shape)
+    # keeps the moments as they are; the oracle is the general rule's index-probe gather.
+    from lightning_dvi.pyro import moment_rules
+
+    a = torch.randn(4, 3, 3, dtype=torch.float64)
+    cov = (a @ a.mT).requires_grad_()
+    mean = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    head = MomentTensor(mean, cov=cov, mode=mode, sources={"w"})  # a diag-mode head keeps cov
+    for marginal in (False, True):
+        head.dvi_marginal = marginal and mode == "full"
+        fast = op(head)
+        original = moment_rules._IDENTITY_IF_SAME_SHAPE
+        moment_rules._IDENTITY_IF_SAME_SHAPE = frozenset()
+        try:
+            general = op(head)
+        finally:
+            moment_rules._IDENTITY_IF_SAME_SHAPE = original
+        assert fast.dvi_marginal == general.dvi_marginal
+        assert (fast.dvi_cov is None) == (general.dvi_cov is None)
+        assert fast.dvi_sources == general.dvi_sources and fast.dvi_mode is general.dvi_mode
+        torch.testing.assert_close(fast.dvi_mean, general.dvi_mean, rtol=0, atol=0)
+        torch.testing.assert_close(fast.dvi_var, general.dvi_var, rtol=0, atol=0)
+        if general.dvi_cov is not None:
+            torch.testing.assert_close(fast.dvi_cov, general.dvi_cov, rtol=0, atol=0)
+            # and the gradients through both are the same
+            g_fast = torch.autograd.grad(
+                fast.dvi_cov.square().sum(), (mean, cov), allow_unused=True
+            )
+            g_gen = torch.autograd.grad(
+                general.dvi_cov.square().sum(), (mean, cov), allow_unused=True
+            )
+            torch.testing.assert_close(g_fast[1], g_gen[1], rtol=0, atol=0)
+    linked = torch.distributions.Categorical(logits=head, validate_args=False)  # log_softmax link
+    assert linked.logits.dvi_link == "log_softmax"
+    assert op(linked.logits).dvi_link == "log_softmax"
+
+
+def test_shape_ops_that_change_the_shape_still_gather():
+    mt = MomentTensor(torch.randn(4, 3), cov=torch.eye(3).expand(4, 3, 3), mode="full")
+    assert mt.expand(2, 4, 3).dvi_cov.shape == (2, 4, 3, 3)
+    assert mt.reshape(2, 2, 3).dvi_cov.shape == (2, 2, 3, 3)
+    with pytest.raises(RuntimeError):
+        mt.expand(5, 3)  # the op's own error, from the general rule
+
+
 def test_arithmetic_with_constants_and_independent_moments():
     w, b = _weights()
     c = torch.tensor([1.0, -2.0])

@@ -72,6 +72,17 @@ def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Mo
     unit of independent ones) keeps only marginals and marks the result ``dvi_marginal``.
     """
     _only_moment_operand(func, x, *args, *kwargs.values())
+    if (
+        func in _IDENTITY_IF_SAME_SHAPE
+        and not x.dvi_marginal
+        and _same_shape(func, x, args, kwargs)
+    ):
+        # e.g. the plate's `dist.expand(batch_shape)` of a site already of that shape: every
+        # element stays where it is, so the moments (a head's [N, K, K] covariance included)
+        # are the input's, without gathering them through index probes.
+        out = new_like(x, x.moments())
+        out.dvi_logits = x.dvi_logits
+        return out
     full = x.dvi_mode.full
     joint = (full or x.dvi_cov is not None) and not x.dvi_marginal  # diag mode: a head's cov
     g, exact = M.reindex_gaussian(x.moments(), func, *args, joint=joint, **kwargs)
@@ -79,6 +90,21 @@ def _shape_op(func: Callable[..., Any], x: Any, *args: Any, **kwargs: Any) -> Mo
     if x.dvi_logits is not None:  # sigmoid(f) reshaped: its logits are reshaped alike
         out.dvi_logits = _shape_op(func, x.dvi_logits, *args, **kwargs)
     return out
+
+
+#: Shape ops that move no element when the output has the input's shape (``view``/``reshape``
+#: keep the row-major order, ``expand`` to the same shape repeats nothing), and the copies.
+_IDENTITY_IF_SAME_SHAPE = frozenset(
+    (_T.expand, _T.view, _T.reshape, torch.reshape, _T.contiguous, _T.clone, torch.clone)
+)
+
+
+def _same_shape(func: Callable[..., Any], x: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(x, *args, **kwargs)`` has the shape of ``x`` (found on the plain mean)."""
+    try:
+        return func(x.dvi_mean, *args, **kwargs).shape == x.shape
+    except (RuntimeError, TypeError, ValueError):  # the general rule raises the op's own error
+        return False
 
 
 @register(_T.expand_as, _T.reshape_as, _T.view_as, kind="shape ops")
