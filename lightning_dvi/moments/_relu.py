@@ -99,11 +99,18 @@ def _relu_diag_forward(mean: Tensor, var: Tensor) -> tuple[Tensor, ...]:
     # where phi underflows anyway; CPU exp/erfc are ~10x slower on arguments that underflow.
     x = mu.abs().mul_(_SQRT_HALF).clamp_max_(math.sqrt(-math.log(e_min)))
     half = torch.special.erfc(x).mul_(0.5)  # Phi(-a), full relative precision in the tail
-    sq = x * x
-    # phi(a) = fl(pdf) (1 - err) with err = x^2 - fl(x^2), so M = Phi(-a) (1 + err) / pdf
-    mills = torch.addcmul(half, half, _neg_square_error(x, sq, split), value=-1)
-    pdf = sq.neg_().exp_().mul_(_INV_SQRT_2PI)  # phi(a), up to the rounding of x^2
-    mills.div_(pdf)
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        # the square of a float32 is exact in float64: phi(a) to float32's rounding from one
+        # float64 exp (6 aten ops fewer than the product's exact error below, and as fast)
+        x64 = x.double()
+        pdf = x64.mul(x64).neg_().exp_().mul_(_INV_SQRT_2PI).float()
+        mills = half / pdf
+    else:
+        sq = x * x
+        # phi(a) = fl(pdf) (1 - err) with err = x^2 - fl(x^2), so M = Phi(-a) (1 + err) / pdf
+        mills = torch.addcmul(half, half, _neg_square_error(x, sq, split), value=-1)
+        pdf = sq.neg_().exp_().mul_(_INV_SQRT_2PI)  # phi(a), up to the rounding of x^2
+        mills.div_(pdf)
     a = x.mul_(math.sqrt(2.0))  # in place: x is no longer needed
     u = 1 - a * mills  # 1 - a M
     w = torch.addcmul(mills, a, u, value=-1)  # (1 + a^2) M - a
