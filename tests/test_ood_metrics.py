@@ -128,7 +128,11 @@ def test_metrics_sync_across_two_processes(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     path = tmp_path / "values.pt"
-    mp.spawn(_ddp_worker, args=(2, port, str(path)), nprocs=2, join=True)
+    # Two real processes and a real gloo all-gather, started by fork: a spawned worker first
+    # re-imports torch, scikit-learn and the library (~8 s of CPU each), to run a few ms of work.
+    mp.start_processes(
+        _ddp_worker, args=(2, port, str(path)), nprocs=2, join=True, start_method="fork"
+    )
     score, label = _scores(seed=3)
     probs = torch.softmax(torch.randn(300, 3, generator=torch.Generator().manual_seed(4)), -1)
     target = torch.arange(300) % 3

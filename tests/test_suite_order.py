@@ -17,3 +17,22 @@ def test_long_first_moves_the_listed_tests_ahead_in_list_order_and_keeps_the_res
         "a.py::t2",
         "c.py::t",
     ]
+
+
+def test_every_long_first_entry_names_a_test_that_exists():
+    """A stale entry (a renamed test, a docs block that moved) would silently start nothing first:
+    each names a test file, a test function defined in it, and a docs block's fence line."""
+    import re
+
+    from conftest import LONG_FIRST, REPO
+
+    for prefix in LONG_FIRST:
+        path, _, name = prefix.partition("::")
+        source = (REPO / path).read_text()
+        function = name.split("[")[0]
+        if function:
+            assert re.search(rf"^def {re.escape(function)}", source, re.M), prefix
+        block = re.fullmatch(r"test_documented_example_runs\[(.+):(\d+)\]", name)
+        if block:
+            lines = (REPO / block[1]).read_text().splitlines()
+            assert lines[int(block[2]) - 1].startswith("```"), prefix

@@ -151,6 +151,9 @@ class Config:
         whole_rows: the whole-network fine-tune sees only this many training rows (its
             moment pass costs hundreds of forward passes; the KL is still divided by the full
             training-set size).
+        whole_val_rows: the whole-network fine-tune validates (its best epoch, and
+            ``DVIClassifier(calibrate=True)``'s calibration: a few dozen moment passes) on only
+            the first this many validation rows (``None``: all), for a quick run.
         prior_variance: the Gaussian prior variance of the DVI rows and of ``posthoc_det``'s
             standard deviations before calibration.
         calibration_rows: validation rows the calibrated rows fit their factor on.
@@ -181,6 +184,7 @@ class Config:
     last_budget: Budget = field(default_factory=lambda: Budget(epochs=5, lr=1e-2, batch_size=64))
     whole_budget: Budget = field(default_factory=lambda: Budget(epochs=1, lr=1e-4, batch_size=64))
     whole_rows: int = 128
+    whole_val_rows: int | None = None
     prior_variance: float = 0.1
     calibration_rows: int = 24
     calibration_bounds: tuple[float, float] = (0.01, 10.0)
@@ -206,6 +210,7 @@ class Config:
             ivon_lr=0.5,
             last_budget=Budget(epochs=1, lr=1e-2, batch_size=64),
             whole_rows=32,
+            whole_val_rows=8,
             whole_budget=Budget(epochs=1, lr=1e-4, batch_size=32),
             calibration_rows=8,
             calibration_tol=0.5,
@@ -542,6 +547,9 @@ def fit_whole(task: Task, base: Fitted, config: Config, seed: int) -> Fitted:
     rows = torch.randperm(split.num_train, generator=torch.Generator().manual_seed(seed))
     rows = rows[: config.whole_rows]
     few = replace(split, x_train=split.x_train[rows], y_train=split.y_train[rows])
+    if config.whole_val_rows is not None:
+        val = slice(0, config.whole_val_rows)
+        few = replace(few, x_val=split.x_val[val], y_val=split.y_val[val])
     fitted = _dvi_row(replace(task, split=few), net, config.whole_budget, config, seed, len(rows))
     fitted.details["rows"] = len(rows)
     fitted.train_seconds += seconds
