@@ -97,3 +97,16 @@ def test_parity_trajectory_deterministic_guide_does_not_depend_on_the_evaluation
         [*base, "--every", "20", "--init-scale", "0.1", "--init-means", "normal:0.1"]
     )
     assert small[-1]["loss"] != once[-1]["loss"]  # the options reach the guide
+
+
+def test_step_ab_same_shape_rule_leaves_every_loss_unchanged():
+    # The A/B behind docs/pyro.md's step-cost table: the deterministic guide with and without
+    # the rule for shape ops that move no element reports the same loss at every step.
+    module = load_recipe("pyro_step_ab")
+    summary = module.main(["--data", "cancer", "--warmup", "3", "--rounds", "3"])
+    assert summary["identical_losses"] is True
+    assert set(summary) == {"identical_losses", "autonormal", "dvi", "dvi_before"}
+    assert summary["autonormal"]["x_autonormal"] == pytest.approx(1.0)
+    from lightning_dvi.pyro import moment_rules
+
+    assert moment_rules._IDENTITY_IF_SAME_SHAPE  # the recipe put the rule back
