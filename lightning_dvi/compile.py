@@ -12,6 +12,18 @@ while traced (:mod:`lightning_dvi.moments.policy`), so inductor fuses them into 
 A bare ``torch.compile(net)`` or ``torch.compile(elbo)`` also traces without graph breaks, but
 then performs no value checks at all; prefer these wrappers.
 
+**A second run loads the compile from disk.** Inductor caches its compiled graphs
+(``TORCHINDUCTOR_CACHE_DIR``), and AOTAutograd caches the traced and partitioned joint
+forward/backward graph, but by default it refuses graphs that contain a custom
+:class:`torch.autograd.Function` (the ReLU moments, the fused head and the KL are such
+Functions), so every run re-traced the joint graph. The wrappers here turn on
+``torch._functorch.config.autograd_cache_allow_custom_autograd_functions`` (process-wide: it
+only lets such graphs into the cache; their forward and backward bodies are part of the cache
+key) and, for inductor's default mode, compile with ``cpp_cache_precompile_headers=False`` (a
+cache hit otherwise still runs the C++ preprocessor over inductor's kernel header to key the
+precompiled header). What a second run still pays is Dynamo's tracing of the Python and
+loading the compiled kernels: docs/speed_current.md, ``recipes/compile_cache.py``.
+
 Examples:
     >>> import torch
     >>> from lightning_dvi.compile import compile_elbo, compile_network
@@ -72,6 +84,27 @@ def compile_options(compile: bool | str | dict[str, Any]) -> dict[str, Any] | No
     )
 
 
+_CACHE_FRIENDLY_INDUCTOR_OPTIONS: dict[str, Any] = {"cpp_cache_precompile_headers": False}
+"""Inductor options added to a default-mode inductor compile (see the module docstring)."""
+
+
+def _cache_friendly(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for :func:`torch.compile` with the on-disk caches made to hit on a second run.
+
+    Turns on AOTAutograd's cache for graphs with custom autograd Functions (process-wide) and,
+    when the backend is inductor and no ``mode`` is given, adds
+    ``_CACHE_FRIENDLY_INDUCTOR_OPTIONS`` under ``options`` (the caller's own inductor
+    options win). ``torch.compile`` rejects ``mode`` together with ``options``, so a ``mode``
+    keeps inductor's defaults.
+    """
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
+    options = dict(options)
+    if options.get("backend", "inductor") == "inductor" and options.get("mode") is None:
+        options.pop("mode", None)
+        options["options"] = {**_CACHE_FRIENDLY_INDUCTOR_OPTIONS, **(options.get("options") or {})}
+    return options
+
+
 def _check_input(x: Tensor) -> None:
     if not isinstance(x, Tensor) or x.dim() < 1 or not x.dtype.is_floating_point:
         shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -90,7 +123,7 @@ def compile_network(net: nn.Module, **options: Any) -> Callable[..., Moments]:
     Returns:
         A callable with the signature of ``net.forward`` for tensor inputs.
     """
-    compiled = torch.compile(net, **options)
+    compiled = torch.compile(net, **_cache_friendly(options))
 
     def forward(
         x: Tensor, mode: Mode | Propagation = "full", num_samples: int | None = None
@@ -136,7 +169,7 @@ class CompiledELBO:
         self.net, self.likelihood, self.prior = net, likelihood, prior
         self.mode, self.num_samples = self.propagation.name, num_samples
         self.options = options
-        self._compiled = torch.compile(self._parts, **options)
+        self._compiled = torch.compile(self._parts, **_cache_friendly(options))
 
     def _parts(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         return expected_log_likelihood_and_kl(
