@@ -102,7 +102,7 @@ _IDENTITY_IF_SAME_SHAPE = frozenset(
 def _same_shape(func: Callable[..., Any], x: Any, args: tuple, kwargs: dict) -> bool:
     """Whether ``func(x, *args, **kwargs)`` has the shape of ``x`` (found on the plain mean)."""
     try:
-        return func(x.dvi_mean, *args, **kwargs).shape == x.shape
+        return bool(func(x.dvi_mean, *args, **kwargs).shape == x.shape)
     except (RuntimeError, TypeError, ValueError):  # the general rule raises the op's own error
         return False
 
