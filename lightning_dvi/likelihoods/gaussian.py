@@ -378,7 +378,7 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         packed = out.cov if out.cov is not None else out.var
         if (
             not y.requires_grad
-            and y.shape == out.mean.shape[:-1]
+            and y.shape == out.mean.shape[:-1] == packed.shape[: out.mean.dim() - 1]
             and policy.use_fused(out.mean, packed, y)
         ):
             # one autograd node with its closed-form backward (the eager training step)
