@@ -670,18 +670,23 @@ class _ReluCovBand(torch.autograd.Function):
         for i, (n0, n1) in enumerate(blocks):
             ws.start((n1 - n0, k, d))
             c, ops = _band_block(ws, cov, upper, vectors, n0, n1)
-            if kept:
-                coefs = kept[i]
-            else:
-                coefs = _band_factors(ws, ws, c, ops, ctx.gain, True)[1]  # type: ignore[attr-defined]  # set in forward
-                assert coefs is not None
+            gain: float = ctx.gain  # type: ignore[attr-defined]  # set in forward
+            recomputed = None if kept else _band_factors(ws, ws, c, ops, gain, True)[1]
+            coefs = kept[i] if kept else recomputed
+            assert coefs is not None  # kept, or just recomputed
             nb = n1 - n0
             g = torch.gather(g_flat[n0:n1], 1, upper.expand(nb, -1), out=ws.take().view(nb, -1))
             g.add_(torch.gather(g_flat[n0:n1], 1, lower.expand(nb, -1)))  # G = g + g^T
             g[:, pairs:] = 0  # each pair counts once
             g = g.view(nb, k, d)
 
-            def emit(key: str, piece: Tensor, n0: int = n0, n1: int = n1, ops=ops) -> None:
+            def emit(
+                key: str,
+                piece: Tensor,
+                n0: int = n0,
+                n1: int = n1,
+                ops: dict[str, tuple[Tensor, Tensor]] = ops,
+            ) -> None:
                 acc, partner = sums[key][n0:n1], _PARTNERS[key]
                 if partner is None:
                     acc += piece.sum(1)
