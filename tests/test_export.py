@@ -174,7 +174,10 @@ def test_onnx_files_match_torch_in_onnxruntime_without_lightning_dvi(tmp_path):
         got = np.load(tmp_path / f"{name}_out.npz")
         assert len(got.files) == len(ref), name
         for i, r in enumerate(ref):
-            np.testing.assert_allclose(got[f"arr_{i}"], r.numpy(), rtol=0, atol=1e-5, err_msg=name)
+            # rtol: float32 round-off of exp() at the Poisson means (hundreds: 5e-4 = 7e-7 rel)
+            np.testing.assert_allclose(
+                got[f"arr_{i}"], r.numpy(), rtol=2e-6, atol=1e-5, err_msg=name
+            )
 
 
 def test_bad_exports_rejected(tmp_path):
