@@ -19,9 +19,7 @@ forward/backward graph, but by default it refuses graphs that contain a custom
 Functions), so every run re-traced the joint graph. The wrappers here turn on
 ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions`` (process-wide: it
 only lets such graphs into the cache; their forward and backward bodies are part of the cache
-key) and, for inductor's default mode, compile with ``cpp_cache_precompile_headers=False`` (a
-cache hit otherwise still runs the C++ preprocessor over inductor's kernel header to key the
-precompiled header). What a second run still pays is Dynamo's tracing of the Python and
+key). What a second run still pays is Dynamo's tracing of the Python, guard building and
 loading the compiled kernels: docs/speed_current.md, ``recipes/compile_cache.py``.
 
 Examples:
@@ -84,25 +82,14 @@ def compile_options(compile: bool | str | dict[str, Any]) -> dict[str, Any] | No
     )
 
 
-_CACHE_FRIENDLY_INDUCTOR_OPTIONS: dict[str, Any] = {"cpp_cache_precompile_headers": False}
-"""Inductor options added to a default-mode inductor compile (see the module docstring)."""
-
-
 def _cache_friendly(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` for :func:`torch.compile` with the on-disk caches made to hit on a second run.
+    """``options`` for :func:`torch.compile`, after letting AOTAutograd cache our graphs.
 
-    Turns on AOTAutograd's cache for graphs with custom autograd Functions (process-wide) and,
-    when the backend is inductor and no ``mode`` is given, adds
-    ``_CACHE_FRIENDLY_INDUCTOR_OPTIONS`` under ``options`` (the caller's own inductor
-    options win). ``torch.compile`` rejects ``mode`` together with ``options``, so a ``mode``
-    keeps inductor's defaults.
+    Turns on ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions``
+    (process-wide; see the module docstring) and returns ``options`` unchanged.
     """
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
-    options = dict(options)
-    if options.get("backend", "inductor") == "inductor" and options.get("mode") is None:
-        options.pop("mode", None)
-        options["options"] = {**_CACHE_FRIENDLY_INDUCTOR_OPTIONS, **(options.get("options") or {})}
-    return options
+    return dict(options)
 
 
 def _check_input(x: Tensor) -> None:
