@@ -258,7 +258,7 @@ def test_every_candidate_is_a_runner_setting_and_today_is_the_pre_issue_45_proto
 
 def test_the_runners_default_is_the_leave_one_out_choice():
     """Issue 45: the default protocol is the candidate chosen leave-one-data-set-out."""
-    assert uci.DEFAULTS == uci.PRESETS["lbfgs"] == loo.CANDIDATES["paired-trim1-grow"]
+    assert uci.DEFAULTS == uci.PRESETS["lbfgs"] == loo.CANDIDATES["paired-trim1-kept"]
     # --preset lbfgs-best: today's rule with the full-batch protocol at every size (large_rows=0)
     assert uci.PRESETS["lbfgs-best"] == replace(loo.CANDIDATES["today"], large_rows=0)
 
