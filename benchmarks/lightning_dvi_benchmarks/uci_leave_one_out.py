@@ -259,11 +259,15 @@ def stops_no_earlier(a: Settings, b: Settings) -> bool:
     """
     if a.selection != "paired" or b.selection != "paired":
         return a == b
-    waits = {"patience": b.patience, "patience_growth": b.patience_growth,
-             "patience_on": b.patience_on}  # fmt: skip
     on = a.patience_on == b.patience_on or (a.patience_on, b.patience_on) == ("kept", "best")
+    same_otherwise = (
+        replace(
+            a, patience=b.patience, patience_growth=b.patience_growth, patience_on=b.patience_on
+        )
+        == b
+    )
     return (
-        replace(a, **waits) == b
+        same_otherwise
         and on
         and a.patience >= b.patience
         and a.patience_growth >= b.patience_growth
