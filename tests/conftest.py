@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 # tests/test_long_first.py fails on one.
 LONG_FIRST = (
     "tests/test_export.py::test_onnx_files_match_torch_in_onnxruntime",
-    "tests/test_docs_examples.py::test_documented_example_runs[README.md:166]",
+    "tests/test_docs_examples.py::test_documented_example_runs[README.md:167]",
     "tests/test_resume_cli.py::test_a_killed_fit_resumes",
     "tests/test_export_fresh_process.py::",
     "tests/test_transformer_benchmark.py::test_quick_recipe_run",

@@ -50,7 +50,9 @@ def test_diag_and_full_parts_match_the_selects() -> None:
         want = LF.heteroscedastic_expected_log_prob(
             mean[:, 0], cov[:, 0, 0], mean[:, 1], cov[:, 1, 1], cov_ml, y
         )
-        assert torch.equal(lik.expected_log_prob(out, y), want)
+        # the module runs the packed one-node form (eab61fb): the same formula, a last-bit
+        # rounding apart; selecting the wrong covariance part moves the value by 48-93 %
+        torch.testing.assert_close(lik.expected_log_prob(out, y), want, rtol=1e-14, atol=0.0)
 
 
 @pytest.mark.parametrize(
