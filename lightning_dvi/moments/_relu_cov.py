@@ -72,6 +72,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -418,26 +419,32 @@ class _Kept:
         return buf
 
 
-def _block_factors(
+def _factors(
     ws: _Workspace,
-    stack: Tensor,
+    keep: _Scratch | _Kept | None,
     t: _Terms,
-    sl: tuple[int, int, int, int],
-    vectors: tuple[Tensor, Tensor],
-) -> tuple[Tensor, Tensor | None, _Coefficients]:
-    """One block's unclamped covariance, the clamp's bound where it binds, and the factors.
+    cdf: tuple[Tensor, Tensor],
+    osd: tuple[Tensor, Tensor],
+) -> tuple[Tensor, Tensor | None, _Coefficients | None]:
+    """A block's unclamped covariance, the clamp's bound where it binds, and the factors.
 
-    The factors are written into ``stack``. ``vectors``: ``(cdf, osd)`` of all units. The
-    host read (does any entry bind?) skips the clamp in the forward and its gradient in the
-    backward where no entry binds: free on a CPU.
+    ``cdf`` and ``osd`` are the ``(row unit, partner)`` operands of the block; the factors are
+    written through ``keep`` (``None``: not computed). The host read (does any entry bind?)
+    skips the clamp in the forward and its gradient in the backward where no entry binds: free
+    on a CPU. Both executors (row bands and circulant bands) call this.
     """
-    cdf, osd = vectors
-    cdf_jl, osd_jl = _slices(cdf, sl), _slices(osd, sl)
-    sk, raw = _raw(ws, t, *cdf_jl)
-    bound, excess = _excess(ws, raw, osd_jl)
+    sk, raw = _raw(ws, t, *cdf)
+    bound, excess = _excess(ws, raw, osd)
     binds = bool(excess.amax() > 0)
-    coefs = _coefficients(ws, _Kept(stack), t, sk, raw, cdf_jl, excess if binds else None)
+    coefs = None
+    if keep is not None:
+        coefs = _coefficients(ws, keep, t, sk, raw, cdf, excess if binds else None)
     return raw, bound if binds else None, coefs
+
+
+def _clamp_to(raw: Tensor, bound: Tensor) -> None:
+    r"""``raw`` clamped to :math:`\pm` ``bound`` in place (``bound`` is negated in place)."""
+    torch.maximum(torch.minimum(raw, bound, out=raw), bound.neg_(), out=raw)
 
 
 class _ReluCov(torch.autograd.Function):
@@ -468,10 +475,12 @@ class _ReluCov(torch.autograd.Function):
             t = _block_terms(ws, cov, sd, mu, sl, gain)
             if keep:
                 stack = torch.empty(_KEPT, *ws.shape, dtype=cov.dtype, device=cov.device)
-                raw, bound, coefs = _block_factors(ws, stack, t, sl, (cdf, osd))
-                kept.append(coefs)
+                raw, bound, coefs = _factors(
+                    ws, _Kept(stack), t, _slices(cdf, sl), _slices(osd, sl)
+                )
+                kept.append(cast(_Coefficients, coefs))
                 if bound is not None:  # clamp to +-sqrt(V_j V_l) in place
-                    torch.maximum(torch.minimum(raw, bound, out=raw), bound.neg_(), out=raw)
+                    _clamp_to(raw, bound)
             else:
                 raw = _clamp(ws, _raw(ws, t, *_slices(cdf, sl))[1], *_slices(osd, sl))
             torch.hardshrink(raw, tail_cutoff(raw.dtype), out=raw)
@@ -506,7 +515,10 @@ class _ReluCov(torch.autograd.Function):
             else:
                 t = _block_terms(ws, cov, sd, mu, sl, ctx.gain)  # type: ignore[attr-defined]  # set in forward
                 stack = ws.take_many(_KEPT)
-                coefs = _block_factors(ws, stack, t, sl, (cdf, osd))[2]
+                coefs = cast(
+                    _Coefficients,
+                    _factors(ws, _Kept(stack), t, _slices(cdf, sl), _slices(osd, sl))[2],
+                )
                 block = t.cov
 
             def emit(key: str, piece: Tensor, sl: tuple[int, int, int, int] = sl) -> None:
@@ -584,14 +596,9 @@ def _band_factors(
     and ``osd`` to their ``(row unit, partner)`` operands (``[nb, 1, D]``, ``[nb, K, D]``).
     """
     t = _Terms(ws, c, *ops["sd"], *ops["mu"], gain)
-    sk, raw = _raw(ws, t, *ops["cdf"])
-    bound, excess = _excess(ws, raw, ops["osd"])
-    binds = bool(excess.amax() > 0)
-    coefs = None
-    if factors:
-        coefs = _coefficients(ws, keep, t, sk, raw, ops["cdf"], excess if binds else None)
-    if binds:  # clamp to +-sqrt(V_j V_l) in place
-        torch.maximum(torch.minimum(raw, bound, out=raw), bound.neg_(), out=raw)
+    raw, bound, coefs = _factors(ws, keep if factors else None, t, ops["cdf"], ops["osd"])
+    if bound is not None:  # clamp to +-sqrt(V_j V_l) in place
+        _clamp_to(raw, bound)
     return raw, coefs
 
 
