@@ -551,7 +551,8 @@ def _train_rows(dm: Any, rows: int, seed: int) -> Any:
         test_dataset = dm.test_dataset  # for callbacks that score the test rows per step
 
         def train_dataloader(self) -> Any:
-            return DataLoader(subset, batch_size=len(subset), shuffle=False)
+            # the whole subset as one ready batch: no per-row fetch and collate each step
+            return DataLoader([subset.tensors], batch_size=None)
 
         def val_dataloader(self) -> Any:
             return dm.val_dataloader()

@@ -123,12 +123,14 @@ def _relu_diag_forward(mean: Tensor, var: Tensor) -> tuple[Tensor, ...]:
     cut = tail_cutoff(mean.dtype)
     out_mean = torch.threshold_((relu + pu).mul_(sd), cut, 0.0)
     pw = w.mul_(pdf)
-    pos = mu > 0
+    # 1 where mu > 0, else 0, as a float weight: lerp(x, y, 0/1) selects x or y exactly, at a
+    # tenth of the cost of torch.where with a bool mask on a CPU
+    pos = mu.sign().clamp_min_(0)
     # (phi u)^2 only matters where it is above ~eps * phi w: below, it would be subnormal
     pu_sq = torch.threshold(pu, 1e-18 if mean.dtype == torch.float32 else 1e-150, 0.0)
-    out_var = torch.where(pos, 1 - pw, pw).sub_(pu_sq * torch.add(pu, relu, alpha=2))
+    out_var = torch.lerp(pw, 1 - pw, pos).sub_(pu_sq * torch.add(pu, relu, alpha=2))
     out_var = torch.threshold_(out_var.mul_(var_c), cut, 0.0)
-    cdf = torch.threshold_(torch.where(pos, 1 - half, half), cut, 0.0)
+    cdf = torch.threshold_(torch.lerp(half, 1 - half, pos), cut, 0.0)
     # 2 E[h], not the output E[h] itself: a saved output costs a detach when saved and when
     # unpacked, and the backward wants the doubled value
     dens = torch.threshold_(pdf.div_(sd), cut, 0.0)
