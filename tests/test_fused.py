@@ -22,6 +22,7 @@ from lightning_dvi.moments import (
     policy,
     relu_diag,
 )
+from lightning_dvi.moments.linear import _gram
 from lightning_dvi.nn import mlp
 from lightning_dvi.objective import elbo
 from lightning_dvi.priors import EmpiricalBayes
@@ -89,6 +90,30 @@ def test_fused_values_and_gradients_match_autograd_through_the_formula(kind, lea
 def test_fused_backward_passes_gradcheck(kind, lead, bias):
     args = _layer_args(kind, lead, k=3, bias=bias)
     assert torch.autograd.gradcheck(_FNS[kind], tuple(args))
+
+
+def test_first_layer_weight_gradients_match_autograd_with_the_narrow_operand_first():
+    """A wide first layer on a narrow input at a batch where ``_gram`` swaps the product order."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(600, 9, dtype=F64, generator=gen)
+    w_loc, w_var = (
+        torch.randn(100, 9, dtype=F64, generator=gen),
+        torch.rand(100, 9, dtype=F64, generator=gen),
+    )
+    assert not _gram(torch.zeros(600, 100), torch.zeros(600, 9)).is_contiguous()  # swapped
+    wrt = [w_loc.requires_grad_(), w_var.requires_grad_()]
+    _, _, got, want = _against_the_formula(
+        lambda: linear_deterministic(x, *wrt), wrt, FUSED_NODES["deterministic"]
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_gram_is_the_transposed_product_in_either_order():
+    gen = torch.Generator().manual_seed(4)
+    for rows, p, q in ((600, 100, 9), (600, 9, 100), (8, 50, 4), (600, 30, 30)):
+        a, b = (torch.randn(rows, n, dtype=F64, generator=gen) for n in (p, q))
+        torch.testing.assert_close(_gram(a, b), a.t() @ b, rtol=1e-13, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", list(_FNS))
