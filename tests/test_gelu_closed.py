@@ -302,3 +302,99 @@ def test_buffered_excess_in_the_narrow_case_against_owens_t(narrow):
     slow = S.gelu_closed_diag(m.requires_grad_(), var)
     torch.testing.assert_close(fast[0], slow[0].detach(), rtol=1e-12, atol=1e-300)
     torch.testing.assert_close(fast[1], slow[1].detach(), rtol=1e-9, atol=1e-300)
+
+
+@pytest.mark.parametrize("v", [1e-6, 1e-3, 1e-2, 0.05, 0.1, 0.5])
+def test_slope_rule_is_the_first_hermite_term(v):
+    """``rule="slope"``: the closed form's exact mean, and a variance short of the exact one
+    (scipy adaptive quadrature) by the Hermite remainder e2^2 v^2/2 + e3^2 v^3/6 + O(v^4),
+    never above it; within 1e-3 absolute for v <= 0.05 (float64)."""
+    m = np.linspace(-6, 6, 41)
+    s = math.sqrt(v)
+    exact_mean = np.array([_quad(_gelu, mi, s) for mi in m])
+    exact_var = np.array(
+        [
+            _quad(lambda x, c=c: (_gelu(x) - c) ** 2, mi, s)
+            for mi, c in zip(m, exact_mean, strict=True)
+        ]
+    )
+    mean_t = torch.tensor(m, dtype=torch.float64)
+    mean, var = S.gelu_slope_diag(mean_t, torch.full_like(mean_t, v))
+    np.testing.assert_allclose(mean.numpy(), exact_mean, rtol=1e-9, atol=1e-14)
+    gap = exact_var - var.numpy()
+    t = 1 + v
+    h, mu, vp = m / math.sqrt(t), m / t, v / t
+    pdf_r = np.exp(-0.5 * h * h) / np.sqrt(2 * np.pi * t)
+    e2, e3 = pdf_r * (2 - mu * mu - vp), pdf_r * mu * (mu * mu + 3 * vp - 4)
+    remainder = e2**2 * v**2 / 2 + e3**2 * v**3 / 6
+    assert gap.min() >= -1e-9 * exact_var.max()
+    np.testing.assert_allclose(gap, remainder, rtol=1e-6, atol=2 * v**4 + 1e-15)
+    if v <= 0.05:
+        assert gap.max() < 1e-3
+
+
+def test_slope_rule_full_mode_and_module():
+    """Full mode: the first Mehler term, whose diagonal is the diag rule's variance (PSD);
+    the module and ``set_rules`` take it; tanh GELUs refuse it."""
+    torch.manual_seed(0)
+    a = torch.randn(4, 4, dtype=torch.float64)
+    cov = 0.05 * a @ a.T
+    mean = torch.randn(4, dtype=torch.float64)
+    out_mean, out_cov = S.gelu_slope_full(mean, cov)
+    d_mean, d_var = S.gelu_slope_diag(mean, cov.diagonal())
+    torch.testing.assert_close(out_mean, d_mean, rtol=1e-14, atol=0)
+    torch.testing.assert_close(out_cov.diagonal(), d_var, rtol=1e-14, atol=0)
+    assert float(torch.linalg.eigvalsh(out_cov).min()) >= -1e-15
+    e1 = S.gelu_closed_slope(mean, cov.diagonal())
+    torch.testing.assert_close(out_cov, e1[:, None] * cov * e1[None, :], rtol=1e-14, atol=0)
+    g = GELU(rule="slope")
+    x = Gaussian(mean.unsqueeze(0), var=cov.diagonal().unsqueeze(0))
+    out = g(x, mode="diag")
+    torch.testing.assert_close(out.var[0], d_var, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="exact GELU"):
+        GELU("tanh", rule="slope")
+    net = Sequential(BayesLinear(2, 3), GELU())
+    assert posthoc.set_rules(net, gelu_rule="slope") == 1 and net[1].rule == "slope"
+
+
+def test_slope_rule_network_against_weight_draws():
+    """A residual GELU network at a posterior's scale (weight sd 0.1), slope rule, full mode:
+    within 0.05 MC sd on the mean and 3 % on the sd of 20,000 weight draws (measured 1.4 %;
+    the closed rule 0.7 %); in diag mode (whose error, 11 %, is the dropped correlations,
+    the same for both rules) its sd is within 2 % of the closed rule's."""
+    torch.manual_seed(0)
+    layers = [
+        BayesLinear(3, 8, init_scale=0.1),
+        Residual(
+            BayesLinear(8, 16, init_scale=0.1),
+            GELU(rule="slope"),
+            BayesLinear(16, 8, init_scale=0.1),
+        ),
+        BayesLinear(8, 2, init_scale=0.1),
+    ]
+    net = Sequential(*layers).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    torch.manual_seed(1)
+    res = compare_with_monte_carlo(net, x, mode="full", num_samples=20_000, chunk_size=5_000)
+    assert res.mean_error <= 0.05 and res.std_rel_error <= 0.03, res
+    with torch.no_grad():
+        slope = net(x, mode="diag")
+        posthoc.set_rules(net, gelu_rule="closed")
+        closed = net(x, mode="diag")
+    torch.testing.assert_close(slope.mean, closed.mean, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(slope.var.sqrt(), closed.var.sqrt(), rtol=0.02, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_slope_rule_in_place_path_equals_the_autograd_path(dtype):
+    """``rule="slope"`` without autograd runs in place: the same values as with it."""
+    torch.manual_seed(0)
+    m = 3 * torch.randn(4, 5, 33, dtype=dtype)
+    v = torch.rand(4, 5, 33, dtype=dtype) * torch.logspace(-6, 1, 33, dtype=dtype)
+    with torch.no_grad():
+        fast = S.gelu_slope_diag(m, v)
+    slow = S.gelu_slope_diag(m.clone().requires_grad_(), v.clone().requires_grad_())
+    eps = torch.finfo(dtype).eps
+    for a, b in zip(fast, slow, strict=True):
+        assert a.shape == m.shape
+        torch.testing.assert_close(a, b.detach(), rtol=8 * eps, atol=0)

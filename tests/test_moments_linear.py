@@ -134,3 +134,32 @@ def test_full_from_diag_equals_full_with_diagonal_covariance(d_out, dtype):
     slow = linear_full(m, torch.diag_embed(v), *params)
     torch.testing.assert_close(fast, tuple(t.to(dtype) for t in slow))
     torch.testing.assert_close(fast[1], fast[1].mT, rtol=0, atol=0)  # exactly symmetric
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(7,), (3, 5)])
+def test_linear_diag_without_autograd_equals_the_formula(bias, lead):
+    """No gradient to take: the variance as one matmul over [v, m^2] against [M^2 + V, V]
+    (float64 oracle: the written-out formula), batch dimensions kept."""
+    from lightning_dvi.moments.linear import _linear_diag_formula
+
+    gen = torch.Generator().manual_seed(0)
+    f64 = torch.float64
+    mean = torch.randn(*lead, 6, generator=gen, dtype=f64)
+    var = torch.rand(*lead, 6, generator=gen, dtype=f64)
+    w, w_var = (
+        torch.randn(4, 6, generator=gen, dtype=f64),
+        torch.rand(4, 6, generator=gen, dtype=f64),
+    )
+    b = torch.randn(4, generator=gen, dtype=f64) if bias else None
+    b_var = torch.rand(4, generator=gen, dtype=f64) if bias else None
+    want_mean, want_var = _linear_diag_formula(mean, var, w, w_var, b, b_var)[:2]
+    with torch.no_grad():
+        got_mean, got_var = linear_diag(mean, var, w, w_var, b, b_var)
+    assert got_var.shape == want_var.shape == (*lead, 4)
+    torch.testing.assert_close(got_mean, want_mean, rtol=1e-14, atol=0)
+    torch.testing.assert_close(got_var, want_var, rtol=1e-13, atol=0)
+    # with a gradient to take: the fused Function, the same values
+    w.requires_grad_(True)
+    _, g_var = linear_diag(mean, var, w, w_var, b, b_var)
+    torch.testing.assert_close(g_var.detach(), want_var, rtol=1e-13, atol=0)

@@ -82,6 +82,7 @@ DIAG = {
     },
     "gelu_closed_diag": S.gelu_closed_diag,
     "gelu_closed_slope": S.gelu_closed_slope,
+    "gelu_slope_diag": S.gelu_slope_diag,
     "normal_cdf": lambda m, v: M.normal_cdf(m / v.sqrt()),
     "normal_pdf": lambda m, v: M.normal_pdf(m / v.sqrt()),
     "max_of_gaussians": lambda m, v: M.max_of_gaussians(m, v, torch.zeros_like(m), v),
@@ -119,6 +120,7 @@ FULL = {
         for k in ("gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
     },
     "gelu_closed_full": S.gelu_closed_full,
+    "gelu_slope_full": S.gelu_slope_full,
     "mehler_cov": lambda m, c: (
         _mehler.mehler_cov(c, torch.stack([m, m, m], -1).tanh(), c.diagonal(0, -2, -1)),
     ),

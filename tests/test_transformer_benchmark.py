@@ -90,7 +90,10 @@ def test_one_pass_and_monte_carlo_predictives_are_probabilities() -> None:
     monte_carlo = tb.ivon_mc_row(task, fit, 8).predict(x)
     fast = tb.fit_posthoc_ivon_rules(fit, "posthoc_ivon_fast").predict(x)
     closed = tb.fit_posthoc_ivon_rules(fit, "posthoc_ivon_closed").predict(x)
-    for probs in (one_pass, monte_carlo, fast, closed):
+    indep = tb.fit_posthoc_ivon_rules(fit, "posthoc_ivon_indep").predict(x)
+    slope = tb.fit_posthoc_ivon_rules(fit, "posthoc_ivon_slope").predict(x)
+    suq = tb.fit_posthoc_ivon_rules(fit, "posthoc_ivon_suq").predict(x)
+    for probs in (one_pass, monte_carlo, fast, closed, slope, suq):
         assert probs.shape == (16, 9)
         assert bool((probs >= 0).all())
         torch.testing.assert_close(probs.sum(-1), torch.ones(16), atol=1e-5, rtol=0)
@@ -99,6 +102,12 @@ def test_one_pass_and_monte_carlo_predictives_are_probabilities() -> None:
     assert float((fast - monte_carlo).abs().sum(-1).mean()) < 0.5
     # GELU's closed form stands in for its quadrature: the same predictive to float32 rounding
     torch.testing.assert_close(closed, fast, atol=1e-5, rtol=0)
+    # GELU's slope rule and the probit part left out within its 0.03 bound (at this small
+    # posterior scale the variance's quadratic part is far below it); SUQ's predictive too
+    assert float(0.5 * (slope - indep).abs().sum(-1).max()) <= 0.03
+    assert float(0.5 * (suq - indep).abs().sum(-1).max()) <= 0.03
+    with pytest.raises(ValueError, match="unknown predictive"):
+        tb.categorical_from_moments("nope")  # type: ignore[arg-type]
 
 
 def test_module_times_cover_every_module_and_leave_the_network_as_it_was() -> None:

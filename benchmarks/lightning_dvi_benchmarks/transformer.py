@@ -39,7 +39,16 @@ Rows (every one after ``deterministic`` starts from a trained network):
   ``posthoc_ivon_closed`` with those and GELU's closed form (``gelu_rule="closed"``): the
   cheap rule set of :func:`~lightning_dvi.nn.posthoc.set_rules`; ``posthoc_ivon_indep``
   adds SUQ's skip connections (``skip_rule="independent"``: skip and branch added as
-  independent, no cross-covariance carried through the branches);
+  independent, no cross-covariance carried through the branches); ``posthoc_ivon_slope``
+  adds GELU's slope rule (``gelu_rule="slope"``: the exact mean, the variance's term linear
+  in the input variance, :func:`~lightning_dvi.moments.smooth.gelu_slope_diag`) and leaves
+  the categorical predictive's multinomial-probit part out where that moves it by at most
+  0.03 in total variation (``probit_tolerance=0.03`` of
+  :func:`~lightning_dvi.likelihoods.predictive.categorical_predictive`), and
+  ``posthoc_ivon_suq`` is SUQ's rule set throughout: those rules and the pairwise mean-field
+  probit predictive (Lu, Ie & Sha 2020;
+  :func:`~lightning_dvi.likelihoods.functional.categorical_mean_field_predictive`) in place
+  of the library's;
 * ``ivon_mean``: the IVON network at its posterior means, one torch forward pass and a softmax
   (no variance at all: what the posterior's uncertainty adds to the rows above);
 * ``ivon_mc8``, ``ivon_mc32``: the Monte Carlo predictive of that same IVON posterior,
@@ -124,6 +133,8 @@ ROWS = (
     "posthoc_ivon_fast",
     "posthoc_ivon_closed",
     "posthoc_ivon_indep",
+    "posthoc_ivon_slope",
+    "posthoc_ivon_suq",
     "ivon_mean",
     "ivon_mc8",
     "ivon_mc32",
@@ -568,21 +579,45 @@ def fit_temperature_row(task: Task, base: Fitted) -> Fitted:
     )
 
 
-def moment_probs(net: nn.Module) -> Callable[[Tensor], Tensor]:
-    """The one-pass predictive of a declared network: diag moments, then the categorical predictive.
+#: The categorical predictives a one-pass row may choose (:data:`PREDICTIVES`): the library's
+#: (:func:`~lightning_dvi.likelihoods.predictive.categorical_predictive`), the same with its
+#: multinomial-probit part left out where that moves the result by at most 0.03 in total
+#: variation, and the pairwise mean-field probit form (Lu, Ie & Sha 2020).
+PredictiveName = Literal["library", "probit_tolerance_0.03", "mean_field"]
+
+
+def categorical_from_moments(name: PredictiveName) -> Callable[[Tensor, Tensor], Tensor]:
+    """The categorical predictive ``(logit mean, logit var) -> probabilities`` called ``name``."""
+    from lightning_dvi.likelihoods.functional import categorical_mean_field_predictive
+    from lightning_dvi.likelihoods.predictive import categorical_predictive
+
+    if name == "library":
+        return categorical_predictive
+    if name == "probit_tolerance_0.03":
+        return lambda mean, var: categorical_predictive(mean, var, probit_tolerance=0.03)
+    if name == "mean_field":
+        return categorical_mean_field_predictive
+    raise ValueError(f"unknown predictive {name!r}")
+
+
+def moment_probs(
+    net: nn.Module, predictive: PredictiveName = "library"
+) -> Callable[[Tensor], Tensor]:
+    """The one-pass predictive of a declared network: diag moments, then a categorical predictive.
 
     The weight moments are taken once, here (:func:`lightning_dvi.nn.posterior.frozen_moments`:
-    the posterior is fixed from now on), not on every call.
+    the posterior is fixed from now on), not on every call. ``predictive``: see
+    :func:`categorical_from_moments`.
     """
-    from lightning_dvi.likelihoods.predictive import categorical_predictive
     from lightning_dvi.nn.posterior import frozen_moments
 
     frozen = frozen_moments(net)
+    categorical = categorical_from_moments(predictive)
 
     def predict(x: Tensor) -> Tensor:
         with torch.no_grad(), frozen:
             out = net(x, mode="diag")
-            return categorical_predictive(out.mean, out.var)
+            return categorical(out.mean, out.var)
 
     return predict
 
@@ -638,6 +673,23 @@ RULES: dict[str, dict[str, str]] = {
         "gelu_rule": "closed",
         "skip_rule": "independent",
     },
+    "posthoc_ivon_slope": {
+        "layer_norm_route": "first_order",
+        "attention_rule": "mean",
+        "gelu_rule": "slope",
+        "skip_rule": "independent",
+    },
+    "posthoc_ivon_suq": {
+        "layer_norm_route": "first_order",
+        "attention_rule": "mean",
+        "gelu_rule": "slope",
+        "skip_rule": "independent",
+    },
+}
+#: The categorical predictive of the rows that do not take the library's.
+PREDICTIVES: dict[str, PredictiveName] = {
+    "posthoc_ivon_slope": "probit_tolerance_0.03",
+    "posthoc_ivon_suq": "mean_field",
 }
 
 
@@ -654,11 +706,16 @@ def ivon_posterior(fit: IVONFit, **rules: Any) -> nn.Module:
 
 
 def fit_posthoc_ivon_rules(fit: IVONFit, row: str) -> Fitted:
-    """Rows ``posthoc_ivon_ln1``, ``_fast``, ``_closed``, ``_indep``: IVON's stds as they are, cheaper rules."""
+    """Rows ``posthoc_ivon_ln1`` … ``_suq``: IVON's stds as they are, cheaper rules (:data:`RULES`).
+
+    The rows in :data:`PREDICTIVES` also choose their categorical predictive.
+    """
     start = time.process_time()
     net = ivon_posterior(fit, **RULES[row])
     seconds = time.process_time() - start
-    return Fitted(moment_probs(net), seconds, fit.best_epoch, net=net, details=dict(RULES[row]))
+    predictive = PREDICTIVES.get(row, "library")
+    details = {**RULES[row], "predictive": predictive}
+    return Fitted(moment_probs(net, predictive), seconds, fit.best_epoch, net=net, details=details)
 
 
 def fit_posthoc_ivon(task: Task, fit: IVONFit, config: Config, calibrate: bool) -> Fitted:

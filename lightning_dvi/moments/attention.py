@@ -466,9 +466,7 @@ def value_weights(value: ProjectionMoments, heads: int) -> ProjectionMoments:
     out, d_in = w_loc.shape
 
     def block(w: Tensor) -> Tensor:
-        eye = torch.eye(heads, dtype=w.dtype, device=w.device)
-        rows = w.reshape(heads, out // heads, d_in)
-        return torch.einsum("hrc,hg->hrgc", rows, eye).reshape(out, heads * d_in)
+        return torch.block_diag(*w.reshape(heads, out // heads, d_in).unbind(0))
 
     return ProjectionMoments(block(w_loc), None if w_var is None else block(w_var), b_loc, b_var)
 
@@ -1038,28 +1036,65 @@ def _mean_rule_diag(
 
     the last term the tokens' variance through the mean weights, the heads coupled (they mix
     the same tokens).
+
+    Computed with the value projection applied before the mixing for the mean
+    (:math:`\bar z^h M_v^{h\top} + b_v = A^h(\bar x M_v^{h\top} + b_v)`, the rows of
+    :math:`A^h` summing to one), the mixings as one batched product over the heads, and the
+    variance terms through block-diagonal value weights: about forty tensor operations.
     """
-    allowed = attention_mask(mean.shape[-2], mean.shape[-2], causal, key_padding_mask, mean.device)
-    qh = split_heads(torch.nn.functional.linear(mean, query.w_loc, query.b_loc), heads)
-    kh = split_heads(torch.nn.functional.linear(mean, key.w_loc, key.b_loc), heads)
+    linear = torch.nn.functional.linear
+    t = mean.shape[-2]
+    allowed = attention_mask(t, t, causal, key_padding_mask, mean.device)
+    qh = split_heads(linear(mean, query.w_loc, query.b_loc), heads)
+    kh = split_heads(linear(mean, key.w_loc, key.b_loc), heads)
     scores = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(qh.shape[-1]))
     a = torch.softmax(_masked(scores, allowed, float("-inf")), -1)  # [B, H, Tq, Tk]
+    vh = split_heads(linear(mean, value.w_loc, value.b_loc), heads)  # [B, H, Tk, d_v]
+    o_mean = merge_heads(a @ vh)  # E[o] = z-bar M_v^T + b_v, [B, Tq, H*d_v]
+    rows = a.flatten(1, 2)  # [B, H*Tq, Tk]: every head's mixing in one batched product
+
+    def by_token(x: Tensor) -> Tensor:  # [B, H*Tq, D] -> [B, Tq, H*D]
+        return x.unflatten(1, (heads, t)).transpose(1, 2).flatten(2)
+
+    z_mean = by_token(rows @ mean)
+    s = None if var is None else by_token(flush((rows * rows) @ var))  # sum_j A^2 v_j
+    z_second = z_mean * z_mean if s is None else torch.addcmul(s, z_mean, z_mean)
     block = value_weights(value, heads)
-    z_mean = (a @ mean.unsqueeze(1)).transpose(1, 2).flatten(-2)  # [B, Tq, H*D]
-    token_var = torch.zeros_like(mean) if var is None else var
-    z_var = flush(((a * a) @ token_var.unsqueeze(1)).transpose(1, 2).flatten(-2))
-    o_mean, o_var = _project(z_mean, z_var, block, False)
-    w_sq = block.w_loc * block.w_loc
-    o_weight_var = o_var - z_var @ w_sq.transpose(-1, -2)  # from W_v's variances
-    out_mean, out_var = _project(o_mean, o_var, output, False)
-    wo_sq = output.w_loc * output.w_loc
-    out_var = out_var + (o_weight_var.clamp_min(0) - o_var) @ wo_sq.transpose(-1, -2)
-    combined = output.w_loc @ block.w_loc  # [D_out, H*D]
-    c_heads = combined.reshape(combined.shape[0], heads, -1)  # [D_out, H, D]
-    hh = a.unsqueeze(2) * a.unsqueeze(1)
-    pair = (hh.flatten(1, 3) @ token_var).unflatten(1, hh.shape[1:4])  # [B, H, G, Tq, D]
-    cc = (c_heads.unsqueeze(2) * c_heads.unsqueeze(1)).flatten(1)  # [D_out, H * G * D]
-    out_var = out_var + pair.permute(0, 3, 1, 2, 4).flatten(2) @ cc.transpose(0, 1)
+    u = None  # (z-bar^2 + s) V_v^T + sigma_bv^2, [B, Tq, H*d_v]
+    if block.w_var is not None:
+        u = z_second @ block.w_var.transpose(-1, -2)
+    if value.b_var is not None:
+        u = value.b_var.expand_as(o_mean) if u is None else u + value.b_var
+    o_var = u
+    if s is not None:
+        through = s @ (block.w_loc * block.w_loc).transpose(-1, -2)  # s (M_v^2)^T
+        o_var = through if o_var is None else o_var + through
+    m_o = output.w_loc
+    out_mean = linear(o_mean, m_o, output.b_loc)
+    o_second = o_mean * o_mean if o_var is None else torch.addcmul(o_var, o_mean, o_mean)
+    out_var = None if output.w_var is None else o_second @ output.w_var.transpose(-1, -2)
+    if output.b_var is not None:
+        out_var = output.b_var.expand_as(out_mean) if out_var is None else out_var + output.b_var
+    if u is not None:
+        through_o = u @ (m_o * m_o).transpose(-1, -2)
+        out_var = through_o if out_var is None else out_var + through_o
+    if s is not None and var is not None:
+        # C_h = M_o^h M_v^h [D_out, D], heads coupled through the tokens they share; the
+        # (h, g) and (g, h) terms are equal and the h = g ones are s's: the pairs h < g twice
+        c_heads = (m_o @ block.w_loc).unflatten(1, (heads, -1))  # [D_out, H, D]
+        coupled = s @ (c_heads * c_heads).flatten(1).transpose(0, 1)
+        if heads > 1:
+            first, second = torch.triu_indices(heads, heads, 1, device=mean.device).unbind(0)
+            cross = a.index_select(1, first) * a.index_select(1, second)  # [B, P, Tq, Tk]
+            pairs = cross.shape[1]
+            x_pair = (cross.flatten(1, 2) @ var).unflatten(1, (pairs, t)).transpose(1, 2)
+            cc = c_heads.index_select(1, first) * c_heads.index_select(1, second)  # [D_out, P, D]
+            coupled = torch.addmm(
+                coupled.flatten(0, 1), x_pair.flatten(2).flatten(0, 1), cc.flatten(1).t(), alpha=2
+            ).view_as(coupled)
+        out_var = coupled if out_var is None else out_var + coupled
+    if out_var is None:
+        out_var = torch.zeros_like(out_mean)
     return flush(out_mean), flush(out_var.clamp_min(0))
 
 

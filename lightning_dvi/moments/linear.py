@@ -205,8 +205,34 @@ def linear_diag(
     if _plain_layout(mean, var, w_loc, w_var, b_loc, b_var) and policy.use_fused(
         mean, var, w_loc, w_var, b_loc, b_var
     ):
+        args = (mean, var, w_loc, w_var, b_loc, b_var)
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args)):
+            return _linear_diag_inference(mean, var, w_loc, w_var, b_loc, b_var)
         return _LinearDiag.apply(mean, var, w_loc, w_var, b_loc, b_var)  # type: ignore[no-any-return]  # Function.apply returns Any
     return _linear_diag_formula(mean, var, w_loc, w_var, b_loc, b_var)[:2]
+
+
+def _linear_diag_inference(
+    mean: Tensor,
+    var: Tensor,
+    w_loc: Tensor,
+    w_var: Tensor,
+    b_loc: Tensor | None,
+    b_var: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    r""":func:`linear_diag` with nothing to differentiate: the variance as one matmul.
+
+    :math:`(v + m^2)V^\top + v(M^{\circ 2})^\top + u = [v,\ m^2]\,[M^{\circ 2} + V,\ V]^\top + u`,
+    the same formula regrouped (equal to rounding, ``tests/test_moments_linear.py``): one
+    ``addmm`` over the concatenated ``[rows, 2 D_in]`` input instead of two, and no autograd
+    node.
+    """
+    rows_m, rows_v = _rows(mean), _rows(var)
+    both = torch.cat([rows_v, rows_m * rows_m], -1)
+    weights = torch.cat([torch.addcmul(w_var, w_loc, w_loc), w_var], -1)
+    out_var = both @ weights.t() if b_var is None else torch.addmm(b_var, both, weights.t())
+    shape = (*mean.shape[:-1], w_loc.shape[0])
+    return F.linear(mean, w_loc, b_loc), out_var.view(shape)
 
 
 def _linear_diag_formula(

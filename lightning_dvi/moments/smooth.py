@@ -69,6 +69,8 @@ __all__ = [
     "gelu_diag",
     "gelu_full",
     "gelu_slope",
+    "gelu_slope_diag",
+    "gelu_slope_full",
     "gelu_tanh_diag",
     "gelu_tanh_full",
     "gelu_tanh_slope",
@@ -392,9 +394,10 @@ def leaky_relu_full(mean: Tensor, cov: Tensor, negative_slope: float = 0.01) -> 
 
 
 # ------------------------------------------------------------------ GELU in closed form
-GELU_RULES = ("quadrature", "closed")
-"""Moment rules of the exact GELU: the quadrature engine (the oracle) or :func:`gelu_closed_diag`."""
-GeluRule = Literal["quadrature", "closed"]
+GELU_RULES = ("quadrature", "closed", "slope")
+"""Moment rules of the exact GELU: the quadrature engine (the oracle), :func:`gelu_closed_diag`,
+or :func:`gelu_slope_diag` (the exact mean, the variance's term linear in the input's)."""
+GeluRule = Literal["quadrature", "closed", "slope"]
 GELU_CLOSED_NODES = 10
 """Gauss–Legendre nodes of the one integral in :func:`gelu_closed_diag` (Owen's T difference)."""
 
@@ -444,6 +447,70 @@ def gelu_closed_slope(mean: Tensor, var: Tensor) -> Tensor:
     """
     t, _, h, cdf, pdf = _gelu_closed_terms(mean, var.clamp_min(0))
     return flush(cdf + h * pdf / t)
+
+
+def gelu_slope_diag(mean: Tensor, var: Tensor) -> _Pair:
+    r"""GELU's exact mean and the part of its variance linear in the input variance.
+
+    With :math:`t = 1+v`, :math:`r = \sqrt t`, :math:`h = m/r` and
+    :math:`e_1 = E[\mathrm{GELU}'(a)] = \Phi(h) + h\phi(h)/t` (:func:`gelu_closed_slope`):
+
+    .. math::
+        E[\mathrm{GELU}(a)] = m\,\Phi(h) + \frac{v}{r}\,\phi(h)\ \text{(exact)},\qquad
+        \operatorname{Var} \approx e_1^2\,v.
+
+    :math:`e_1^2 v = \operatorname{Cov}(a, \mathrm{GELU}(a))^2/v` (Stein's lemma) is the
+    variance of the best linear fit of :math:`\mathrm{GELU}(a)` in :math:`a`: the first term of
+    the Hermite expansion :math:`\operatorname{Var} = \sum_{k\ge1} e_k^2 v^k/k!`,
+    :math:`e_k = E[\mathrm{GELU}^{(k)}(a)]`, so it never exceeds the exact variance and falls
+    short of it by :math:`\sum_{k\ge2} e_k^2 v^k/k!`, which is :math:`O(v^2)`
+    (:math:`|e_2| \le 2\phi(0) < 0.8`). A cheap rule for a posterior's small input variances,
+    in the spirit of SUQ's linearised activations (:math:`\mathrm{GELU}'(m)^2 v`), but with
+    the mean and the slope taken over the Gaussian rather than at its mean. Measured against
+    the closed form and Monte Carlo in ``tests/test_gelu_closed.py``: within 1e-3 absolute of
+    the exact variance for :math:`v \le 0.05`, relative error growing like :math:`v`
+    (``docs/transformers.md``).
+    """
+    if _in_buffers(mean, var):
+        return _gelu_slope_diag_buffers(mean, var)
+    v = var.clamp_min(0)
+    t, r, h, cdf, pdf = _gelu_closed_terms(mean, v)
+    slope = cdf + h * pdf / t
+    return flush(mean * cdf + v / r * pdf), flush(slope * slope * v)
+
+
+def _gelu_slope_diag_buffers(mean: Tensor, var: Tensor) -> _Pair:
+    """:func:`gelu_slope_diag`'s formula with in-place operations (no autograd, eager, CPU).
+
+    The same operations (so the same values to rounding, up to the flushes of the
+    intermediate normal CDF and density below :func:`~.special.tail_cutoff`, which only the
+    outputs get here), in seven ``[N]`` arrays instead of about twenty.
+    """
+    c = tail_argument(mean.dtype)
+    v = var.clamp_min(0)
+    t = v + 1.0
+    r = t.sqrt()
+    h = mean / r
+    cdf = torch.mul(h, -_SQRT_HALF).clamp_(-c, c).erfc_().mul_(0.5)
+    low = -c * c - 1.0  # as normal_pdf: exp of it is below the cutoff
+    pdf = torch.mul(h, h).mul_(-0.5).sub_(_LOG_SQRT_2PI).clamp_(min=low).exp_()
+    out_mean = torch.div(v, r).mul_(pdf).add_(mean * cdf)
+    slope = h.mul_(pdf).div_(t).add_(cdf)
+    return flush(out_mean), flush(slope.mul_(slope).mul_(v))
+
+
+def gelu_slope_full(mean: Tensor, cov: Tensor) -> _Pair:
+    r""":func:`gelu_slope_diag` with a full covariance: :math:`e_{1,i}\,C_{ij}\,e_{1,j}`.
+
+    The first Mehler term alone (:func:`gelu_closed_full` keeps three and the exact
+    diagonal); its diagonal is :func:`gelu_slope_diag`'s variance, and it is PSD whenever
+    :math:`C` is.
+    """
+    var = cov.diagonal(dim1=-2, dim2=-1).clamp_min(0)
+    t, r, h, cdf, pdf = _gelu_closed_terms(mean, var)
+    slope = flush(cdf + h * pdf / t)
+    out_cov = slope.unsqueeze(-1) * cov * slope.unsqueeze(-2)
+    return flush(mean * cdf + var / r * pdf), flush(out_cov)
 
 
 def _gelu_phi2_excess(h: Tensor, v: Tensor, q: Tensor, scratch: _Scratch | None = None) -> Tensor:

@@ -228,13 +228,14 @@ def check_gelu_rule(rule: str, approximate: str = "none") -> S.GeluRule:
     """``rule`` if it is one of :data:`~lightning_dvi.moments.smooth.GELU_RULES` for this variant.
 
     Raises:
-        ValueError: for an unknown rule, or ``"closed"`` with ``approximate="tanh"`` (the tanh
-            form has no closed-form moments; it keeps the quadrature).
+        ValueError: for an unknown rule, or ``"closed"``/``"slope"`` with
+            ``approximate="tanh"`` (the tanh form has no closed-form moments; it keeps the
+            quadrature).
     """
     if rule not in S.GELU_RULES:
         raise ValueError(f"GELU rule must be one of {S.GELU_RULES}, got {rule!r}")
-    if rule == "closed" and approximate != "none":
-        raise ValueError("GELU rule='closed' is for the exact GELU (approximate='none') only")
+    if rule in ("closed", "slope") and approximate != "none":
+        raise ValueError(f"GELU rule={rule!r} is for the exact GELU (approximate='none') only")
     return cast(S.GeluRule, rule)
 
 
@@ -264,13 +265,16 @@ class GELU(_QuadratureActivation):
     below 1e-7 in float64 for :math:`|m| \le 12`) and of
     :func:`~lightning_dvi.moments.smooth.gelu_closed_slope` (:math:`E[h']`, exact), at a
     fraction of the quadrature's cost (``docs/transformer_benchmark.md``); the Mehler
-    coefficients of full mode are closed forms too.
+    coefficients of full mode are closed forms too. ``rule="slope"`` (exact GELU only) keeps
+    that exact mean and :math:`E[h']` but only the variance's term linear in the input
+    variance, :math:`E[h']^2 v` (:func:`lightning_dvi.moments.smooth.gelu_slope_diag`: a lower
+    bound, short by :math:`O(v^2)`), a few elementwise operations, for small input variances.
 
     Args:
         approximate: ``"none"`` (exact GELU) or ``"tanh"``, as in ``torch.nn.GELU``.
         num_nodes: Gauss–Hermite nodes of the quadrature rule (default: chosen by the input's
             spread).
-        rule: ``"quadrature"`` (the engine, the default) or ``"closed"``
+        rule: ``"quadrature"`` (the engine, the default), ``"closed"`` or ``"slope"``
             (:data:`lightning_dvi.moments.smooth.GELU_RULES`; ``approximate="none"`` only).
 
     Examples:
@@ -294,17 +298,21 @@ class GELU(_QuadratureActivation):
         self.rule: S.GeluRule = check_gelu_rule(rule, approximate)
 
     def _moments_full(self, mean: Tensor, cov: Tensor) -> _Pair:
+        if self.rule == "slope":
+            return S.gelu_slope_full(mean, cov)
         if self.rule == "closed":
             return S.gelu_closed_full(mean, cov)
         return super()._moments_full(mean, cov)
 
     def _moments_diag(self, mean: Tensor, var: Tensor) -> _Pair:
+        if self.rule == "slope":
+            return S.gelu_slope_diag(mean, var)
         if self.rule == "closed":
             return S.gelu_closed_diag(mean, var)
         return super()._moments_diag(mean, var)
 
     def _moments_slope(self, mean: Tensor, var: Tensor) -> Tensor:
-        if self.rule == "closed":
+        if self.rule in ("closed", "slope"):
             return S.gelu_closed_slope(mean, var)
         return super()._moments_slope(mean, var)
 

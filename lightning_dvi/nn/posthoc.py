@@ -298,7 +298,11 @@ def set_rules(
     :func:`lightning_dvi.moments.smooth.gelu_closed_diag`) and ``skip_rule="independent"``
     (SUQ's: a transformer block's skip connections add the variances of skip and branch,
     without the cross-covariance that ``"carried"`` carries through every branch layer,
-    :mod:`lightning_dvi.moments.skip`). ``None`` leaves a kind as it is.
+    :mod:`lightning_dvi.moments.skip`). ``gelu_rule="slope"`` is cheaper still: GELU's exact
+    mean and only the part of its variance linear in the input variance,
+    :math:`E[\mathrm{GELU}'(a)]^2v` (:func:`lightning_dvi.moments.smooth.gelu_slope_diag`, a
+    lower bound short by :math:`O(v^2)`; SUQ linearises its activations in the same spirit).
+    ``None`` leaves a kind as it is.
 
     Args:
         net: a declared network (e.g. from :func:`from_torch_posterior`), changed in place.
