@@ -1037,10 +1037,10 @@ def _mean_rule_diag(
     the last term the tokens' variance through the mean weights, the heads coupled (they mix
     the same tokens).
 
-    Computed with the value projection applied before the mixing for the mean
-    (:math:`\bar z^h M_v^{h\top} + b_v = A^h(\bar x M_v^{h\top} + b_v)`, the rows of
-    :math:`A^h` summing to one), the mixings as one batched product over the heads, and the
-    variance terms through block-diagonal value weights: about forty tensor operations.
+    Computed with the mixings of every head as one batched product and the value projection
+    through block-diagonal value weights; the coupled term over the head pairs
+    :math:`h < g` twice (the :math:`h = g` terms are :math:`s`'s): about forty tensor
+    operations.
     """
     linear = torch.nn.functional.linear
     t = mean.shape[-2]
@@ -1049,8 +1049,6 @@ def _mean_rule_diag(
     kh = split_heads(linear(mean, key.w_loc, key.b_loc), heads)
     scores = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(qh.shape[-1]))
     a = torch.softmax(_masked(scores, allowed, float("-inf")), -1)  # [B, H, Tq, Tk]
-    vh = split_heads(linear(mean, value.w_loc, value.b_loc), heads)  # [B, H, Tk, d_v]
-    o_mean = merge_heads(a @ vh)  # E[o] = z-bar M_v^T + b_v, [B, Tq, H*d_v]
     rows = a.flatten(1, 2)  # [B, H*Tq, Tk]: every head's mixing in one batched product
 
     def by_token(x: Tensor) -> Tensor:  # [B, H*Tq, D] -> [B, Tq, H*D]
@@ -1060,6 +1058,7 @@ def _mean_rule_diag(
     s = None if var is None else by_token(flush((rows * rows) @ var))  # sum_j A^2 v_j
     z_second = z_mean * z_mean if s is None else torch.addcmul(s, z_mean, z_mean)
     block = value_weights(value, heads)
+    o_mean = linear(z_mean, block.w_loc, value.b_loc)  # E[o] = z-bar M_v^T + b_v
     u = None  # (z-bar^2 + s) V_v^T + sigma_bv^2, [B, Tq, H*d_v]
     if block.w_var is not None:
         u = z_second @ block.w_var.transpose(-1, -2)

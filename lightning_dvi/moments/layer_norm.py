@@ -509,8 +509,9 @@ def layer_norm_first_order_diag(
     mh, _, rstd = torch.native_layer_norm(mean, (d,), None, None, eps)
     mhv = mh * var
     mh2v = mhv * mh
-    shared = torch.addcmul(var.sum(-1, keepdim=True), mh, mhv.sum(-1, keepdim=True), value=2)
-    shared = torch.addcmul(shared, mh * mh, mh2v.sum(-1, keepdim=True))
+    sums = torch.stack([var, mhv, mh2v]).sum(-1, keepdim=True)  # [3, ..., 1]
+    # sum v + m^ (2 sum m^v + m^ sum m^2v): the three shared terms in two operations
+    shared = torch.addcmul(sums[0], mh, torch.addcmul(sums[1], mh, sums[2], value=0.5), value=2)
     own = torch.add(var, mh2v, alpha=1.0).mul(-2.0 / d).add(var)
     out_var = torch.add(own, shared, alpha=1.0 / d**2) * (rstd * rstd)
     if weight is not None:
