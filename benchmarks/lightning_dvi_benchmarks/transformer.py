@@ -781,14 +781,20 @@ def predictive_costs(
 ) -> dict[str, float]:
     """CPU time of each predictive on ``x`` over that of ``predicts[base]`` (medians of repeats).
 
-    One warm-up call each, then ``repeats`` rounds that call every predictive once in turn (so
-    a slow phase of a shared machine touches every row alike); ``time.process_time``.
+    One warm-up call each, then ``repeats`` rounds that time every predictive once in turn (so
+    a slow phase of a shared machine touches every row alike), each timed call right after an
+    untimed call of the same predictive; ``time.process_time``. Without that call a row runs
+    in the caches the previous row left: the first row of a round (the deterministic
+    reference) then measured 1.25-1.5x slower than the same torch forward pass timed later in
+    the round (``ivon_mean`` at 0.64-0.72x of ``deterministic`` at ``f517cff``), which flattered
+    every ratio.
     """
     times: dict[str, list[float]] = {name: [] for name in predicts}
     for fn in predicts.values():
         fn(x)
     for _ in range(max(repeats, 1)):
         for name, fn in predicts.items():
+            fn(x)  # warm: the timed call does not pay for the previous row's cache footprint
             start = time.process_time()
             fn(x)
             times[name].append(time.process_time() - start)
