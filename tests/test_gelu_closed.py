@@ -394,7 +394,10 @@ def test_slope_rule_in_place_path_equals_the_autograd_path(dtype):
     with torch.no_grad():
         fast = S.gelu_slope_diag(m, v)
     slow = S.gelu_slope_diag(m.clone().requires_grad_(), v.clone().requires_grad_())
+    # the same operations, some fused: rounding apart, relative to the terms' sizes (the
+    # slope E[GELU'] cancels near m = -0.75, where its square's relative error grows)
     eps = torch.finfo(dtype).eps
-    for a, b in zip(fast, slow, strict=True):
+    for a, b, size in zip(fast, slow, (m.abs() + v, v), strict=True):
         assert a.shape == m.shape
-        torch.testing.assert_close(a, b.detach(), rtol=8 * eps, atol=0)
+        err = (a - b.detach()).abs()
+        assert bool((err <= 16 * eps * (b.detach().abs() + size)).all()), err.max()
