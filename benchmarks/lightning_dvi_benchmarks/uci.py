@@ -552,7 +552,7 @@ def _train_rows(dm: Any, rows: int, seed: int) -> Any:
 
         def train_dataloader(self) -> Any:
             # the whole subset as one ready batch: no per-row fetch and collate each step
-            return DataLoader([subset.tensors], batch_size=None)
+            return DataLoader([subset.tensors], batch_size=None)  # type: ignore[arg-type]  # a list is a map-style dataset
 
         def val_dataloader(self) -> Any:
             return dm.val_dataloader()

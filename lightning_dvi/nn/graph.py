@@ -75,15 +75,33 @@ def build_node_module(
         where: a name for error messages.
         layer_kwargs: forwarded to the weight layers' converters, as in ``from_torch``.
 
+    A ``"rules"`` entry (:func:`lightning_dvi.nn.rules.module_rules`, which
+    :meth:`GraphNetwork.architecture` records) sets the moment rules of the built module and its
+    submodules; a description without one builds the modules' defaults.
+
     Raises:
-        ValueError: for an unknown kind, a torch type the kind does not stand for, or a
-            description that is not plain data.
+        ValueError: for an unknown kind, a torch type the kind does not stand for, a
+            description that is not plain data, or rules the module does not have.
     """
     if not isinstance(description, Mapping) or "kind" not in description:
         raise ValueError(f"{where}: expected a mapping with a 'kind', got {description!r}")
     spec = _spec(description["kind"], where)
     if "unstorable" in description:
         raise ValueError(f"{where}: {description['unstorable']}")
+    module = _build_node_module(description, spec, where, layer_kwargs)
+    if "rules" in description:
+        from .rules import apply_rules
+
+        apply_rules(module, description["rules"], where)
+    return module
+
+
+def _build_node_module(
+    description: Mapping[str, Any],
+    spec: LayerSpec,
+    where: str,
+    layer_kwargs: Mapping[str, Any] | None,
+) -> BayesModule:
     if "torch" in description:
         torch_module = build_layer(description["torch"], where)
         if type(torch_module) not in spec.torch_modules:
@@ -193,7 +211,10 @@ class GraphNetwork(BayesModule):
         """``init_args`` that rebuild this network's architecture (plain data, no weights).
 
         ``GraphNetwork(**net.architecture())`` followed by ``load_state_dict`` gives back the
-        network; a checkpoint stores this as its network configuration.
+        network; a checkpoint stores this as its network configuration. Each module's entry
+        carries the moment rules its modules have now (``"rules"``,
+        :mod:`lightning_dvi.nn.rules`), so a network whose rules were changed after conversion
+        (:func:`~lightning_dvi.nn.posthoc.set_rules`) comes back computing the same moments.
 
         Raises:
             ValueError: when a module could not be described as data (naming it).
@@ -201,9 +222,17 @@ class GraphNetwork(BayesModule):
         for key, desc in self.module_table.items():
             if "unstorable" in desc:
                 raise ValueError(f"module {key!r} cannot be stored as data: {desc['unstorable']}")
+        from .rules import module_rules
+
+        modules: dict[str, dict[str, Any]] = {}
+        for key, desc in self.module_table.items():
+            modules[key] = {k: v for k, v in desc.items() if k != "rules"}
+            rules = module_rules(self._layer(key))
+            if rules:  # the rules as they are now (set_rules may have changed them)
+                modules[key]["rules"] = rules
         return {
             "nodes": [dict(n) for n in self.nodes],
-            "modules": {k: dict(v) for k, v in self.module_table.items()},
+            "modules": modules,
             "layer_kwargs": {
                 str(k): plain(v, f"layer_kwargs.{k}") for k, v in self.layer_kwargs.items()
             },
