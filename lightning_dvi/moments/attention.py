@@ -466,7 +466,8 @@ def value_weights(value: ProjectionMoments, heads: int) -> ProjectionMoments:
     out, d_in = w_loc.shape
 
     def block(w: Tensor) -> Tensor:
-        return torch.block_diag(*w.reshape(heads, out // heads, d_in).unbind(0))
+        blocks: Tensor = torch.block_diag(*w.reshape(heads, out // heads, d_in).unbind(0))
+        return blocks
 
     return ProjectionMoments(block(w_loc), None if w_var is None else block(w_var), b_loc, b_var)
 
@@ -1052,7 +1053,8 @@ def _mean_rule_diag(
     rows = a.flatten(1, 2)  # [B, H*Tq, Tk]: every head's mixing in one batched product
 
     def by_token(x: Tensor) -> Tensor:  # [B, H*Tq, D] -> [B, Tq, H*D]
-        return x.unflatten(1, (heads, t)).transpose(1, 2).flatten(2)
+        merged: Tensor = x.unflatten(1, (heads, t)).transpose(1, 2).flatten(2)
+        return merged
 
     z_mean = by_token(rows @ mean)
     s = None if var is None else by_token(flush((rows * rows) @ var))  # sum_j A^2 v_j
