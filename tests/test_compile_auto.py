@@ -29,9 +29,10 @@ from lightning_dvi.lightning.compile_auto import (
 
 
 def test_compile_pays_when_the_saved_time_exceeds_the_compile():
-    # saved = R t (1 - 1/k): 1000 x 0.03 x 2/3 = 20 s
-    assert compile_pays(1000, 0.03, 19.9)
-    assert not compile_pays(1000, 0.03, 20.1)
+    # saved = R t (1 - 1/k): 1000 x 0.03 x 2/3 = 20 s at k = 3; 1000 x 0.03 x 4/9 = 13.3 s at the default
+    assert compile_pays(1000, 0.03, 19.9, speedup=3.0)
+    assert not compile_pays(1000, 0.03, 20.1, speedup=3.0)
+    assert compile_pays(1000, 0.03, 13.2) and not compile_pays(1000, 0.03, 13.4)
     assert compile_pays(math.inf, 1e-6, 1e6)  # an open-ended run always pays
     assert not compile_pays(0, 1.0, 0.0)
     with pytest.raises(ValueError, match="speedup must be > 1"):
@@ -97,7 +98,7 @@ def test_a_short_run_stays_eager(monkeypatch, tmp_path):
 
 
 def test_a_long_run_compiles_and_records_the_compile_time(monkeypatch, tmp_path):
-    # 20 - 4 steps left x 10 s x 2/3 = 107 s saved > 40 s
+    # 20 - 4 steps left x 10 s x (1 - 1/1.8) = 71 s saved > the assumed 60 s
     model, auto = _fit(monkeypatch, tmp_path, step_seconds=10.0, max_steps=20)
     assert auto.decision is not None and auto.decision.compiled
     assert not auto.decision.measured_before
