@@ -11,7 +11,7 @@ from .._checks import value_checks_enabled
 from ..gaussian import Gaussian, all_finite
 from ..moments.layers import as_storage
 from ..propagation import DIAG, Mode, MomentPass, Propagation, SamplePass, propagation
-from .posterior import ParameterGroup, posterior_moments, substituted
+from .posterior import ParameterGroup, substituted
 
 __all__ = ["BayesModule", "Moments", "WeightLayer"]
 
@@ -174,8 +174,10 @@ class WeightLayer(BayesModule):
     def propagate(self, x: Moments, mode: Propagation) -> Moments:
         """The output in ``mode``, derived from the layer's two paths (see the class docstring)."""
         self.check_input(x, mode)
-        moments = posterior_moments(self)
-        if any(var is None for _, var in moments.values()):  # weight values from a front-end
+        # only weights a front-end substituted can be values (no variance): the posterior's own
+        # moments are read once, by the path below, not here as well
+        moments = substituted(self)
+        if moments is not None and any(var is None for _, var in moments.values()):
             if isinstance(x, Gaussian):
                 raise ValueError("weight values (not moments) need a tensor input, got a Gaussian")
             values = {name: loc for name, (loc, _) in moments.items()}
