@@ -127,7 +127,11 @@ def test_cli_trains_a_converted_torch_network_and_reloads_it(tmp_path):
     run = _fit_toy_with_net(tmp_path, net)
     assert [type(m).__name__ for m in run.model.net] == ["BayesLinear", "GELU", "BayesLinear"]
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["hyper_parameters"]["net"]
-    assert saved["init_args"] == {"layers": describe_torch(torch_net), "init": "fresh"}
+    assert saved["init_args"] == {
+        "layers": describe_torch(torch_net),
+        "init": "fresh",
+        "rules": {"layers.1": {"rule": "quadrature"}},  # the GELU's moment rule, recorded too
+    }
     (tmp_path / "mlp.pt").unlink()  # the checkpoint describes the network itself
     loaded = DVIRegressor.load_from_checkpoint(tmp_path / "last.ckpt")  # no net= needed
     for a, b in zip(loaded.net.parameters(), run.model.net.parameters(), strict=True):

@@ -109,3 +109,26 @@ def test_gelu_rules_are_checked_against_the_variant():
     gelu = net.layers[1] if not isinstance(net, GraphNetwork) else net.layers["1"]
     with pytest.raises(ValueError, match=r"approximate='none'\) only"):
         apply_rules(gelu, {"": {"rule": "closed"}}, "gelu")
+
+
+def test_a_torch_network_from_a_layer_list_keeps_its_rules_too(tmp_path):
+    from lightning_dvi.nn import TorchNetwork, save_torch_network
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3))
+    save_torch_network(module, tmp_path / "net.pt")
+    net = TorchNetwork(path=str(tmp_path / "net.pt"))
+    assert "rules" in net.architecture()  # the defaults are recorded as well
+    x = torch.randn(5, 4)
+    posthoc.set_rules(net, layer_norm_route="first_order", gelu_rule="closed")
+    want = net(x, mode="diag")
+    architecture = json.loads(json.dumps(net.architecture()))
+    again = TorchNetwork(**architecture)
+    again.load_state_dict(net.state_dict())
+    assert (
+        _rules(again) == _rules(net) == {"layers.1.route": "first_order", "layers.2.rule": "closed"}
+    )
+    got = again(x, mode="diag")
+    torch.testing.assert_close(got.var, want.var, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"no submodule 'layers\.7'"):
+        TorchNetwork(**{**architecture, "rules": {"layers.7": {"route": "auto"}}})

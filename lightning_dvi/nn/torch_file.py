@@ -184,10 +184,16 @@ class TorchNetwork(Sequential):
             :func:`from_torch`.
         scale_fraction: δ of the MOPED-style posterior std ``max(δ|w|, min_scale)``.
         min_scale: floor of the posterior std.
+        rules: moment rules of submodules, ``{path: {attribute: value}}`` as
+            :func:`lightning_dvi.nn.rules.module_rules` writes them (e.g.
+            ``{"layers.1": {"route": "first_order"}}`` for a LayerNorm at index 1); a checkpoint
+            records the network's rules here, so rules set after construction
+            (:func:`~lightning_dvi.nn.posthoc.set_rules`) come back with it.
 
     Raises:
         ValueError: for a file that is not weights-only data (naming it and the migration), a
-            state dict that does not fit the layers, or a missing layer list.
+            state dict that does not fit the layers, a missing layer list, or rules the network
+            does not have.
     """
 
     def __init__(
@@ -197,6 +203,7 @@ class TorchNetwork(Sequential):
         init: Init = "torch",
         scale_fraction: float = 0.1,
         min_scale: float = 1e-8,
+        rules: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         state: dict[str, Tensor] | None = None
         if path is not None:
@@ -227,10 +234,23 @@ class TorchNetwork(Sequential):
         super().__init__(*converted.layers)
         self.path = None if path is None else str(path)
         self.layer_list: list[Any] = [_plain_entry(e) for e in layers]
+        if rules:
+            from .rules import apply_rules
+
+            apply_rules(self, rules, "TorchNetwork")
 
     def architecture(self) -> dict[str, Any]:
-        """``init_args`` that rebuild this architecture without the weights file (for checkpoints)."""
-        return {"layers": self.layer_list, "init": "fresh"}
+        """``init_args`` that rebuild this architecture without the weights file (for checkpoints).
+
+        With the moment rules its modules have now (``rules``), when any module has one.
+        """
+        from .rules import module_rules
+
+        out: dict[str, Any] = {"layers": self.layer_list, "init": "fresh"}
+        rules = module_rules(self)
+        if rules:
+            out["rules"] = rules
+        return out
 
 
 def _plain_entry(entry: Any) -> Any:
