@@ -331,8 +331,8 @@ def set_rules(
     from ..moments.attention import ATTENTION_RULES
     from ..moments.layer_norm import ROUTES
     from .activations import GELU, check_gelu_rule
-    from .attention import MultiheadAttention, TransformerEncoderLayer
-    from .layer_norm import LayerNorm
+    from .attention import TransformerEncoderLayer
+    from .rules import rule_keywords
 
     if attention_rule is not None and attention_rule not in ATTENTION_RULES:
         raise ValueError(f"attention_rule must be one of {ATTENTION_RULES}, got {attention_rule!r}")
@@ -342,22 +342,24 @@ def set_rules(
         check_gelu_rule(gelu_rule)
     if skip_rule is not None:
         check_skip_rule(skip_rule)
+    given = {
+        "attention_rule": attention_rule,
+        "layer_norm_route": layer_norm_route,
+        "gelu_rule": gelu_rule,
+        "skip_rule": skip_rule,
+    }
+    # the attributes are lightning_dvi.nn.rules' table, which checkpoints record as well
+    targets = [(cls, attr, given[keyword]) for keyword, (cls, attr) in rule_keywords().items()]
     changed = 0
     for module in net.modules():
-        if isinstance(module, TransformerEncoderLayer):
-            if attention_rule is not None:
-                module.options["rule"] = attention_rule  # its description; the layer is a child
-            if skip_rule is not None:
-                module.skip_rule = skip_rule
-                changed += 1
-        elif attention_rule is not None and isinstance(module, MultiheadAttention):
-            module.rule = attention_rule
-            changed += 1
-        elif layer_norm_route is not None and isinstance(module, LayerNorm):
-            module.route = layer_norm_route
-            changed += 1
-        elif gelu_rule is not None and isinstance(module, GELU) and module.approximate == "none":
-            module.rule = gelu_rule
+        if attention_rule is not None and isinstance(module, TransformerEncoderLayer):
+            module.options["rule"] = attention_rule  # its description; the layer is a child
+        for cls, attr, value in targets:
+            if value is None or not isinstance(module, cls):
+                continue
+            if isinstance(module, GELU) and module.approximate != "none":
+                continue  # the tanh form has no closed form: it keeps the quadrature
+            setattr(module, attr, value)
             changed += 1
     return changed
 

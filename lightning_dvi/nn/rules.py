@@ -30,11 +30,12 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["apply_rules", "module_rules", "rule_attributes"]
+__all__ = ["apply_rules", "module_rules", "rule_attributes", "rule_keywords"]
 
-#: ``(module class, attribute, check)``: ``check(module, value)`` returns the value or raises
-#: ``ValueError``. Built on first use (the module classes import this package).
-_Entry = tuple[type, str, Callable[[nn.Module, Any], Any]]
+#: ``(module class, attribute, check, keyword)``: ``check(module, value)`` returns the value or
+#: raises ``ValueError``; ``keyword`` is :func:`~lightning_dvi.nn.posthoc.set_rules`'s argument
+#: that sets it. Built on first use (the module classes import this package).
+_Entry = tuple[type, str, Callable[[nn.Module, Any], Any], str]
 _TABLE: list[_Entry] = []
 
 
@@ -57,10 +58,25 @@ def _table() -> list[_Entry]:
 
         _TABLE.extend(
             [
-                (LayerNorm, "route", one_of(ROUTES)),
-                (GELU, "rule", lambda m, v: check_gelu_rule(v, str(m.approximate))),
-                (MultiheadAttention, "rule", one_of((None, *ATTENTION_RULES))),
-                (TransformerEncoderLayer, "skip_rule", lambda m, v: check_skip_rule(v)),
+                (LayerNorm, "route", one_of(ROUTES), "layer_norm_route"),
+                (
+                    GELU,
+                    "rule",
+                    lambda m, v: check_gelu_rule(v, str(m.approximate)),
+                    "gelu_rule",
+                ),
+                (
+                    MultiheadAttention,
+                    "rule",
+                    one_of((None, *ATTENTION_RULES)),
+                    "attention_rule",
+                ),
+                (
+                    TransformerEncoderLayer,
+                    "skip_rule",
+                    lambda m, v: check_skip_rule(v),
+                    "skip_rule",
+                ),
             ]
         )
     return _TABLE
@@ -68,7 +84,16 @@ def _table() -> list[_Entry]:
 
 def rule_attributes(module: nn.Module) -> tuple[str, ...]:
     """The rule attributes of ``module``'s class (empty for a module without any)."""
-    return tuple(attr for cls, attr, _ in _table() if isinstance(module, cls))
+    return tuple(attr for cls, attr, _, _ in _table() if isinstance(module, cls))
+
+
+def rule_keywords() -> dict[str, tuple[type, str]]:
+    """``{keyword: (module class, attribute)}``: what :func:`~lightning_dvi.nn.posthoc.set_rules` sets.
+
+    The same table :func:`module_rules` reads, so every rule ``set_rules`` can change is one a
+    checkpoint records.
+    """
+    return {keyword: (cls, attr) for cls, attr, _, keyword in _table()}
 
 
 def module_rules(module: nn.Module) -> dict[str, dict[str, Any]]:
@@ -109,7 +134,7 @@ def apply_rules(module: nn.Module, rules: Any, where: str) -> None:
         except AttributeError as err:
             raise ValueError(f"{at}: the module has no submodule {path!r}") from err
         for attr, value in values.items():
-            checks = [c for cls, a, c in _table() if a == attr and isinstance(sub, cls)]
+            checks = [c for cls, a, c, _ in _table() if a == attr and isinstance(sub, cls)]
             if not checks:
                 raise ValueError(
                     f"{at}: {attr!r} is not a rule of {type(sub).__name__} "
