@@ -49,6 +49,17 @@ DEFAULT_ATTENTION_RULE: A.AttentionRule = "unscented"
 """The attention-weight rule used unless one is given (chosen by the table in ``docs/transformers.md``)."""
 
 _PADDING: ContextVar[Tensor | None] = ContextVar("lightning_dvi_key_padding", default=None)
+# The masks of the open ``key_padding`` blocks, innermost last, for ``torch.compile`` only: its
+# tracer cannot read a ContextVar but reads (and guards on) a module list, so a trace under a
+# new mask, or none, compiles anew. Eager code reads the ContextVar (per thread and task).
+_OPEN_MASKS: list[Tensor | None] = []
+
+
+def _padding() -> Tensor | None:
+    """The key padding mask in force (:func:`key_padding`), ``None`` outside every block."""
+    if torch.compiler.is_compiling():
+        return _OPEN_MASKS[-1] if _OPEN_MASKS else None
+    return _PADDING.get()
 
 
 @contextmanager
@@ -67,9 +78,12 @@ def key_padding(mask: Tensor | None) -> Iterator[None]:
         (2, 3, 4)
     """
     token = _PADDING.set(mask)
+    _OPEN_MASKS.append(mask)
     try:
         yield
     finally:
+        # this block's own entry (blocks in other threads may have opened since)
+        del _OPEN_MASKS[max(i for i, m in enumerate(_OPEN_MASKS) if m is mask)]
         _PADDING.reset(token)
 
 
@@ -231,7 +245,7 @@ class MultiheadAttention(BayesModule):
         """Moments (``full``/``diag``) or samples (``sample``/``local``) of the attention output."""
         self._check(x, mode)
         q, k, v, o = self._projections()
-        heads, causal, padding = self.num_heads, self.causal, _PADDING.get()
+        heads, causal, padding = self.num_heads, self.causal, _padding()
         given = q.w_var is None
         if isinstance(x, Tensor) and (mode.samples or given):
             s = x.shape[0]
@@ -265,7 +279,7 @@ class MultiheadAttention(BayesModule):
         second = g.cov if g.cov is not None else g.var
         weights = A.self_attention_weights(
             g.mean, second, q, k, heads=self.num_heads, rule=self.rule, causal=self.causal,
-            key_padding_mask=_PADDING.get(),
+            key_padding_mask=_padding(),
         )  # fmt: skip
         own = weights.mean.diagonal(0, -2, -1).transpose(1, 2)  # [B, T, H]
         d = self.embed_dim // self.num_heads

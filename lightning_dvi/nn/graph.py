@@ -412,11 +412,12 @@ class _Walk:
         if self.mode.samples or not isinstance(x, Gaussian) or not _flat(x):
             self._set(name, layer.propagate(x, self.mode), self.anc[v])
             return
-        rows = [
-            (w, c)
-            for w in self._live(name)
-            if (w != v or self._remaining(v, [v])) and isinstance(c := self._get(w, v), Tensor)
-        ]
+        rows = []  # no walrus in a comprehension: its cell variable breaks torch.compile's trace
+        for w in self._live(name):
+            if w != v or self._remaining(v, [v]):
+                c = self._get(w, v)
+                if isinstance(c, Tensor):
+                    rows.append((w, c))
         if not rows:
             self._set(name, layer.propagate(x, self.mode), self.anc[v])
             return
