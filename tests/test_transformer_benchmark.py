@@ -11,6 +11,7 @@ import json
 import math
 import runpy
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,25 @@ def test_module_times_cover_every_module_and_leave_the_network_as_it_was() -> No
     table = tb.module_table(report)
     assert "| m (X) | 4.0 (2.0) | 0.0 (0.0) |" in table
     assert "| total | 8.0 (4.0) | 1.0 (0.5) |" in table
+
+
+def test_compiled_rows_give_the_eager_rows_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the wiring of the opt-in compiled rows; Dynamo only (inductor's code generation takes
+    # tens of seconds a graph), so the numbers equal the eager rows' to float rounding
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    rows = ("deterministic", "posthoc_ivon_suq", *tb.COMPILED_ROWS)
+    config = replace(tb.Config.quick(), tasks=("digits",), rows=rows)
+    (runs,) = tb.run(config, progress=lambda _: None).values()
+    assert list(runs) == list(rows)
+    for compiled, eager in (("posthoc_ivon_suq_compiled", "posthoc_ivon_suq"),
+                            ("deterministic_compiled", "deterministic")):  # fmt: skip
+        (got,), (want,) = runs[compiled], runs[eager]
+        assert got["nll"] == pytest.approx(want["nll"], rel=1e-5)
+        assert got["acc"] == want["acc"]
+        assert got["details"]["graphs"] == 3  # test, OOD and timing rows
+        assert got["train_s"] == got["details"]["compile_cpu_s"] > 0
 
 
 def test_unknown_rows_and_tasks_are_refused() -> None:

@@ -49,6 +49,14 @@ Rows (every one after ``deterministic`` starts from a trained network):
   probit predictive (Lu, Ie & Sha 2020;
   :func:`~lightning_dvi.likelihoods.functional.categorical_mean_field_predictive`) in place
   of the library's;
+* ``posthoc_ivon_suq_compiled`` and ``deterministic_compiled`` (:data:`COMPILED_ROWS`, run only
+  when named): ``posthoc_ivon_suq``'s
+  predictive (the moment pass and the mean-field predictive) and the deterministic network's
+  forward pass and softmax, each run through ``torch.compile`` (inductor, ``dynamic=False``;
+  the moment pass traces into one graph, ``tests/test_compile_predictive.py``). The same
+  numbers as the eager rows to float rounding; ``train_s`` is the compilation's CPU time (this
+  process; the shapes of the test, OOD and timing rows, one graph each; a later seed may hit
+  inductor's cache), also in the details with its wall time;
 * ``ivon_mean``: the IVON network at its posterior means, one torch forward pass and a softmax
   (no variance at all: what the posterior's uncertainty adds to the rows above);
 * ``ivon_mc8``, ``ivon_mc32``: the Monte Carlo predictive of that same IVON posterior,
@@ -101,6 +109,7 @@ from .resnet_digits import _jsonable, machine
 
 __all__ = [
     "COLUMNS",
+    "COMPILED_ROWS",
     "ROWS",
     "TASKS",
     "Config",
@@ -139,6 +148,9 @@ ROWS = (
     "ivon_mc8",
     "ivon_mc32",
 )
+#: Rows run only when named (``Config.rows``, ``--rows``): each compiles with inductor, tens of
+#: CPU seconds per input shape.
+COMPILED_ROWS = ("posthoc_ivon_suq_compiled", "deterministic_compiled")
 
 
 @dataclass(frozen=True)
@@ -601,18 +613,27 @@ def categorical_from_moments(name: PredictiveName) -> Callable[[Tensor, Tensor],
 
 
 def moment_probs(
-    net: nn.Module, predictive: PredictiveName = "library"
+    net: nn.Module, predictive: PredictiveName = "library", compile: bool = False
 ) -> Callable[[Tensor], Tensor]:
     """The one-pass predictive of a declared network: diag moments, then a categorical predictive.
 
     The weight moments are taken once, here (:func:`lightning_dvi.nn.posterior.frozen_moments`:
     the posterior is fixed from now on), not on every call. ``predictive``: see
-    :func:`categorical_from_moments`.
+    :func:`categorical_from_moments`. ``compile``: run the moment pass and the predictive
+    through ``torch.compile`` instead (one graph per input shape; the compiled graph computes
+    the weight moments itself, fused with their first use).
     """
     from lightning_dvi.nn.posterior import frozen_moments
 
     frozen = frozen_moments(net)
     categorical = categorical_from_moments(predictive)
+    if compile:
+
+        def body(x: Tensor) -> Tensor:
+            out = net(x, mode="diag")
+            return categorical(out.mean, out.var)
+
+        return _no_grad(torch.compile(body, dynamic=False))
 
     def predict(x: Tensor) -> Tensor:
         with torch.no_grad(), frozen:
@@ -620,6 +641,31 @@ def moment_probs(
             return categorical(out.mean, out.var)
 
     return predict
+
+
+def _no_grad(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    def predict(x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return fn(x)
+
+    return predict
+
+
+def compiled_row(
+    predict: Callable[[Tensor], Tensor], shapes_of: Sequence[Tensor], net: nn.Module | None
+) -> Fitted:
+    """A compiled predictive, compiled now on every input in ``shapes_of`` (one graph each).
+
+    ``train_seconds`` is the compilation's CPU time in this process (``time.process_time``;
+    inductor's compile workers, if any, are not counted), ``details["compile_wall_s"]`` its
+    wall time.
+    """
+    cpu, wall = time.process_time(), time.perf_counter()
+    for x in shapes_of:
+        predict(x)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    details = {"compile_cpu_s": cpu, "compile_wall_s": wall, "graphs": len(shapes_of)}
+    return Fitted(predict, cpu, 0, details=details, net=net)
 
 
 def _calibrated(
@@ -950,6 +996,8 @@ def run_seed(
     base = baselines.fit_plain(split, lambda _: task.make_net(), config.budget, seed)
     fitted: dict[str, Fitted] = {"deterministic": base}
     wanted = set(rows)
+    x = split.x_test[: config.timing_rows]
+    shapes = (split.x_test, task.ood, x)  # every input a compiled row sees: one graph each
     if "temperature" in wanted:
         fitted["temperature"] = fit_temperature_row(task, base)
     if "dvi_last1" in wanted:
@@ -958,7 +1006,13 @@ def run_seed(
         fitted["ddvi_whole"] = fit_whole(task, base, config, seed)
     if "posthoc_det" in wanted:
         fitted["posthoc_det"] = fit_posthoc_deterministic(task, base, config)
-    ivon_rows = {"posthoc_ivon", "posthoc_ivon_cal", "ivon_mean", *RULES}
+    ivon_rows = {
+        "posthoc_ivon",
+        "posthoc_ivon_cal",
+        "ivon_mean",
+        "posthoc_ivon_suq_compiled",
+        *RULES,
+    }
     if wanted & {*ivon_rows, *(f"ivon_mc{s}" for s in config.mc_samples)}:
         ivon_fit = fit_ivon(task, config, seed)
         if "posthoc_ivon" in wanted:
@@ -968,14 +1022,25 @@ def run_seed(
         for row in RULES:
             if row in wanted:
                 fitted[row] = fit_posthoc_ivon_rules(ivon_fit, row)
+        if "posthoc_ivon_suq_compiled" in wanted:
+            suq = fitted.get("posthoc_ivon_suq") or fit_posthoc_ivon_rules(
+                ivon_fit, "posthoc_ivon_suq"
+            )
+            assert suq.net is not None
+            predict = moment_probs(suq.net, PREDICTIVES["posthoc_ivon_suq"], compile=True)
+            fitted["posthoc_ivon_suq_compiled"] = compiled_row(predict, shapes, suq.net)
         if "ivon_mean" in wanted:
             fitted["ivon_mean"] = ivon_mean_row(ivon_fit)
         for samples in config.mc_samples:
             if f"ivon_mc{samples}" in wanted:
                 fitted[f"ivon_mc{samples}"] = ivon_mc_row(task, ivon_fit, samples)
+    if "deterministic_compiled" in wanted:
+        net = base.net
+        assert net is not None
+        torch_pass = torch.compile(lambda x: torch.softmax(net(x), -1), dynamic=False)
+        fitted["deterministic_compiled"] = compiled_row(_no_grad(torch_pass), shapes, net)
     out = {name: evaluate(task, fitted[name]) for name in rows if name in fitted}
     predicts = {name: fitted[name].predict for name in out}
-    x = split.x_test[: config.timing_rows]
     costs = predictive_costs(predicts, x, "deterministic", config.timing_repeats)
     for name, metrics in out.items():
         metrics.update(cost=costs[name], seed=seed)
@@ -991,7 +1056,7 @@ def run(
         ValueError: for an unknown task or row.
     """
     rows = config.rows if config.rows is not None else ROWS
-    known = set(ROWS) | {f"ivon_mc{s}" for s in config.mc_samples}
+    known = set(ROWS) | set(COMPILED_ROWS) | {f"ivon_mc{s}" for s in config.mc_samples}
     unknown = [r for r in rows if r not in known]
     if unknown:
         raise ValueError(f"unknown rows {unknown}; choose from {sorted(known)} (Config.rows)")
@@ -1047,7 +1112,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, help="number of seeds 0, 1, ... (default 3, quick 1)")
     parser.add_argument("--task", choices=(*TASKS, "both"), default="both", help="default both")
     parser.add_argument("--quick", action="store_true", help="smoke test: small data, few epochs")
-    parser.add_argument("--rows", help=f"comma-separated rows (default: all of {list(ROWS)})")
+    parser.add_argument(
+        "--rows",
+        help=f"comma-separated rows (default: all of {list(ROWS)}; also {list(COMPILED_ROWS)})",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument(
@@ -1112,7 +1180,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     verdicts: dict[str, Any] = {}
     for task, rows in results.items():
         text += [f"### {task}", "", markdown_table(rows), ""]
-        judged = [r for r in ("posthoc_ivon", "posthoc_ivon_cal", *RULES) if r in rows]
+        judged = [
+            r
+            for r in ("posthoc_ivon", "posthoc_ivon_cal", *RULES, "posthoc_ivon_suq_compiled")
+            if r in rows
+        ]
         if judged and "ivon_mc32" in rows:
             verdicts[task] = {row: acceptance(rows, row) for row in judged}
     if verdicts:
