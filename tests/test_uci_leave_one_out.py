@@ -264,17 +264,18 @@ def test_the_runners_default_is_the_leave_one_out_choice():
 
 
 @pytest.mark.parametrize(
-    ("name", "patience_on", "growth"),
+    ("name", "patience_on", "growth", "mixture"),
     [
-        ("paired-trim1", "best", 0.0),
-        ("paired-trim1-kept", "kept", 0.0),
-        ("paired-trim1-grow", "best", 0.1),
+        ("paired-trim1", "best", 0.0, 0),
+        ("paired-trim1-kept", "kept", 0.0, 0),
+        ("paired-trim1-grow", "best", 0.1, 0),
+        ("paired-trim1-kept-mix", "kept", 0.0, 16),
     ],
 )
 def test_the_runner_hands_the_candidates_selection_settings_to_the_callback(
-    tmp_path, monkeypatch, name, patience_on, growth
+    tmp_path, monkeypatch, name, patience_on, growth, mixture
 ):
-    """run_job builds PairedEarlyStopping with z, skip, trim, patience_on and growth of the candidate."""
+    """run_job builds PairedEarlyStopping with the candidate's z, skip, trim, patience_on, growth, mixture."""
     import lightning_dvi.callbacks as callbacks
 
     seen = []
@@ -291,12 +292,16 @@ def test_the_runner_hands_the_candidates_selection_settings_to_the_callback(
     settings = replace(loo.CANDIDATES[name], max_steps=2, patience=1)
     assert settings == replace(loo.CANDIDATES["paired-skip3"], selection_trim=1, max_steps=2,
                                patience=1, patience_on=patience_on,
-                               patience_growth=growth)  # fmt: skip
+                               patience_growth=growth, selection_mixture=mixture)  # fmt: skip
     job = uci.Job(str(tmp_path), "toy", "dvi", 0, 8, 0.0, None, settings)
     result = uci.run_job(job)
     assert seen == [{"patience": 1, "z": 0.5, "skip": 3, "patience_on": patience_on, "trim": 1,
-                     "patience_growth": growth}]  # fmt: skip
+                     "patience_growth": growth, "mixture": mixture}]  # fmt: skip
     assert result["kept_step"] is not None
+    if mixture == 0:
+        assert result["mixture_steps"] is None
+    else:  # the window the carve-out chose among this run's (at most 2) kept steps
+        assert result["mixture_steps"] in (1, 2)
 
 
 def test_the_step_trace_replays_the_default_runs_choice(tmp_path):

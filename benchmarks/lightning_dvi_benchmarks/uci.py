@@ -160,7 +160,10 @@ class Settings:
     selection_z``, ``skip = selection_skip``, ``patience_on``, ``trim = selection_trim`` and
     ``patience_growth``:
     the last step that the carve-out's per-row log-likelihoods do not show worse than the best
-    by more than ``z`` standard errors.
+    by more than ``z`` standard errors. ``selection_mixture`` > 0 (``"paired"``, full-batch path
+    only): the test rows are scored by the callback's mixture of the last kept steps'
+    predictives, its window chosen on the carve-out (``PairedEarlyStopping(mixture=...)``;
+    issue 45); on the large-table path the Adam phase starts from the restored step as before.
 
     Large tables (``optimizer="lbfgs"`` with the ``"point"`` or ``"none"`` warm start, more
     than ``large_rows`` training rows; 0 turns the rule off): ``large_subsample``,
@@ -204,6 +207,7 @@ class Settings:
     large_lr: float = 1e-2
     large_final_lr_fraction: float = 0.1
     patience_growth: float = 0.0
+    selection_mixture: int = 0
 
     @property
     def regressor_resolution(self) -> float | Literal["auto"] | None:
@@ -488,8 +492,12 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
         ]
     trainer_ = trainer(steps, callbacks, early > 0, 0.0 if lbfgs else s.grad_clip)
     trainer_.fit(model, datamodule=dm)
+    mixed = None
+    if paired is not None and paired.mixture_steps is not None:
+        mixed = paired.mixture_predictive(model)
     return {
-        **_scored(job, model, dm, s, start, cpu_start),
+        **_scored(job, model, dm, s, start, cpu_start, mixed),
+        "mixture_steps": None if mixed is None else len(mixed),
         "steps": int(trainer_.global_step),
         "adam_steps": a,
         "warm_start_steps": 0 if point.result is None else point.result.steps,
@@ -509,17 +517,33 @@ def _paired_stopping(s: Settings) -> Any:
         patience_on=s.patience_on,
         trim=s.selection_trim,
         patience_growth=s.patience_growth,
+        mixture=s.selection_mixture,
     )
 
 
 def _scored(
-    job: Job, model: Any, dm: Any, s: Settings, start: float, cpu_start: float
+    job: Job,
+    model: Any,
+    dm: Any,
+    s: Settings,
+    start: float,
+    cpu_start: float,
+    mixed: Any = None,
 ) -> dict[str, Any]:
-    """The split, the held-out test LL and RMSE, and the job's wall and CPU seconds so far."""
+    """The split, the held-out test LL and RMSE, and the job's wall and CPU seconds so far.
+
+    ``mixed`` (a :class:`~lightning_dvi.lightning.early_stopping.SnapshotMixture`): scored
+    instead of ``model``, by its mixture density and the RMSE of its mean.
+    """
     held_out = dm.val_dataset if job.validation > 0 else dm.test_dataset
     assert held_out is not None
     x, y = held_out.tensors[0], held_out.tensors[1]
-    test_ll, rmse = score(model, x, y, s.mc_eval_samples)
+    if mixed is not None:
+        x = x.to(next(model.parameters()).dtype)
+        test_ll = float(mixed.predictive_log_prob(x, y).mean())
+        rmse = float((mixed.predictive(x)[0] - y.double()).square().mean().sqrt())
+    else:
+        test_ll, rmse = score(model, x, y, s.mc_eval_samples)
     return {
         "split": job.split,
         "test_ll": test_ll,

@@ -65,7 +65,7 @@ _TODAY = replace(
     patience_growth=0.0,
 )
 
-# The fixed list: today's protocol and eight per-run rules for which step to keep (issue 45).
+# The fixed list: today's protocol and nine per-run rules for which step to keep (issue 45).
 CANDIDATES: dict[str, Settings] = {
     "today": _TODAY,
     "skip3": replace(_TODAY, selection="paired", selection_z=0.0, selection_skip=3),
@@ -97,6 +97,18 @@ CANDIDATES: dict[str, Settings] = {
         selection_skip=3,
         selection_trim=1,
         patience_growth=0.1,
+    ),
+    # added after the fifth selection (energy's figure follows the float rounding of an L-BFGS
+    # path): paired-trim1-kept, the test rows scored by the mixture of the last kept steps'
+    # predictives, the window (1, 2, 4, 8 or 16 steps) chosen on the carve-out
+    "paired-trim1-kept-mix": replace(
+        _TODAY,
+        selection="paired",
+        selection_z=0.5,
+        selection_skip=3,
+        selection_trim=1,
+        patience_on="kept",
+        selection_mixture=16,
     ),
 }
 
