@@ -287,3 +287,53 @@ def test_the_supervision_state_is_checkpointed_and_a_resumed_fit_continues_it(
     assert resumed["global_step"] == 5
     assert resumed["callbacks"]["LBFGSSupervisor"]["stalls"] == 5
     assert resumed["callbacks"]["LBFGSSupervisor"]["first_loss"] == state["first_loss"]
+
+
+def test_an_lbfgs_step_logs_its_last_evaluation_once(monkeypatch):
+    """The closure runs about ten times a step; its terms are logged once, with the last values."""
+    x, y = _diabetes()
+    x, y = x[:120], y[:120]
+    model = DVIRegressor(hidden=[8], optimizer="lbfgs")
+    evaluations: list[tuple[int, float]] = []  # (global step, loss) of every closure call
+    logged: list[tuple[int, str, float]] = []
+    seen_at_batch_end: list[tuple[int, float]] = []
+
+    elbo = model._elbo
+
+    def spy_elbo(batch, kl_weight, stage):
+        terms = elbo(batch, kl_weight, stage)
+        if stage == "train":
+            evaluations.append((model.global_step, float(terms.loss.detach())))
+        return terms
+
+    log = type(model).log
+
+    def spy_log(self, name, value, *args, **kwargs):
+        if name.startswith("train/"):
+            logged.append((self.global_step, name, float(value)))
+        return log(self, name, value, *args, **kwargs)
+
+    class AtBatchEnd(Callback):  # a user's callback reads the step's logged loss
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen_at_batch_end.append(
+                (trainer.global_step, float(trainer.callback_metrics["train/loss"]))
+            )
+
+    monkeypatch.setattr(model, "_elbo", spy_elbo)
+    monkeypatch.setattr(type(model), "log", spy_log)
+    trainer = _trainer(max_epochs=3, log_every_n_steps=1, callbacks=[AtBatchEnd()])
+    trainer.fit(model, train_dataloaders=_full_batch(x, y))
+    steps = sorted({s for s, _ in evaluations})
+    assert len(steps) == 3 and len(evaluations) > 2 * len(steps)  # several evaluations a step
+    for step in steps:
+        names = [n for s, n, _ in logged if s == step]
+        assert sorted(names) == sorted(
+            ["train/loss", "train/elbo", "train/expected_log_likelihood", "train/kl",
+             "train/kl_weight"]
+        )  # fmt: skip
+        last = [loss for s, loss in evaluations if s == step][-1]
+        (value,) = [v for s, n, v in logged if s == step and n == "train/loss"]
+        assert value == last
+    assert [v for _, v in seen_at_batch_end] == [
+        [loss for s, loss in evaluations if s == step][-1] for step in steps
+    ]

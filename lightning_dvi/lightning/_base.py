@@ -552,15 +552,40 @@ class DVIModule(LightningModule):
         )
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """One ELBO step; the KL weight is ``kl_weight`` times the schedule at ``global_step``."""
+        """One ELBO step; the KL weight is ``kl_weight`` times the schedule at ``global_step``.
+
+        Under ``optimizer="lbfgs"`` this is the closure an optimizer step evaluates about ten
+        times: the terms are logged once, by :meth:`optimizer_step`, with the values of its
+        last evaluation (those Lightning kept when every evaluation logged; each ``self.log``
+        costs about half a millisecond on CPU).
+        """
         kl_weight = self.kl_weight * self.kl_schedule(self.global_step)
         terms = self._elbo(batch, kl_weight, "train")
         if logs_this_step(self.trainer):
-            self._log_terms(terms, "train", batch[0].shape[0])
-            self.log("train/kl_weight", kl_weight, on_step=True, on_epoch=False, batch_size=1)
+            if self.optimiser_config.optimizer == "lbfgs":
+                detached = replace(
+                    terms,
+                    loss=terms.loss.detach(),
+                    expected_log_likelihood=terms.expected_log_likelihood.detach(),
+                    kl=terms.kl.detach(),
+                )
+                self.__dict__["_pending_train_log"] = (detached, batch[0].shape[0], kl_weight)
+            else:
+                self._log_train(terms, batch[0].shape[0], kl_weight)
         if self.optimiser_config.optimizer == "lbfgs" and self.trainer.world_size > 1:
             return global_loss_value(terms.loss, self.trainer.strategy)  # one line search
         return terms.loss
+
+    def _log_train(self, terms: ELBOTerms, batch_size: int, kl_weight: float) -> None:
+        self._log_terms(terms, "train", batch_size)
+        self.log("train/kl_weight", kl_weight, on_step=True, on_epoch=False, batch_size=1)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step, then the training terms an L-BFGS step's closure left to log."""
+        super().optimizer_step(*args, **kwargs)
+        pending = self.__dict__.pop("_pending_train_log", None)
+        if pending is not None:
+            self._log_train(*pending)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Add the batch's loss (the last evaluation's, under L-BFGS) to the epoch's objective."""
