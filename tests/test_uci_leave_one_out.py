@@ -248,8 +248,7 @@ def test_every_candidate_is_a_runner_setting_and_today_is_the_pre_issue_45_proto
     today = loo.CANDIDATES["today"]
     assert today.selection == "best" and today.patience == 5
     selection = {"selection": "best", "selection_z": 0.5, "selection_skip": 0,
-                 "patience_on": "best", "selection_trim": 0, "patience_growth": 0.0,
-                 "selection_mixture": 0}  # fmt: skip
+                 "patience_on": "best", "selection_trim": 0, "patience_growth": 0.0}  # fmt: skip
     assert {k: getattr(today, k) for k in selection} == selection
     # everything else is the runner's default: whatever the default's selection rule, `today`
     # (and every candidate built on it) stays the same protocol
@@ -259,7 +258,7 @@ def test_every_candidate_is_a_runner_setting_and_today_is_the_pre_issue_45_proto
 
 def test_the_runners_default_is_the_leave_one_out_choice():
     """Issue 45: the default protocol is the candidate chosen leave-one-data-set-out."""
-    assert uci.DEFAULTS == uci.PRESETS["lbfgs"] == loo.CANDIDATES["paired-trim1-kept-mix"]
+    assert uci.DEFAULTS == uci.PRESETS["lbfgs"] == loo.CANDIDATES["paired-trim1-kept"]
     # --preset lbfgs-best: today's rule with the full-batch protocol at every size (large_rows=0)
     assert uci.PRESETS["lbfgs-best"] == replace(loo.CANDIDATES["today"], large_rows=0)
 
@@ -305,14 +304,8 @@ def test_the_runner_hands_the_candidates_selection_settings_to_the_callback(
         assert result["mixture_steps"] in (1, 2)
 
 
-def test_the_step_trace_replays_the_default_runs_choice(tmp_path, monkeypatch):
-    """recipes/uci_step_trace.py: the step the default restores scores the run's own test LL.
-
-    The default scores the test rows by a mixture of the last kept steps when the carve-out
-    chooses a window above 1 (``selection_mixture``); the trace records single steps, so the
-    replay is checked with the mixture off.
-    """
-    monkeypatch.setattr(uci, "DEFAULTS", replace(uci.DEFAULTS, selection_mixture=0))
+def test_the_step_trace_replays_the_default_runs_choice(tmp_path):
+    """recipes/uci_step_trace.py: the step the default restores scores the run's own test LL."""
     spec = importlib.util.spec_from_file_location(
         "uci_step_trace_recipe", RECIPE.parent / "uci_step_trace.py"
     )

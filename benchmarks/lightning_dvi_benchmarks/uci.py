@@ -23,12 +23,7 @@ Protocols (:data:`PRESETS`):
   not worse than the best step's by more than half a standard error of their paired
   difference (the largest and smallest difference set aside), the first three ELBO steps never
   being the reference best; the run stops after ``patience`` steps in a row each shown worse
-  than that. The test rows are scored by the mixture of the predictive densities of the last
-  1, 2, 4, 8 or 16 kept steps, the window chosen per run on the carve-out
-  (``selection_mixture``, ``PairedEarlyStopping(mixture=16)``,
-  :func:`~lightning_dvi.lightning.early_stopping.choose_mixture_window`; the window is 1, the
-  restored step alone, on most runs). Chosen leave-one-data-set-out (docs/uci_protocol.md,
-  sixth pass).
+  than that; chosen leave-one-data-set-out (docs/uci_protocol.md, fourth pass).
   ``precision`` is the Trainer's (``"64-true"`` trains in float64). The targets are
   dequantised at their decimal grid (``target_resolution="auto"``,
   :func:`~lightning_dvi.lightning.regressor.target_grid_step`: wine's integer quality scores
@@ -212,7 +207,7 @@ class Settings:
     large_lr: float = 1e-2
     large_final_lr_fraction: float = 0.1
     patience_growth: float = 0.0
-    selection_mixture: int = 16
+    selection_mixture: int = 0
 
     @property
     def regressor_resolution(self) -> float | Literal["auto"] | None:
@@ -226,12 +221,7 @@ PRESETS: dict[str, Settings] = {
     "lbfgs": Settings(),
     "lbfgs-full-batch": Settings(large_rows=0),
     "lbfgs-best": Settings(
-        selection="best",
-        selection_skip=0,
-        selection_trim=0,
-        patience_on="best",
-        large_rows=0,
-        selection_mixture=0,
+        selection="best", selection_skip=0, selection_trim=0, patience_on="best", large_rows=0
     ),
     "lbfgs-adam": Settings(
         warm_start="adam",
@@ -239,7 +229,6 @@ PRESETS: dict[str, Settings] = {
         selection_skip=0,
         selection_trim=0,
         patience_on="best",
-        selection_mixture=0,
     ),
     "adam8000": Settings(
         optimizer="adam",
@@ -375,9 +364,7 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
 
     Returns:
         ``{"split", "test_ll", "rmse", "seconds", "cpu_seconds", "steps", "adam_steps",
-        "warm_start_steps", "kept_step", "mixture_steps", "protocol"}``: ``mixture_steps`` is
-        the number of kept steps mixed to score the test rows (``selection_mixture > 0`` on
-        the full-batch path; else ``None``), ``steps`` is the number of optimisation steps run (L-BFGS steps
+        "warm_start_steps", "kept_step"}``: ``steps`` is the number of optimisation steps run (L-BFGS steps
         of ``lbfgs_iterations`` iterations), ``adam_steps`` those of the ``"adam"`` warm
         start's Adam phase and ``warm_start_steps`` the ``"point"`` warm start's L-BFGS steps
         (0 if none).
@@ -640,7 +627,6 @@ def _run_large(
         "adam_steps": int(fit_adam.global_step) if steps > 0 else 0,
         "warm_start_steps": 0 if point.result is None else point.result.steps,
         "kept_step": None if paired is None else paired.kept_step,
-        "mixture_steps": None,  # the Adam phase's model is scored, not a mixture
     }
 
 

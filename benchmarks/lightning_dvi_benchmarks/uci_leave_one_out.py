@@ -63,7 +63,6 @@ _TODAY = replace(
     patience_on="best",
     selection_trim=0,
     patience_growth=0.0,
-    selection_mixture=0,
 )
 
 # The fixed list: today's protocol and nine per-run rules for which step to keep (issue 45).
