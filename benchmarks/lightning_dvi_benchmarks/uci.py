@@ -364,7 +364,9 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
 
     Returns:
         ``{"split", "test_ll", "rmse", "seconds", "cpu_seconds", "steps", "adam_steps",
-        "warm_start_steps", "kept_step"}``: ``steps`` is the number of optimisation steps run (L-BFGS steps
+        "warm_start_steps", "kept_step", "mixture_steps"}``: ``mixture_steps`` is the number of
+        kept steps mixed to score the test rows (``selection_mixture > 0`` on the full-batch
+        path, else ``None``); ``steps`` is the number of optimisation steps run (L-BFGS steps
         of ``lbfgs_iterations`` iterations), ``adam_steps`` those of the ``"adam"`` warm
         start's Adam phase and ``warm_start_steps`` the ``"point"`` warm start's L-BFGS steps
         (0 if none).
@@ -627,6 +629,7 @@ def _run_large(
         "adam_steps": int(fit_adam.global_step) if steps > 0 else 0,
         "warm_start_steps": 0 if point.result is None else point.result.steps,
         "kept_step": None if paired is None else paired.kept_step,
+        "mixture_steps": None,  # the Adam phase's model is scored, not a mixture
     }
 
 
