@@ -94,3 +94,35 @@ def load_recipe(name: str) -> ModuleType:
     finally:
         sys.path[:] = path
     return module
+
+
+def overfit_loaders() -> tuple[Any, Any]:
+    """Training and validation loaders of a noisy sine (15 and 45 rows of 2 features).
+
+    With a wide network (``overfit_fit``) the validation NLL turns up within a few L-BFGS steps:
+    the early-stopping and weight-restoring callbacks' tests run on it.
+    """
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 2, generator=g)
+    y = torch.sin(2 * x[:, 0]) + 0.3 * torch.randn(60, generator=g)
+    return (
+        DataLoader(TensorDataset(x[:15], y[:15]), batch_size=15),
+        DataLoader(TensorDataset(x[15:], y[15:]), batch_size=45),
+    )
+
+
+def overfit_fit(callbacks: list[Callback], epochs: int = 12) -> Any:
+    """A seeded ``DVIRegressor(hidden=[64], optimizer="lbfgs")`` fit on ``overfit_loaders``."""
+    import lightning
+
+    from lightning_dvi import DVIRegressor
+
+    lightning.seed_everything(0, verbose=False)
+    model = DVIRegressor(in_features=2, hidden=[64], num_data=15, optimizer="lbfgs")
+    trainer = cpu_trainer(
+        max_epochs=epochs, num_sanity_val_steps=0, callbacks=callbacks, enable_checkpointing=False
+    )
+    trainer.fit(model, *overfit_loaders())
+    return model

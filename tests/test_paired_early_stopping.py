@@ -9,9 +9,8 @@ import lightning
 import numpy as np
 import pytest
 import torch
-from helpers import cpu_trainer
+from helpers import overfit_fit, overfit_loaders
 from scipy import stats
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dvi import DVIRegressor
 from lightning_dvi.callbacks import PairedEarlyStopping, RestoreBestWeights
@@ -210,24 +209,8 @@ def test_bad_arguments_are_refused():
             PairedEarlyStopping(**kwargs)
 
 
-def _loaders() -> tuple[DataLoader, DataLoader]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(60, 2, generator=g)
-    y = torch.sin(2 * x[:, 0]) + 0.3 * torch.randn(60, generator=g)
-    # 15 training rows and a wide network: the validation NLL turns up within a few steps
-    return (
-        DataLoader(TensorDataset(x[:15], y[:15]), batch_size=15),
-        DataLoader(TensorDataset(x[15:], y[15:]), batch_size=45),
-    )
-
-
 def _fit(callbacks: list, epochs: int = 12) -> DVIRegressor:
-    lightning.seed_everything(0, verbose=False)
-    model = DVIRegressor(in_features=2, hidden=[64], num_data=15, optimizer="lbfgs")
-    trainer = cpu_trainer(
-        max_epochs=epochs, num_sanity_val_steps=0, callbacks=callbacks, enable_checkpointing=False
-    )
-    trainer.fit(model, *_loaders())
+    model: DVIRegressor = overfit_fit(callbacks, epochs)
     return model
 
 
@@ -235,7 +218,7 @@ def test_in_a_fit_the_restored_weights_score_the_kept_steps_validation_rows():
     paired = PairedEarlyStopping(patience=100, z=1.0)
     model = _fit([paired])
     assert len(paired.history) == 12 and paired.stopped_step is None
-    _, val = _loaders()
+    _, val = overfit_loaders()
     x, y = val.dataset.tensors
     model.eval()
     mean = float(model.predictive_log_prob(x, y).mean())

@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import lightning
 import torch
-from helpers import cpu_trainer
+from helpers import cpu_trainer, overfit_loaders
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dvi import DVIRegressor
 from lightning_dvi.callbacks import RestoreBestWeights
 
 EPOCHS = 12
-
-
-def _loaders() -> tuple[DataLoader, DataLoader]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(60, 2, generator=g)
-    y = torch.sin(2 * x[:, 0]) + 0.3 * torch.randn(60, generator=g)
-    # 15 training rows and a wide network: the validation NLL turns up within a few steps
-    return (
-        DataLoader(TensorDataset(x[:15], y[:15]), batch_size=15),
-        DataLoader(TensorDataset(x[15:], y[15:]), batch_size=45),
-    )
 
 
 def _model() -> DVIRegressor:
@@ -37,7 +25,7 @@ def test_a_fit_resumed_after_its_best_epoch_still_ends_on_the_runs_best_weights(
         save_on_train_epoch_end=True,
     )  # fmt: skip
     cpu_trainer(max_epochs=EPOCHS, num_sanity_val_steps=0, callbacks=[restore, saver]).fit(
-        whole, *_loaders()
+        whole, *overfit_loaders()
     )
     best = restore.best_epoch
     assert best is not None and best < EPOCHS - 2  # the run goes on past its best epoch
@@ -46,7 +34,7 @@ def test_a_fit_resumed_after_its_best_epoch_still_ends_on_the_runs_best_weights(
     resumed, again = _model(), RestoreBestWeights("val/nll")
     cpu_trainer(
         max_epochs=EPOCHS, num_sanity_val_steps=0, callbacks=[again], enable_checkpointing=False
-    ).fit(resumed, *_loaders(), ckpt_path=tmp_path / f"epoch={best + 1}.ckpt")
+    ).fit(resumed, *overfit_loaders(), ckpt_path=tmp_path / f"epoch={best + 1}.ckpt")
     assert (again.best_epoch, again.best_score) == (best, restore.best_score)
     for key, value in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
@@ -55,14 +43,14 @@ def test_a_fit_resumed_after_its_best_epoch_still_ends_on_the_runs_best_weights(
 def test_a_new_fit_with_the_same_callback_forgets_the_previous_best():
     restore = RestoreBestWeights("val/nll")
     quiet = {"num_sanity_val_steps": 0, "callbacks": [restore], "enable_checkpointing": False}
-    cpu_trainer(max_epochs=3, **quiet).fit(_model(), *_loaders())
+    cpu_trainer(max_epochs=3, **quiet).fit(_model(), *overfit_loaders())
     first = restore.best_score
     # one L-BFGS iteration from the prior: a worse validation NLL than the first fit's best
     lightning.seed_everything(0, verbose=False)
     barely = DVIRegressor(in_features=2, hidden=[64], num_data=15, optimizer="lbfgs",
                           lbfgs_iterations=1)  # fmt: skip
     trainer = cpu_trainer(max_epochs=1, **quiet)
-    trainer.fit(barely, *_loaders())
+    trainer.fit(barely, *overfit_loaders())
     assert first is not None and float(trainer.callback_metrics["val/nll"]) > first
     assert restore.best_epoch == 0
     assert restore.best_score == float(trainer.callback_metrics["val/nll"])

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import math
 
-import lightning
 import numpy as np
 import pytest
 import torch
-from helpers import cpu_trainer
+from helpers import overfit_fit, overfit_loaders
 from scipy.special import logsumexp
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dvi import DVIRegressor
 from lightning_dvi.callbacks import PairedEarlyStopping
@@ -68,23 +66,8 @@ def test_one_row_alone_cannot_make_a_mixture_with_trim():
     assert choose_mixture_window(rows, trim=1) == 1
 
 
-def _loaders() -> tuple[DataLoader, DataLoader]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(60, 2, generator=g)
-    y = torch.sin(2 * x[:, 0]) + 0.3 * torch.randn(60, generator=g)
-    return (
-        DataLoader(TensorDataset(x[:15], y[:15]), batch_size=15),
-        DataLoader(TensorDataset(x[15:], y[15:]), batch_size=45),
-    )
-
-
 def _fit(callback: PairedEarlyStopping, epochs: int = 12) -> DVIRegressor:
-    lightning.seed_everything(0, verbose=False)
-    model = DVIRegressor(in_features=2, hidden=[64], num_data=15, optimizer="lbfgs")
-    trainer = cpu_trainer(
-        max_epochs=epochs, num_sanity_val_steps=0, callbacks=[callback], enable_checkpointing=False
-    )
-    trainer.fit(model, *_loaders())
+    model: DVIRegressor = overfit_fit([callback], epochs)
     return model
 
 
@@ -98,7 +81,7 @@ def test_in_a_fit_the_mixture_is_the_best_window_of_the_last_kept_steps_on_the_c
     assert steps is not None and steps[-1] == paired.kept_step
     assert len(steps) in (1, 2, 4, 8, 16) and steps == kept[-len(steps) :]
     mixture = paired.mixture_predictive(model)
-    x, y = _loaders()[1].dataset.tensors
+    x, y = overfit_loaders()[1].dataset.tensors
     model.eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ours = float(mixture.predictive_log_prob(x, y).mean())
@@ -124,7 +107,7 @@ def test_the_mixture_density_and_moments_against_its_components_and_monte_carlo(
             state[key] += scale * torch.randn(state[key].shape, generator=g)
         states.append(state)
     mixture = SnapshotMixture(model, states)
-    x, y = _loaders()[1].dataset.tensors
+    x, y = overfit_loaders()[1].dataset.tensors
     copy = DVIRegressor(in_features=2, hidden=[64], num_data=15, optimizer="lbfgs")
     copy.load_state_dict(model.state_dict())
     copy.eval()

@@ -66,6 +66,16 @@ _TODAY = replace(
 )
 
 # The fixed list: today's protocol and nine per-run rules for which step to keep (issue 45).
+#: ``paired-trim1`` with its patience counted on the kept steps (see :data:`CANDIDATES`).
+_PAIRED_KEPT = replace(
+    _TODAY,
+    selection="paired",
+    selection_z=0.5,
+    selection_skip=3,
+    selection_trim=1,
+    patience_on="kept",
+)
+
 CANDIDATES: dict[str, Settings] = {
     "today": _TODAY,
     "skip3": replace(_TODAY, selection="paired", selection_z=0.0, selection_skip=3),
@@ -82,14 +92,7 @@ CANDIDATES: dict[str, Settings] = {
     # added after the second selection (energy's mean): paired-trim1 with a patience counted in
     # standard errors (the run stops after `patience` steps in a row each shown worse than the
     # best by more than z standard errors), or growing with the best step's index
-    "paired-trim1-kept": replace(
-        _TODAY,
-        selection="paired",
-        selection_z=0.5,
-        selection_skip=3,
-        selection_trim=1,
-        patience_on="kept",
-    ),
+    "paired-trim1-kept": _PAIRED_KEPT,
     "paired-trim1-grow": replace(
         _TODAY,
         selection="paired",
@@ -101,15 +104,7 @@ CANDIDATES: dict[str, Settings] = {
     # added after the fifth selection (energy's figure follows the float rounding of an L-BFGS
     # path): paired-trim1-kept, the test rows scored by the mixture of the last kept steps'
     # predictives, the window (1, 2, 4, 8 or 16 steps) chosen on the carve-out
-    "paired-trim1-kept-mix": replace(
-        _TODAY,
-        selection="paired",
-        selection_z=0.5,
-        selection_skip=3,
-        selection_trim=1,
-        patience_on="kept",
-        selection_mixture=16,
-    ),
+    "paired-trim1-kept-mix": replace(_PAIRED_KEPT, selection_mixture=16),
 }
 
 
