@@ -14,7 +14,9 @@ the deterministic network, temperature scaling, last-layer DVI, a whole-network 
 fine-tune, post-hoc DVI from the deterministic weights (prior standard deviations, one
 calibrated factor), post-hoc DVI from an IVON posterior (as it is, calibrated, and with the
 cheaper moment rules: LayerNorm's first-order form, and that with SUQ's attention rule), and the
-Monte Carlo predictive of that same posterior with 8 and 32 samples. Columns: accuracy, NLL,
+Monte Carlo predictive of that same posterior with 8 and 32 samples; named with ``--rows``
+only, ``posthoc_ivon_suq_compiled`` and ``deterministic_compiled`` run SUQ's predictive and the
+torch network through ``torch.compile`` (tens of CPU seconds of compilation). Columns: accuracy, NLL,
 ECE and its noise floor, OOD AUROC of the predictive entropy, the predictive's CPU time per
 example relative to one deterministic forward pass (one thread), and the training CPU seconds.
 The tables print per task, followed by issue 42's acceptance check (post-hoc DVI from IVON
