@@ -305,3 +305,23 @@ def test_early_stopped_shift_equals_the_fixed_count(monkeypatch) -> None:
             out.extend((c, *torch.autograd.grad(c.sum(), (m, v))))
         for new, old in zip(got, want, strict=True):
             torch.testing.assert_close(new, old, rtol=0, atol=tol * (1 + old.abs().max().item()))
+
+
+@pytest.mark.parametrize("k", [2, 10, 15, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_short_row_softmax_equals_torch_softmax(k, dtype) -> None:
+    # the CPU policy for class counts (exp(x - logsumexp x)) and torch.softmax: same values and
+    # gradients to rounding, with -inf entries and rows of very different scales
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn(300, k, generator=gen, dtype=F64) * torch.logspace(-3, 3, 300)[:, None]).to(
+        dtype
+    )
+    x[0, 0] = float("-inf")
+    cotangent = torch.randn(300, k, generator=gen, dtype=F64).to(dtype)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = logistic_normal._softmax(a), torch.softmax(b, -1)
+    (ga,) = torch.autograd.grad((got * cotangent).sum(), a)
+    (gb,) = torch.autograd.grad((want * cotangent).sum(), b)
+    tol = 1e-6 if dtype == torch.float32 else 1e-14
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    torch.testing.assert_close(ga, gb, rtol=tol, atol=tol * cotangent.abs().max().item())
