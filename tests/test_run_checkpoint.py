@@ -141,6 +141,27 @@ def test_progress_log_prints_plain_lines_with_the_loss_and_key_metric(tmp_path):
         ProgressLog(every_n_seconds=0)
 
 
+class _StopAfterFirstEpoch(Callback):
+    def on_train_epoch_end(self, trainer, pl_module):
+        trainer.should_stop = True
+
+
+def test_progress_log_final_line_of_a_run_stopped_early_has_no_time_left(tmp_path):
+    stream = io.StringIO()
+    trainer = cpu_trainer(
+        default_root_dir=tmp_path,
+        max_epochs=50,
+        enable_progress_bar=True,
+        callbacks=[ProgressLog(every_n_seconds=1e-9, stream=stream), _StopAfterFirstEpoch()],
+    )
+    dm = ToyHeteroscedasticDataModule(num_train=48, num_val=16, num_test=16, batch_size=16)
+    trainer.fit(DVIRegressor(hidden=[4], lr=0.01), dm)
+    lines = stream.getvalue().splitlines()
+    assert " s left" in lines[1]  # while it runs: the estimate for the planned 150 steps
+    assert lines[-1].startswith("fit: done, epoch 1/50  step 3/150 (2%)")
+    assert " s left" not in lines[-1]  # the run is over: nothing is left
+
+
 @pytest.mark.parametrize(
     ("extra", "checkpoints", "progress"),
     [

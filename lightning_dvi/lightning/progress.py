@@ -291,7 +291,7 @@ class ProgressLog(ProgressBar):
         elapsed = time.monotonic() - self._start
         timing = f"{elapsed:.1f} s"
         steps_run = trainer.global_step - self._first_step
-        if steps_run > 0 and math.isfinite(total) and total > trainer.global_step:
+        if not done and steps_run > 0 and math.isfinite(total) and total > trainer.global_step:
             timing += f", ~{elapsed / steps_run * (total - trainer.global_step):.0f} s left"
         head = "fit: done," if done else "fit:"
         if done:
