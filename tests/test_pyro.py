@@ -255,3 +255,21 @@ def test_a_second_guide_with_the_same_prefix_warns_that_they_share():
         warnings.simplefilter("error")
         DeterministicGuide(model).moment_posteriors(x, y)
         DeterministicGuide(model, name="other").moment_posteriors(x, y)
+
+
+def test_first_cpu_call_keeps_large_buffers_for_reuse_once(monkeypatch):
+    # as the Lightning modules at fit start: the allocator policy is applied at the first call
+    # with CPU tensors (once per ELBO; reuse_large_allocations itself is once per process)
+    import lightning_dvi.pyro.elbo as elbo_module
+
+    calls = []
+    monkeypatch.setattr(elbo_module, "reuse_large_allocations", lambda: calls.append(1) or True)
+    x, y = toy(32)
+    model = BNN(noise="fixed")
+    guide = DeterministicGuide(model)
+    elbo = DeterministicELBO()
+    elbo.loss(model, guide, x, y)
+    elbo.loss(model, guide, x, y)
+    assert calls == [1]
+    assert elbo_module._first_device(((), {"x": [None, x]})) == torch.device("cpu")
+    assert elbo_module._first_device(((1, "a"), {"k": None})) is None  # no tensor: left alone

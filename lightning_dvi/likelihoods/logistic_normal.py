@@ -119,9 +119,25 @@ def _tracing() -> bool:
 
 
 def _flushed_exp(x: Tensor) -> Tensor:
-    """``exp(x)``, zero instead of a subnormal (subnormals stall CPUs; they carry no information)."""
+    r"""``exp(x)``, zero instead of a subnormal (subnormals stall CPUs; they carry no information).
+
+    ``x`` at or below ``log(tiny)`` (or NaN) becomes :math:`-\infty` before the exponential, by
+    ``threshold``, a vectorised select (``torch.where`` on CPU branches per element).
+    """
     low = math.log(torch.finfo(x.dtype).tiny)
-    return torch.where(x > low, torch.exp(x.clamp_min(low)), torch.zeros_like(x))
+    return torch.nn.functional.threshold(x, low, -math.inf).exp()
+
+
+def _blend(first: Tensor, second: Tensor, at: Tensor) -> Tensor:
+    r"""``first`` where ``at > 0``, ``second`` where ``at < 0``, their mean where ``at == 0``.
+
+    A select without branches: ``torch.lerp`` with the weight :math:`(1 + \operatorname{sign}
+    (at))/2`, exact at the weights 0 and 1 when both inputs are finite. On CPU ``torch.where``
+    branches per element: 10x slower than this on a random mask, and the series bound took 11 %
+    longer with it on a training head's logits. For a choice between two forms of one quantity,
+    equal (to their accuracy) where ``at`` is 0.
+    """
+    return torch.lerp(second, first, 0.5 + 0.5 * at.sign())
 
 
 def _erfcx_nonneg(z: Tensor) -> Tensor:
@@ -137,29 +153,38 @@ def _erfcx_nonneg(z: Tensor) -> Tensor:
     direct = torch.exp(zs * zs) * torch.special.erfc(zs)
     r = 1.0 / (zl * zl)
     asymptotic = (_INV_SQRT_PI / zl) * (1 + r * (-0.5 + r * (0.75 + r * (-1.875 + r * 6.5625))))
-    return torch.where(z < _ERFCX_SPLIT, direct, asymptotic)
+    return _blend(direct, asymptotic, _ERFCX_SPLIT - z)  # both finite, equal at the split
 
 
 def _series_moments(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r"""``(s, a, e^{-a²/2}/2, M)`` with ``M[..., 0, j] = T_{j+1}``, ``M[..., 1, j] = U_{j+1}``.
+    r"""``(s, a, e^{-a²/2}/2, M)`` with ``M[0, j, ...] = T_{j+1}``, ``M[1, j, ...] = U_{j+1}``.
 
     :math:`T_k = \tfrac12 e^{-a^2/2}\operatorname{erfcx}(z)`, :math:`z = (ks - a)/\sqrt2`; for
     :math:`z < 0` through :math:`\operatorname{erfcx}(z) = 2e^{z^2} - \operatorname{erfcx}(-z)`,
     whose first part is :math:`e^{-km + k^2v/2} \le 1` there. :math:`U_k` is :math:`T_k` at
-    :math:`-m`. Both are computed in one stacked pass (half the elementwise ops of two).
+    :math:`-m`. Both are computed in one stacked pass (half the elementwise ops of two). ``M`` is
+    ``[2, n, *batch]``: the series' two short dimensions lead, so that every elementwise op runs
+    along the long batch dimension (trailing ``[2, n]`` dimensions kept the CPU's broadcasting
+    ops out of their vectorised loops: this function took 1.5x as long on ``[1401, 10]``).
     """
     floor = torch.finfo(mean.dtype).tiny ** 0.5
     s = var.clamp_min(floor * floor).sqrt()
     a = (mean / s).clamp(-_A_MAX, _A_MAX)
     half_gauss = 0.5 * _flushed_exp(-0.5 * a * a)
-    k = torch.arange(1, _TERMS + 1, dtype=mean.dtype, device=mean.device)
-    sign = torch.tensor([[1.0], [-1.0]], dtype=mean.dtype, device=mean.device)
-    s_ = s[..., None, None]
-    ks = k * s_  # [..., 1, n]
-    z = (ks - sign * a[..., None, None]) * _SQRT_HALF  # [..., 2, n]
-    tail = half_gauss[..., None, None] * _erfcx_nonneg(z.abs())
-    direct = _flushed_exp((k * (0.5 * ks * s_ - sign * mean[..., None, None])).clamp_max(0.0))
-    return s, a, half_gauss, torch.where(z >= 0, tail, direct - tail)
+    batch = (1,) * a.dim()
+    k = torch.arange(1, _TERMS + 1, dtype=mean.dtype, device=mean.device).view(1, _TERMS, *batch)
+    sign = torch.tensor([1.0, -1.0], dtype=mean.dtype, device=mean.device).view(2, 1, *batch)
+    ks = k * s  # [1, n, *batch]
+    z = (ks - sign * a) * _SQRT_HALF  # [2, n, *batch]
+    tail = half_gauss * _erfcx_nonneg(z.abs())
+    direct = _flushed_exp((k * (0.5 * ks * s - sign * mean)).clamp_max(0.0))
+    return s, a, half_gauss, _blend(tail, direct - tail, z)  # the two forms agree at z = 0
+
+
+def _contract(weights: Tensor, moments: Tensor) -> Tensor:
+    """``sum_i weights[..., i] M_i`` over the ``2n`` moments of :func:`_series_moments`: ``[..., *batch]``."""
+    out: Tensor = torch.tensordot(weights, moments.flatten(0, 1), dims=([weights.dim() - 1], [0]))
+    return out
 
 
 def _series_contractions(dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -184,8 +209,8 @@ class _SoftplusSeriesBound(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, mean: Tensor, var: Tensor) -> Tensor:
         s, a, half_gauss, moments = _series_moments(mean, var)
-        sums = moments.flatten(-2) @ _series_contractions(mean.dtype, mean.device)
-        value, grad_mean, grad_var = sums.unbind(-1)
+        sums = _contract(_series_contractions(mean.dtype, mean.device).t(), moments)
+        value, grad_mean, grad_var = sums.unbind(0)
         cdf = torch.special.ndtr(a)
         density0 = _SQRT_2_OVER_PI * half_gauss / s  # phi(a) / s
         grad_var = 0.5 * (grad_var - (2.0 * _WEIGHTS_SUM * _UPPER - 1.0) * density0)
@@ -346,7 +371,7 @@ def sigmoid_normal_mean(mean: Tensor, var: Tensor | float) -> Tensor:
     mean, v = torch.broadcast_tensors(mean, v)
     _, a, _, moments = _series_moments(mean, v)
     dmean = _series_contractions(mean.dtype, mean.device)[:, 1] / _UPPER
-    probs = torch.special.ndtr(a) + moments.flatten(-2) @ dmean
+    probs = torch.special.ndtr(a) + _contract(dmean, moments)
     return torch.where(v > 0, probs, torch.sigmoid(mean)).clamp(0.0, 1.0)
 
 

@@ -13,6 +13,7 @@ from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_site_shape, warn_if_nan
 from torch import Tensor
 
+from ..moments.allocator import reuse_large_allocations
 from ..priors import EmpiricalBayes
 from .guide import DeterministicGuide
 from .messenger import MomentPassMessenger
@@ -50,6 +51,11 @@ class DeterministicELBO(ELBO):
     does). The observed values themselves (NaN/Inf, a shape that would broadcast the
     likelihood) are checked on every call while validation is on; with
     ``pyro.enable_validation(False)`` nothing is checked.
+
+    On a CPU the first call lets glibc keep large freed buffers for reuse, as the Lightning
+    modules do when a fit starts (:func:`~lightning_dvi.moments.allocator.
+    reuse_large_allocations`; env ``LIGHTNING_DVI_MALLOC=system`` leaves the allocator alone):
+    the objective's temporaries are otherwise mapped and faulted in afresh at every step.
 
     Args:
         num_particles: samples of the non-weight latents averaged per step.
@@ -92,6 +98,7 @@ class DeterministicELBO(ELBO):
         self.validate_every_step = bool(validate_every_step)
         self._checked_signatures: set[Any] = set()
         self._checked_for: tuple[Any, Any] | None = None  # the (model, guide) they belong to
+        self._allocator_checked = False
 
     def _needs_shape_check(self, model: Any, guide: Any, args: tuple, kwargs: dict) -> bool:
         """Whether this call's site shapes must be checked (validation on, signature new)."""
@@ -161,6 +168,10 @@ class DeterministicELBO(ELBO):
                 f"{type(guide).__name__}; other guides (AutoNormal emits Delta sites) carry no "
                 "weight moments. Use pyro.infer.Trace_ELBO with them."
             )
+        if not self._allocator_checked:
+            self._allocator_checked = True
+            if _first_device((args, kwargs)) == torch.device("cpu"):
+                reuse_large_allocations()
         loss = sum(
             self._particle_loss(model, guide, args, kwargs) for _ in range(self.num_particles)
         )
@@ -183,6 +194,19 @@ class DeterministicELBO(ELBO):
 
 #: Call signatures whose site shapes were checked that a DeterministicELBO remembers.
 _MAX_SIGNATURES = 64
+
+
+def _first_device(value: Any) -> torch.device | None:
+    """The device of the first tensor in nested tuples, lists and dicts (``None`` if none)."""
+    if isinstance(value, torch.Tensor):
+        return value.device
+    items = value.values() if isinstance(value, dict) else value
+    if isinstance(value, (tuple, list, dict)):
+        for item in items:
+            device = _first_device(item)
+            if device is not None:
+                return device
+    return None
 
 
 def _signature_of(value: Any) -> Any:
