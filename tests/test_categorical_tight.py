@@ -325,3 +325,31 @@ def test_short_row_softmax_equals_torch_softmax(k, dtype) -> None:
     tol = 1e-6 if dtype == torch.float32 else 1e-14
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     torch.testing.assert_close(ga, gb, rtol=tol, atol=tol * cotangent.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_fast_path_logsumexp_and_flushed_exp_against_torch(dtype) -> None:
+    # the CPU forms that keep exp off its underflow path: logsumexp equal to torch.logsumexp to
+    # rounding, values and gradients, at unit and wide logit scales; exp equal where normal,
+    # zero (never subnormal) below a few tiny
+    gen = torch.Generator().manual_seed(9)
+    for scale in (1.0, 30.0, 300.0):
+        x = (scale * torch.randn(500, 6, 10, generator=gen, dtype=F64)).to(dtype)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, want = logistic_normal._logsumexp(a), torch.logsumexp(b, -1, keepdim=True)
+        (ga,) = torch.autograd.grad(got.sum(), a)
+        (gb,) = torch.autograd.grad(want.sum(), b)
+        tol = 4 * torch.finfo(dtype).eps
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        # torch's gradient is exp(x - lse): the rounding of lse, eps * scale, is in it
+        torch.testing.assert_close(ga, gb, rtol=tol * scale, atol=tol * scale)
+    tiny = torch.finfo(dtype).tiny
+    low = math.log(tiny)
+    x = torch.tensor(
+        [-math.inf, -1e4, low - 1, low, low + 1.4, low + 1.6, -5.0, 0.0, 3.0], dtype=dtype
+    )
+    e = logistic_normal._flushed_exp(x)
+    assert e[:5].eq(0).all()
+    torch.testing.assert_close(e[5:], x[5:].exp(), rtol=4 * torch.finfo(dtype).eps, atol=0)
+    assert not ((e != 0) & (e.abs() < tiny)).any()
+    assert logistic_normal._flushed_exp(torch.tensor([math.nan], dtype=dtype)).isnan().all()
