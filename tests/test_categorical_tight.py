@@ -19,6 +19,7 @@ from scipy import integrate
 from lightning_dvi import Gaussian
 from lightning_dvi.likelihoods import Categorical, logistic_normal
 from lightning_dvi.likelihoods import functional as F
+from lightning_dvi.moments.special import tail_cutoff
 
 F64 = torch.float64
 tight = F.categorical_tight_expected_log_prob
@@ -344,12 +345,34 @@ def test_fast_path_logsumexp_and_flushed_exp_against_torch(dtype) -> None:
         # torch's gradient is exp(x - lse): the rounding of lse, eps * scale, is in it
         torch.testing.assert_close(ga, gb, rtol=tol * scale, atol=tol * scale)
     tiny = torch.finfo(dtype).tiny
-    low = math.log(tiny)
-    x = torch.tensor(
-        [-math.inf, -1e4, low - 1, low, low + 1.4, low + 1.6, -5.0, 0.0, 3.0], dtype=dtype
-    )
+    low = math.log(tail_cutoff(dtype))  # the moment core's flush
+    x = [-math.inf, -1e4, math.log(tiny) - 1, low - 1, low - 0.01, low + 0.01, -5.0, 0.0, 3.0]
+    x = torch.tensor(x, dtype=dtype)
     e = logistic_normal._flushed_exp(x)
     assert e[:5].eq(0).all()
     torch.testing.assert_close(e[5:], x[5:].exp(), rtol=4 * torch.finfo(dtype).eps, atol=0)
     assert not ((e != 0) & (e.abs() < tiny)).any()
     assert logistic_normal._flushed_exp(torch.tensor([math.nan], dtype=dtype)).isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_no_subnormal_values_or_gradients_on_a_confident_head(dtype) -> None:
+    # logits tens to hundreds of nats apart, as a trained head's (DESIGN: no subnormal floats):
+    # neither the objective nor its gradients, for both bounds and the Bernoulli one
+    mean, cov, y = _digits_like(11, rows=512)
+    mean, cov = (30 * mean).to(dtype), cov.to(dtype)
+    tiny = torch.finfo(dtype).tiny
+    for diag in (False, True):
+        c = cov.diagonal(dim1=-2, dim2=-1).contiguous() if diag else cov
+        for fn in (tight, F.categorical_bound_expected_log_prob):
+            m, cc = mean.clone().requires_grad_(), c.clone().requires_grad_()
+            value = fn(m, cc, y)
+            grads = torch.autograd.grad(value.sum(), (m, cc))
+            for t in (value, *grads):
+                assert torch.isfinite(t).all()
+                assert not ((t != 0) & (t.abs() < tiny)).any(), (fn.__name__, diag)
+    m = mean[:, 0].clone().requires_grad_()
+    v = cov[:, 0, 0].clone().requires_grad_()
+    value = F.bernoulli_expected_log_prob(m, v, (y % 2).to(dtype))
+    for t in (value, *torch.autograd.grad(value.sum(), (m, v))):
+        assert not ((t != 0) & (t.abs() < tiny)).any()

@@ -56,6 +56,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..moments.special import flush_gradient, tail_cutoff
+
 __all__ = [
     "SERIES_VARIANCE",
     "bernoulli_expected_log_prob",
@@ -118,23 +120,24 @@ def _tracing() -> bool:
     )
 
 
-#: Arguments of ``exp`` at most this far above ``log(tiny)`` give 0 in :func:`_flushed_exp`.
-_FLUSH_MARGIN = 1.5
-
-
 def _flushed_exp(x: Tensor) -> Tensor:
-    r"""``exp(x)``, zero where it would be below about :math:`4.5\,\text{tiny}` (NaN stays NaN).
+    r"""``exp(x)``, zero below the moment core's :func:`~lightning_dvi.moments.special.tail_cutoff`.
 
-    Subnormals stall CPUs and carry no information, and on CPU ``exp`` itself takes a slow path
-    wherever its result underflows: 100-200x slower per element below :math:`\log(\text{tiny})`
-    (float32 ``exp(-88)`` and ``exp(-1e3)``, torch 2.13, AVX-512), 20x at :math:`-\infty`. So
-    the argument is clamped to :math:`\log(\text{tiny}) + 1` (a normal result) and the results
-    up to :math:`e^{\log(\text{tiny}) + 1.5}` are zeroed by ``threshold``, a vectorised select
-    (``torch.where`` on CPU branches per element).
+    As :func:`~lightning_dvi.moments.special.normal_pdf` does: subnormals stall CPUs and carry
+    no information, and on CPU ``exp`` itself takes a slow path wherever its result underflows
+    (100-200x slower per element below :math:`\log(\text{tiny})`, float32 ``exp(-88)`` and
+    ``exp(-1e3)``, torch 2.13, AVX-512; 20x at :math:`-\infty`). So the argument is clamped
+    just below the log of the cutoff (a normal result) and the results below the cutoff are
+    zeroed by ``threshold`` (a vectorised select: ``torch.where`` branches per element on a
+    CPU). NaN stays NaN.
     """
-    low = math.log(torch.finfo(x.dtype).tiny)
-    e = x.clamp_min(low + 1.0).exp()
-    return torch.nn.functional.threshold(e, math.exp(low + _FLUSH_MARGIN), 0.0)
+    cut = tail_cutoff(x.dtype)
+    return _flush_positive(x.clamp_min(math.log(cut) - 1.0).exp())
+
+
+def _flush_positive(x: Tensor) -> Tensor:
+    """Non-negative ``x`` with the values below ``tail_cutoff`` zeroed (one ``threshold``)."""
+    return torch.nn.functional.threshold(x, tail_cutoff(x.dtype), 0.0)
 
 
 def _logsumexp(x: Tensor) -> Tensor:
@@ -256,11 +259,15 @@ def _softplus_series_bound(mean: Tensor, var: Tensor) -> Tensor:
 
 
 def _cheap_softplus_bound(mean: Tensor, var: Tensor) -> Tensor:
-    """``min(Jensen, fourth-order Taylor)`` upper bound on E softplus (tight for small ``var``)."""
-    sig = torch.sigmoid(mean)
-    taylor = torch.nn.functional.softplus(mean) + sig * (1 - sig) * (0.5 * var)
+    """``min(Jensen, fourth-order Taylor)`` upper bound on E softplus (tight for small ``var``).
+
+    ``sigmoid`` and ``softplus`` of a very negative mean are subnormal: flushed (the final
+    bound is flushed below the same cutoff).
+    """
+    sig = _flush_positive(torch.sigmoid(mean))
+    taylor = _flush_positive(torch.nn.functional.softplus(mean)) + sig * (1 - sig) * (0.5 * var)
     taylor = taylor + (_SIGMOID_D3_MAX / 8.0) * var * var
-    return torch.minimum(taylor, torch.nn.functional.softplus(mean + 0.5 * var))
+    return torch.minimum(taylor, _flush_positive(torch.nn.functional.softplus(mean + 0.5 * var)))
 
 
 #: Last-dimension length below which :func:`_softmax` avoids ``torch.softmax`` on CPU.
@@ -363,15 +370,14 @@ def softplus_normal_bound(mean: Tensor, var: Tensor | float) -> Tensor:
         True
     """
     v = torch.as_tensor(var, dtype=mean.dtype, device=mean.device).clamp_min(0)
-    mean, v = torch.broadcast_tensors(mean, v)
+    mean, v = torch.broadcast_tensors(flush_gradient(mean), flush_gradient(v))
     cheap = _cheap_softplus_bound(mean, v)
     wide = v > ASYMPTOTIC_VARIANCE
     bound = _where_needed((v > SERIES_VARIANCE) & ~wide, _series_or_cheap, (mean, v, cheap))
     bound = _where_needed(wide, _asymptotic_or_cheap, (mean, v, bound))
     # Values below tiny/eps (1e-31 in float32) are flushed to zero, so neither they nor their
     # gradients are ever subnormal (the bound is positive; the absolute change is below it).
-    finfo = torch.finfo(bound.dtype)
-    return torch.where(bound > finfo.tiny / finfo.eps, bound, torch.zeros_like(bound))
+    return _flush_positive(bound)
 
 
 def sigmoid_normal_mean(mean: Tensor, var: Tensor | float) -> Tensor:
@@ -519,6 +525,7 @@ def categorical_bound_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) ->
         >>> bool((categorical_bound_expected_log_prob(mean, torch.zeros(3), y) - exact).abs() < 1e-6)
         True
     """
+    mean, cov = flush_gradient(mean), flush_gradient(cov)  # the gradients leave flushed
     mean_y, cov_y, var_y, var = _label_terms(mean, cov, y)
     diff, diff_var = mean - mean_y, (var + var_y - 2 * cov_y).clamp_min(0)
     other = torch.ones_like(mean, dtype=torch.bool).scatter(-1, y.long().unsqueeze(-1), False)
@@ -758,6 +765,7 @@ def categorical_tight_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) ->
         >>> bool((categorical_tight_expected_log_prob(mean, torch.zeros(3), y) - exact).abs() < 1e-6)
         True
     """
+    mean, cov = flush_gradient(mean), flush_gradient(cov)  # the gradients leave flushed
     p = _softmax(mean)
     mean_y, var, cov_y, cp, cu = _tight_products(mean, cov, y, p)  # validates the shapes
     var_y = cov_y.gather(-1, y.long().unsqueeze(-1))

@@ -25,6 +25,7 @@ __all__ = [
     "asin_residual_over_x3",
     "clip_correlation",
     "flush",
+    "flush_gradient",
     "normal_cdf",
     "normal_pdf",
     "tail_argument",
@@ -63,6 +64,37 @@ def flush(x: Tensor) -> Tensor:
         [0.0, 0.0, 1.0000000031710769e-30, 2.0]
     """
     return torch.nn.functional.hardshrink(x, tail_cutoff(x.dtype))
+
+
+class _FlushGradient(torch.autograd.Function):
+    """The identity; its backward flushes the incoming gradient (:func:`flush`)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        return flush(grad)
+
+
+def flush_gradient(x: Tensor) -> Tensor:
+    r""":math:`x` itself, whose gradient leaves with the entries below :func:`tail_cutoff` zeroed.
+
+    For closed forms whose backward multiplies small factors (tail densities, softmax weights
+    of far-behind classes): their gradients leave subnormal-free, as the moment formulas' do.
+    A no-op outside autograd.
+
+    Examples:
+        >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> (flush_gradient(x) * torch.tensor([1e-40, 3.0])).sum().backward()
+        >>> x.grad.tolist()
+        [0.0, 3.0]
+    """
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    return _FlushGradient.apply(x)  # type: ignore[no-any-return]  # Function.apply returns Any
 
 
 def tail_argument(dtype: torch.dtype) -> float:
