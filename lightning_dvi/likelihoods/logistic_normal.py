@@ -56,7 +56,14 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ..moments.special import flush_gradient, tail_cutoff
+from ..moments.special import (
+    flush_gradient,
+    flush_positive,
+    flushed_exp,
+    row_logsumexp,
+    row_softmax,
+    sign_select,
+)
 
 __all__ = [
     "SERIES_VARIANCE",
@@ -120,54 +127,6 @@ def _tracing() -> bool:
     )
 
 
-def _flushed_exp(x: Tensor) -> Tensor:
-    r"""``exp(x)``, zero below the moment core's :func:`~lightning_dvi.moments.special.tail_cutoff`.
-
-    As :func:`~lightning_dvi.moments.special.normal_pdf` does: subnormals stall CPUs and carry
-    no information, and on CPU ``exp`` itself takes a slow path wherever its result underflows
-    (100-200x slower per element below :math:`\log(\text{tiny})`, float32 ``exp(-88)`` and
-    ``exp(-1e3)``, torch 2.13, AVX-512; 20x at :math:`-\infty`). So the argument is clamped
-    just below the log of the cutoff (a normal result) and the results below the cutoff are
-    zeroed by ``threshold`` (a vectorised select: ``torch.where`` branches per element on a
-    CPU). NaN stays NaN.
-    """
-    cut = tail_cutoff(x.dtype)
-    return _flush_positive(x.clamp_min(math.log(cut) - 1.0).exp())
-
-
-def _flush_positive(x: Tensor) -> Tensor:
-    """Non-negative ``x`` with the values below ``tail_cutoff`` zeroed (one ``threshold``)."""
-    return torch.nn.functional.threshold(x, tail_cutoff(x.dtype), 0.0)
-
-
-def _logsumexp(x: Tensor) -> Tensor:
-    r""":math:`\log\sum_k e^{x_k}` over the last dimension (kept), for finite ``x``.
-
-    On CPU :math:`m + \log\sum_k e^{x_k - m}`, :math:`m = \max_k x_k`, with
-    :func:`_flushed_exp`: ``torch.logsumexp`` exponentiates the differences as they are, and
-    rows whose logits lie tens of nats apart send ``exp`` down its slow underflow path (with
-    logits of scale 30, as a trained head's: 3.3x the time of this on ``[1401, 10]``, 4.9x on
-    ``[1401, 6, 10]``; at scale 1 this is 10-20 % slower). Terms below :math:`5\,\text{tiny}`
-    relative to the largest are dropped, which no sum can see. Elsewhere ``torch.logsumexp``.
-    """
-    if x.device.type != "cpu":
-        return torch.logsumexp(x, -1, keepdim=True)
-    top = x.detach().amax(-1, keepdim=True)
-    return top + _flushed_exp(x - top).sum(-1, keepdim=True).log()
-
-
-def _blend(first: Tensor, second: Tensor, at: Tensor) -> Tensor:
-    r"""``first`` where ``at > 0``, ``second`` where ``at < 0``, their mean where ``at == 0``.
-
-    A select without branches: ``torch.lerp`` with the weight :math:`(1 + \operatorname{sign}
-    (at))/2`, exact at the weights 0 and 1 when both inputs are finite. On CPU ``torch.where``
-    branches per element: 10x slower than this on a random mask, and the series bound took 11 %
-    longer with it on a training head's logits. For a choice between two forms of one quantity,
-    equal (to their accuracy) where ``at`` is 0.
-    """
-    return torch.lerp(second, first, 0.5 + 0.5 * at.sign())
-
-
 def _erfcx_nonneg(z: Tensor) -> Tensor:
     r""":math:`\operatorname{erfcx}(z) = e^{z^2}\operatorname{erfc}(z)` for :math:`z \ge 0`.
 
@@ -181,7 +140,7 @@ def _erfcx_nonneg(z: Tensor) -> Tensor:
     direct = torch.exp(zs * zs) * torch.special.erfc(zs)
     r = 1.0 / (zl * zl)
     asymptotic = (_INV_SQRT_PI / zl) * (1 + r * (-0.5 + r * (0.75 + r * (-1.875 + r * 6.5625))))
-    return _blend(direct, asymptotic, _ERFCX_SPLIT - z)  # both finite, equal at the split
+    return sign_select(direct, asymptotic, _ERFCX_SPLIT - z)  # both finite, equal at the split
 
 
 def _series_moments(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -198,15 +157,15 @@ def _series_moments(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor, 
     floor = torch.finfo(mean.dtype).tiny ** 0.5
     s = var.clamp_min(floor * floor).sqrt()
     a = (mean / s).clamp(-_A_MAX, _A_MAX)
-    half_gauss = 0.5 * _flushed_exp(-0.5 * a * a)
+    half_gauss = 0.5 * flushed_exp(-0.5 * a * a)
     batch = (1,) * a.dim()
     k = torch.arange(1, _TERMS + 1, dtype=mean.dtype, device=mean.device).view(1, _TERMS, *batch)
     sign = torch.tensor([1.0, -1.0], dtype=mean.dtype, device=mean.device).view(2, 1, *batch)
     ks = k * s  # [1, n, *batch]
     z = (ks - sign * a) * _SQRT_HALF  # [2, n, *batch]
     tail = half_gauss * _erfcx_nonneg(z.abs())
-    direct = _flushed_exp((k * (0.5 * ks * s - sign * mean)).clamp_max(0.0))
-    return s, a, half_gauss, _blend(tail, direct - tail, z)  # the two forms agree at z = 0
+    direct = flushed_exp((k * (0.5 * ks * s - sign * mean)).clamp_max(0.0))
+    return s, a, half_gauss, sign_select(tail, direct - tail, z)  # the two forms agree at z = 0
 
 
 def _contract(weights: Tensor, moments: Tensor) -> Tensor:
@@ -264,30 +223,10 @@ def _cheap_softplus_bound(mean: Tensor, var: Tensor) -> Tensor:
     ``sigmoid`` and ``softplus`` of a very negative mean are subnormal: flushed (the final
     bound is flushed below the same cutoff).
     """
-    sig = _flush_positive(torch.sigmoid(mean))
-    taylor = _flush_positive(torch.nn.functional.softplus(mean)) + sig * (1 - sig) * (0.5 * var)
+    sig = flush_positive(torch.sigmoid(mean))
+    taylor = flush_positive(torch.nn.functional.softplus(mean)) + sig * (1 - sig) * (0.5 * var)
     taylor = taylor + (_SIGMOID_D3_MAX / 8.0) * var * var
-    return torch.minimum(taylor, _flush_positive(torch.nn.functional.softplus(mean + 0.5 * var)))
-
-
-#: Last-dimension length below which :func:`_softmax` avoids ``torch.softmax`` on CPU.
-_SHORT_SOFTMAX = 16
-
-
-def _softmax(x: Tensor) -> Tensor:
-    r""":math:`\operatorname{softmax}` over the last dimension: the execution policy of one formula.
-
-    :math:`e_k / \sum_j e_j`, :math:`e_k = e^{x_k - \max_j x_j}` (by :func:`_flushed_exp`),
-    written out on CPU when the last dimension is shorter than :data:`_SHORT_SOFTMAX` (class
-    counts), ``torch.softmax`` otherwise: ATen's CPU softmax leaves its vectorised path for such
-    short rows and ran 3-6x slower, forward and backward, on ``[1401, 10]`` to ``[66666, 3]``
-    float32 tensors (one thread, torch 2.13), 5-7x with logits of scale 30. The same
-    arithmetic, so the same values to rounding (tested).
-    """
-    if x.device.type == "cpu" and x.shape[-1] < _SHORT_SOFTMAX:
-        e = _flushed_exp(x - x.detach().amax(-1, keepdim=True))
-        return e / e.sum(-1, keepdim=True)
-    return torch.softmax(x, -1)
+    return torch.minimum(taylor, flush_positive(torch.nn.functional.softplus(mean + 0.5 * var)))
 
 
 def _where_needed(need: Tensor, fn: Callable[..., Tensor], args: tuple[Tensor, ...]) -> Tensor:
@@ -334,7 +273,7 @@ def _asymptotic_or_cheap(mean: Tensor, var: Tensor, cheap: Tensor) -> Tensor:
     s = var.sqrt()
     a = mean / s
     a2 = a * a
-    phi = _flushed_exp(-0.5 * a2) * (1.0 / math.sqrt(2.0 * math.pi))
+    phi = flushed_exp(-0.5 * a2) * (1.0 / math.sqrt(2.0 * math.pi))
     inv_s2 = 1.0 / var
     hermite = (a2 * (a2 * (a2 - 15.0) + 45.0) - 15.0) * _ETA[3]  # He_6 eta(8), Horner in 1/s^2
     hermite = hermite * inv_s2 + (a2 * (a2 - 6.0) + 3.0) * _ETA[2]
@@ -377,7 +316,7 @@ def softplus_normal_bound(mean: Tensor, var: Tensor | float) -> Tensor:
     bound = _where_needed(wide, _asymptotic_or_cheap, (mean, v, bound))
     # Values below tiny/eps (1e-31 in float32) are flushed to zero, so neither they nor their
     # gradients are ever subnormal (the bound is positive; the absolute change is below it).
-    return _flush_positive(bound)
+    return flush_positive(bound)
 
 
 def sigmoid_normal_mean(mean: Tensor, var: Tensor | float) -> Tensor:
@@ -461,9 +400,11 @@ def _tempered(shift: Tensor, mean: Tensor, var: Tensor, at_one: Tensor) -> Tenso
     t = torch.tensor(TEMPERATURES, dtype=mean.dtype, device=mean.device)
     with torch.no_grad():
         tt = t.unsqueeze(-1)
-        values = _logsumexp(tt * mean.unsqueeze(-2) + (0.5 * tt * tt) * var.unsqueeze(-2))[..., 0]
+        values = row_logsumexp(tt * mean.unsqueeze(-2) + (0.5 * tt * tt) * var.unsqueeze(-2))[
+            ..., 0
+        ]
         best = t[(values / t).argmin(-1)].unsqueeze(-1)
-    lse = _logsumexp(best * mean + (0.5 * best * best) * var) / best
+    lse = row_logsumexp(best * mean + (0.5 * best * best) * var) / best
     return torch.maximum((shift - lse).squeeze(-1), at_one)
 
 
@@ -473,7 +414,7 @@ def _jensen(shift: Tensor, mean: Tensor, var: Tensor) -> Tensor:
     :math:`t = 1` unless the row's largest variance exceeds :data:`TEMPER_VARIANCE`; then the
     best of :data:`TEMPERATURES`.
     """
-    at_one = (shift - _logsumexp(mean + 0.5 * var)).squeeze(-1)
+    at_one = (shift - row_logsumexp(mean + 0.5 * var)).squeeze(-1)
     need = var.amax(-1) > TEMPER_VARIANCE
     return _where_needed(need, _tempered, (shift, mean, var, at_one))
 
@@ -532,7 +473,7 @@ def categorical_bound_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) ->
     pairs = softplus_normal_bound(diff, diff_var)
     one_vs_each = -(pairs * other).sum(-1)
     plain = _jensen(mean_y, mean, var.clamp_min(0))
-    pairwise = -_logsumexp(diff + 0.5 * diff_var)[..., 0]  # t = 1: tempering adds < 1 nat
+    pairwise = -row_logsumexp(diff + 0.5 * diff_var)[..., 0]  # t = 1: tempering adds < 1 nat
     return torch.maximum(one_vs_each, torch.maximum(plain, pairwise))
 
 
@@ -652,7 +593,7 @@ def _bouchard_shift(mean: Tensor, var: Tensor) -> Tensor:
         # log sigma(z) + log sigma(-z) = -|z| - 2 log(1 + e^{-|z|}) (log1p and logsigmoid take
         # slow paths on CPU for large |z|; log(1 + u) is within an ulp of 1 of log1p(u) here)
         size = ((mean - c) * kappa).abs()
-        weight = _softmax(kappa.log() - size - 2.0 * (1.0 + _flushed_exp(-size)).log())
+        weight = row_softmax(kappa.log() - size - 2.0 * (1.0 + flushed_exp(-size)).log())
         var_coef = (-0.5 * _PROBIT) * kappa.square() * (mean - c)
     if not (mean.requires_grad or var.requires_grad):
         return c
@@ -766,7 +707,7 @@ def categorical_tight_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) ->
         True
     """
     mean, cov = flush_gradient(mean), flush_gradient(cov)  # the gradients leave flushed
-    p = _softmax(mean)
+    p = row_softmax(mean)
     mean_y, var, cov_y, cp, cu = _tight_products(mean, cov, y, p)  # validates the shapes
     var_y = cov_y.gather(-1, y.long().unsqueeze(-1))
     diff, diff_var = mean - mean_y, (var + var_y - 2 * cov_y).clamp_min(0)
@@ -774,7 +715,7 @@ def categorical_tight_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) ->
     one_vs_each = -(softplus_normal_bound(diff, diff_var) * other).sum(-1)
     centre, ref, ref_var = _reference_from(mean, var, cp, p)
     shift = mean_y - centre
-    jensen = (shift - _logsumexp(ref + 0.5 * ref_var)).squeeze(-1)
+    jensen = (shift - row_logsumexp(ref + 0.5 * ref_var)).squeeze(-1)
     best = torch.maximum(one_vs_each, jensen)
     need = var.amax(-1) > TEMPER_VARIANCE
     return _where_needed(need, _tight_wide, (mean_y, mean, var, cu, shift, ref, ref_var, best))

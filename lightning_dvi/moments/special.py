@@ -26,8 +26,13 @@ __all__ = [
     "clip_correlation",
     "flush",
     "flush_gradient",
+    "flush_positive",
+    "flushed_exp",
     "normal_cdf",
     "normal_pdf",
+    "row_logsumexp",
+    "row_softmax",
+    "sign_select",
     "tail_argument",
     "tail_cutoff",
 ]
@@ -95,6 +100,79 @@ def flush_gradient(x: Tensor) -> Tensor:
     if not (torch.is_grad_enabled() and x.requires_grad):
         return x
     return _FlushGradient.apply(x)  # type: ignore[no-any-return]  # Function.apply returns Any
+
+
+def flush_positive(x: Tensor) -> Tensor:
+    """Non-negative ``x`` with the entries below :func:`tail_cutoff` zeroed.
+
+    :func:`flush` for values known to be non-negative, by one ``threshold`` (a vectorised select,
+    cheaper on a CPU than ``hardshrink``). NaN passes through.
+    """
+    return torch.nn.functional.threshold(x, tail_cutoff(x.dtype), 0.0)
+
+
+def flushed_exp(x: Tensor) -> Tensor:
+    r""":math:`e^x`, zero below :func:`tail_cutoff` (as :func:`normal_pdf`); NaN stays NaN.
+
+    Subnormals stall CPUs and carry no information, and on CPU ``exp`` itself takes a slow path
+    wherever its result underflows (100-200x slower per element below :math:`\log(\text{tiny})`,
+    float32 ``exp(-88)`` and ``exp(-1e3)``, torch 2.13, AVX-512; 20x at :math:`-\infty`). So the
+    argument is clamped just below the log of the cutoff (a normal result) and the results below
+    the cutoff are zeroed (:func:`flush_positive`).
+
+    Examples:
+        >>> flushed_exp(torch.tensor([0.0, -1000.0, -float("inf")])).tolist()
+        [1.0, 0.0, 0.0]
+    """
+    return flush_positive(x.clamp_min(math.log(tail_cutoff(x.dtype)) - 1.0).exp())
+
+
+def row_logsumexp(x: Tensor) -> Tensor:
+    r""":math:`\log\sum_k e^{x_k}` over the last dimension (kept), for finite ``x``.
+
+    On CPU :math:`m + \log\sum_k e^{x_k - m}`, :math:`m = \max_k x_k`, with :func:`flushed_exp`:
+    ``torch.logsumexp`` exponentiates the differences as they are, and rows whose entries lie
+    tens of nats apart send ``exp`` down its slow underflow path (with logits of scale 30, as a
+    trained classifier head's: 3.3x the time of this on ``[1401, 10]``, 4.9x on
+    ``[1401, 6, 10]``; at scale 1 this is 10-20 % slower). Terms below :func:`tail_cutoff`
+    relative to the largest are dropped, which no sum can see. Elsewhere ``torch.logsumexp``.
+    """
+    if x.device.type != "cpu":
+        return torch.logsumexp(x, -1, keepdim=True)
+    top = x.detach().amax(-1, keepdim=True)
+    return top + flushed_exp(x - top).sum(-1, keepdim=True).log()
+
+
+#: Last-dimension length below which :func:`row_softmax` avoids ``torch.softmax`` on CPU.
+SHORT_ROW = 16
+
+
+def row_softmax(x: Tensor) -> Tensor:
+    r""":math:`\operatorname{softmax}` over the last dimension: the execution policy of one formula.
+
+    :math:`e_k / \sum_j e_j`, :math:`e_k = e^{x_k - \max_j x_j}` (by :func:`flushed_exp`),
+    written out on CPU when the last dimension is shorter than :data:`SHORT_ROW` (class counts),
+    ``torch.softmax`` otherwise: ATen's CPU softmax leaves its vectorised path for such short
+    rows and ran 3-6x slower, forward and backward, on ``[1401, 10]`` to ``[66666, 3]`` float32
+    tensors (one thread, torch 2.13), 5-7x with logits of scale 30. The same arithmetic, so the
+    same values to rounding (tested).
+    """
+    if x.device.type == "cpu" and x.shape[-1] < SHORT_ROW:
+        e = flushed_exp(x - x.detach().amax(-1, keepdim=True))
+        return e / e.sum(-1, keepdim=True)
+    return torch.softmax(x, -1)
+
+
+def sign_select(first: Tensor, second: Tensor, at: Tensor) -> Tensor:
+    r"""``first`` where ``at > 0``, ``second`` where ``at < 0``, their mean where ``at == 0``.
+
+    A select without branches: ``torch.lerp`` with the weight :math:`(1 + \operatorname{sign}
+    (at))/2`, exact at the weights 0 and 1 when both inputs are finite. On CPU ``torch.where``
+    branches per element: 10x slower than this on a random mask (the softplus series bound took
+    11 % longer with it on a training head's logits). For a choice between two forms of one
+    quantity, equal (to their accuracy) where ``at`` is 0.
+    """
+    return torch.lerp(second, first, 0.5 + 0.5 * at.sign())
 
 
 def tail_argument(dtype: torch.dtype) -> float:

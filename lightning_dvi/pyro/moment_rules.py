@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .. import moments as M
 from ..gaussian import Gaussian
+from ..moments.special import row_logsumexp
 from ..nn.activations import Sigmoid
 from ..nn.conv import MaxPool2d, unsupported_conv2d_options, unsupported_pool2d_options
 from ..nn.layer_norm import GroupNorm
@@ -576,8 +577,8 @@ def _logsumexp(func: Callable[..., Any], x: Any, dim: Any, keepdim: bool = False
         raise unsupported(
             "`logsumexp(keepdim=False)` of moments", "pass the logits to dist.Categorical"
         )
-    with torch.no_grad():
-        mean = x.dvi_mean.logsumexp(-1, keepdim=True)
+    with torch.no_grad():  # off the CPU's slow exp path for spread-out logits
+        mean = row_logsumexp(x.dvi_mean)
     lse = _LogSumExp(mean, torch.zeros_like(mean), mode=x.dvi_mode, link="logsumexp")
     lse.dvi_of = x
     return lse
