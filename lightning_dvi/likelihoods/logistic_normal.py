@@ -513,29 +513,21 @@ def _reference_from(
 
 def _tight_products(
     mean: Tensor, cov: Tensor, y: Tensor, p: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    r"""``(μ_y, diag C, C e_y, C p, C 1/K)``, ``[..., 1]`` then ``[..., K]`` each.
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    r""":func:`_label_terms`' ``(μ_y, C_{·y}, C_yy, diag C)``, then ``C p`` and ``C 1/K``.
 
     What :func:`categorical_tight_expected_log_prob` reads of the covariance, each once. The
     products with :math:`p` and :math:`\mathbf 1/K` are elementwise products and row sums, not
     batched matrix products: for ``K = 10`` classes ``bmm`` and its backward (an outer product
     per row) cost 1.4x as much as these on a ``[1401, 10, 10]`` head, measured.
     """
-    index = y.long().unsqueeze(-1)
-    mean_y = mean.gather(-1, index)
+    mean_y, row, var_y, diag = _label_terms(mean, cov, y)  # validates the shapes
     k = mean.shape[-1]
     if cov.shape == mean.shape:  # diag: C_kl = 0 for k != l
-        row = torch.zeros_like(cov).scatter(-1, index, cov.gather(-1, index))
-        return mean_y, cov, row, cov * p, cov * (1.0 / k)
-    if cov.shape != (*mean.shape, k):
-        raise ValueError(
-            f"logit covariance shape {tuple(cov.shape)} fits neither a diag ({tuple(mean.shape)}) "
-            f"nor a full ({(*mean.shape, k)}) covariance for logits of shape {tuple(mean.shape)}"
-        )
-    row = cov.gather(-2, index.unsqueeze(-1).expand(*index.shape[:-1], 1, k)).squeeze(-2)
+        return mean_y, row, var_y, diag, cov * p, cov * (1.0 / k)
     cp = (cov * p.unsqueeze(-2)).sum(-1)
     cu = (cov * (1.0 / k)).sum(-1)
-    return mean_y, cov.diagonal(dim1=-2, dim2=-1), row, cp, cu
+    return mean_y, row, var_y, diag, cp, cu
 
 
 def _bouchard_shift(mean: Tensor, var: Tensor) -> Tensor:
@@ -708,8 +700,7 @@ def categorical_tight_expected_log_prob(mean: Tensor, cov: Tensor, y: Tensor) ->
     """
     mean, cov = flush_gradient(mean), flush_gradient(cov)  # the gradients leave flushed
     p = row_softmax(mean)
-    mean_y, var, cov_y, cp, cu = _tight_products(mean, cov, y, p)  # validates the shapes
-    var_y = cov_y.gather(-1, y.long().unsqueeze(-1))
+    mean_y, cov_y, var_y, var, cp, cu = _tight_products(mean, cov, y, p)  # validates the shapes
     diff, diff_var = mean - mean_y, (var + var_y - 2 * cov_y).clamp_min(0)
     other = torch.ones_like(mean, dtype=torch.bool).scatter(-1, y.long().unsqueeze(-1), False)
     one_vs_each = -(softplus_normal_bound(diff, diff_var) * other).sum(-1)
