@@ -584,9 +584,10 @@ def _bouchard_shift(mean: Tensor, var: Tensor) -> Tensor:
                 break
         # log sigma(z) + log sigma(-z) = -|z| - 2 log(1 + e^{-|z|}) (log1p and logsigmoid take
         # slow paths on CPU for large |z|; log(1 + u) is within an ulp of 1 of log1p(u) here)
-        size = ((mean - c) * kappa).abs()
+        gap = mean - c
+        size = (gap * kappa).abs()
         weight = row_softmax(kappa.log() - size - 2.0 * (1.0 + flushed_exp(-size)).log())
-        var_coef = (-0.5 * _PROBIT) * kappa.square() * (mean - c)
+        var_coef = (-0.5 * _PROBIT) * kappa.square() * gap
     if not (mean.requires_grad or var.requires_grad):
         return c
     moved = (mean - mean.detach()) + var_coef * (var - var.detach())  # zero, with gradient

@@ -200,9 +200,10 @@ def _first_device(value: Any) -> torch.device | None:
     """The device of the first tensor in nested tuples, lists and dicts (``None`` if none)."""
     if isinstance(value, torch.Tensor):
         return value.device
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(value, (tuple, list, dict)):
-        for item in items:
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for item in value:
             device = _first_device(item)
             if device is not None:
                 return device
