@@ -150,8 +150,20 @@ def test_metrics_are_reported_in_original_units():
     x, y_orig = torch.randn(8, 1), 5.0 + 10.0 * torch.randn(8)  # batches hold raw targets
     model._update_metrics(model.test_metrics, x, y_orig)
     mean, var = model.predictive(x)
+    computed = model.test_metrics.compute()
+    rmse = (y_orig - mean).square().mean().sqrt()
+    torch.testing.assert_close(computed["test/rmse"], rmse, rtol=1e-5, atol=1e-5)
+    # the NLL is the exact predictive's (heavier tails than the Gaussian with these moments)
+    nll = -model.predictive_log_prob(x, y_orig).mean()
+    torch.testing.assert_close(computed["test/nll"], nll, rtol=1e-5, atol=1e-5)
+    homoscedastic = DVIRegressor(
+        in_features=1, hidden=[4], likelihood="homoscedastic", target_loc=5.0, target_scale=10.0
+    )
+    homoscedastic._update_metrics(homoscedastic.test_metrics, x, y_orig)
+    mean, var = homoscedastic.predictive(x)
     nll = (0.5 * torch.log(2 * math.pi * var) + (y_orig - mean) ** 2 / (2 * var)).mean()
-    torch.testing.assert_close(model.test_metrics.compute()["test/nll"], nll, rtol=1e-5, atol=1e-5)
+    computed = homoscedastic.test_metrics.compute()["test/nll"]
+    torch.testing.assert_close(computed, nll, rtol=1e-5, atol=1e-5)
 
 
 class _Stream(torch.utils.data.IterableDataset):

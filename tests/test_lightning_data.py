@@ -349,8 +349,21 @@ def test_predictive_log_prob_closed_form_and_mixture():
     x = torch.randn(4, 2, dtype=torch.float64)
     y = 3.0 + 2.0 * torch.randn(4, dtype=torch.float64)
     mean, var = model.predictive(x)
-    expected = -0.5 * ((y - mean) ** 2 / var + torch.log(2 * math.pi * var))
-    torch.testing.assert_close(model.predictive_log_prob(x, y, "closed_form"), expected)
+    # one linear layer: (m, l) is exactly Gaussian, so the closed-form density is the exact
+    # predictive, the many-draw mixture; targets 4 predictive sd out show its heavier tails
+    far = mean + 4.0 * var.sqrt() * torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    targets = torch.cat([y, far])
+    closed = model.predictive_log_prob(x.repeat(2, 1), targets, "closed_form")
+    torch.manual_seed(0)
+    draws = torch.stack(
+        [model.predictive_log_prob(x.repeat(2, 1), targets, "mc", 50_000) for _ in range(4)]
+    ).exp()  # four independent 50,000-draw densities: their spread gives the MC error
+    density = draws.mean(0)
+    stderr = draws.std(0) / 2.0
+    assert ((closed.exp() - density).abs() <= 5 * stderr + 1e-12).all()
+    gaussian = -0.5 * ((targets - mean.repeat(2)) ** 2 / var.repeat(2))
+    gaussian = gaussian - 0.5 * torch.log(2 * math.pi * var.repeat(2))
+    assert ((gaussian.exp() - density).abs()[4:] > 5 * stderr[4:]).all()  # the tails differ
     torch.manual_seed(3)
     mixture = model.predictive_log_prob(x, y, "mc", num_samples=30)
     torch.manual_seed(3)

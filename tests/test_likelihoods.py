@@ -10,6 +10,7 @@ from lightning_dvi import Gaussian
 from lightning_dvi.likelihoods import (
     Categorical,
     HeteroscedasticGaussian,
+    HeteroscedasticPredictive,
     HomoscedasticGaussian,
     Likelihood,
     functional,
@@ -70,12 +71,19 @@ def test_heteroscedastic_predictive_moments_match_monte_carlo(case: int) -> None
     samples = _mc_gaussian(mean, cov, 10**6, gen)
     y = samples[:, 0] + torch.exp(samples[:, 1] / 2) * torch.randn(10**6, generator=gen, dtype=F64)
     pred = HeteroscedasticGaussian().predictive(Gaussian(mean[None], cov=cov[None]))
-    assert isinstance(pred, torch.distributions.Normal)
+    assert isinstance(pred, HeteroscedasticPredictive)
     closed_var = cov[0, 0] + torch.exp(mean[1] + cov[1, 1] / 2)
     assert torch.allclose(pred.mean[0], mean[0])
     assert torch.allclose(pred.variance[0], closed_var)
     assert abs(y.mean() - mean[0]) < 5 * y.std() / 1000
     assert abs(y.var() / closed_var - 1) < 1e-2
+    # the CDF (quadrature over l) against the draws' empirical CDF, 5 Kolmogorov sigmas
+    points = y.quantile(torch.tensor([0.001, 0.05, 0.3, 0.5, 0.7, 0.95, 0.999], dtype=F64))
+    empirical = (y[:, None] <= points).double().mean(0)
+    assert (pred.cdf(points[:, None]).squeeze(-1) - empirical).abs().max() < 5 * 0.5 / 1000
+    draws = pred.sample((10**6,))[:, 0]  # its own sampler: the same law
+    assert abs(draws.var() / closed_var - 1) < 1e-2
+    assert ((draws[:, None] <= points).double().mean(0) - empirical).abs().max() < 5 * 0.71 / 1000
 
 
 def test_heteroscedastic_exponent_is_formed_in_log_space() -> None:

@@ -75,7 +75,8 @@ def test_in_a_fit_the_mixture_is_the_best_window_of_the_last_kept_steps_on_the_c
     paired = PairedEarlyStopping(patience=100, z=3.0, mixture=16)
     model = _fit(paired)
     kept = [k for k, (_, ok) in enumerate(paired.history) if ok]
-    assert len(paired._snapshots) >= 8  # windows of 1, 2, 4 and 8 to choose from
+    # windows of 1, 2 and 4 to choose from (steps where L-BFGS changed nothing are not kept)
+    assert len(paired._snapshots) >= 4
     assert [k for k, _, _ in paired._snapshots] == kept[-16:]
     steps = paired.mixture_steps
     assert steps is not None and steps[-1] == paired.kept_step

@@ -636,9 +636,12 @@ def _run_large(
 def score(model: Any, x: Any, y: Any, mc_eval_samples: int) -> tuple[float, float]:
     r"""Mean log-likelihood per point and RMSE, both in the original units of ``y``.
 
-    ``full``/``diag``: the model's closed-form Gaussian predictive (no sampling). ``sample``/
-    ``local``: the Monte Carlo mixture :math:`\log\frac1S\sum_s p(y\mid x, w_s)` over
-    ``mc_eval_samples`` weight draws (the usual MCVI evaluation), RMSE of the mixture mean.
+    ``full``/``diag``: the model's closed-form predictive (no sampling): its
+    ``predictive_log_prob``, for the heteroscedastic likelihood the exact density of
+    :math:`\int\mathcal N(y; m, e^\ell)\,q(m,\ell)` (before 2026-11-29: the Gaussian with its
+    moments, as the paper and ``docs/uci_results.json``). ``sample``/``local``: the Monte Carlo
+    mixture :math:`\log\frac1S\sum_s p(y\mid x, w_s)` over ``mc_eval_samples`` weight draws
+    (the usual MCVI evaluation), RMSE of the mixture mean.
     """
     import torch
 
@@ -649,8 +652,8 @@ def score(model: Any, x: Any, y: Any, mc_eval_samples: int) -> tuple[float, floa
             ll = model.predictive_log_prob(x, y, method="mc", num_samples=mc_eval_samples)
             mean, _ = model.predictive(x, method="mc", num_samples=mc_eval_samples)
         else:
-            mean, var = model.predictive(x)
-            ll = torch.distributions.Normal(mean, var.sqrt()).log_prob(y)
+            mean, _ = model.predictive(x)
+            ll = model.predictive_log_prob(x, y)
     rmse = float((mean - y).square().mean().sqrt())
     return float(ll.mean()), rmse
 

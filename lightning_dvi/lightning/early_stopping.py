@@ -111,10 +111,11 @@ class PairedEarlyStopping(Callback):
     :math:`t` is *kept* (becomes the step restored at the end) when
 
     .. math::
-        \bar d \ge -z\,\frac{s_d}{\sqrt n},
+        \bar d > -z\,\frac{s_d}{\sqrt n},
 
     i.e. unless the carve-out shows it worse than the best step by more than ``z`` standard
-    errors. Later steps are closer to the ELBO's optimum, the objective the fit is for, so
+    errors (a step that changed no row, :math:`d = 0`, is not kept: with ``z = 0`` the rule
+    is Lightning's, which needs a strict improvement). Later steps are closer to the ELBO's optimum, the objective the fit is for, so
     they win ties; an earlier step wins only on evidence, and the rule adapts to the carve-out's
     size by itself (a large carve-out resolves small differences, a small one does not). The
     first ``skip`` validations never become the best step :math:`b` (the ELBO phase's first
@@ -357,7 +358,7 @@ class PairedEarlyStopping(Callback):
                 better = mean > float(best.mean())
             new_best = eligible and better
             se = float(d.std()) / math.sqrt(d.numel()) if d.numel() > 1 else 0.0
-            kept = float(d.mean()) >= -self.z * se
+            kept = float(d.mean()) > -self.z * se  # a step that changed nothing is not kept
         if new_best:
             self._best_rows, self.best_step = rows.clone(), index
         kept = kept or new_best

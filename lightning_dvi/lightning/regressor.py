@@ -135,10 +135,11 @@ class DVIRegressor(DVIModule):
     from ``trainer.datamodule`` (``in_features``, ``num_train``) or, with plain dataloaders, from
     the first batch and the training dataset's length.
 
-    Predictive. ``full``/``diag``: the likelihood's closed-form moments,
-    :math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2})`
-    (heteroscedastic) or :math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^\lambda)`
-    (homoscedastic). ``sample``/``local``: ``num_samples`` network samples give a mixture of
+    Predictive. ``full``/``diag``: the likelihood's closed-form predictive, mean and variance
+    :math:`\langle m\rangle, \Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2}`
+    (heteroscedastic; its density, in :meth:`predictive_log_prob` and the ``nll`` metrics, is
+    the exact scale mixture :class:`~lightning_dvi.likelihoods.HeteroscedasticPredictive`) or
+    :math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^\lambda)` (homoscedastic). ``sample``/``local``: ``num_samples`` network samples give a mixture of
     Gaussians :math:`\frac1S\sum_s\mathcal N(m_s, v_s)`; the predictive is the Gaussian with the
     mixture's exact moments, mean :math:`\bar m` and variance :math:`\overline{v} +
     \frac1S\sum_s(m_s-\bar m)^2`.
@@ -152,8 +153,8 @@ class DVIRegressor(DVIModule):
             (counts: one output, the log-rate :math:`f`, :math:`y\sim\operatorname{Poisson}
             (e^f)`, :class:`~lightning_dvi.likelihoods.Poisson`; targets are counts in their own
             units, so it needs ``standardize_targets=False``; the predictive mean and variance
-            are the exact Poisson log-normal ones, and ``val/``/``test/`` NLL is that of the
-            Gaussian with those moments, :meth:`predictive_log_prob` the exact one); or a
+            are the exact Poisson log-normal ones, and so are ``val/``/``test/`` NLL and
+            :meth:`predictive_log_prob`); or a
             :class:`~lightning_dvi.likelihoods.Likelihood` object (a built-in one, or a class of
             your own: docs/adding_a_likelihood.md), which the hyper-parameters record as its
             class path and constructor arguments. The strings are shorthands from one table,
@@ -567,23 +568,22 @@ class DVIRegressor(DVIModule):
     ) -> Tensor:
         r"""Log predictive density of targets ``y`` (original units, as in the batches), float64 ``[B]``.
 
-        ``"closed_form"``: :math:`\log\mathcal N(y; \mu, \sigma^2)` with :meth:`predictive`'s
-        moments. ``"mc"``: the density of the mixture itself over ``num_samples`` weight draws,
+        ``"closed_form"``: the density of the likelihood's closed-form predictive in float64,
+        through the outcome transform (:math:`\log\tilde p(\tilde y) - \log s`). For
+        ``"heteroscedastic"`` that is the exact density of
+        :math:`\int\mathcal N(y; m, e^\ell)\,q(m, \ell)`
+        (:class:`~lightning_dvi.likelihoods.HeteroscedasticPredictive`), whose tails are heavier
+        than those of the Gaussian with :meth:`predictive`'s moments (the ``val/``/``test/``
+        ``nll`` metrics score that Gaussian: they take the mean and variance);
+        ``"homoscedastic"``: :math:`\log\mathcal N(y; \mu, \sigma^2)` with those moments. ``"mc"``: the density of the mixture itself over ``num_samples`` weight draws,
         :math:`\log\frac1S\sum_s\mathcal N(y; \mu_s, \sigma_s^2)` (not its moment-matched
         Gaussian; the usual MCVI test log-likelihood). Per point, in the original units of ``y``.
         """
         y = self.targets_in_original_units(y.reshape(x.shape[0]))
-        if (
-            resolve_method(self.mode, method) == "closed_form"
-            and not self.likelihood.standardizes_targets
-        ):
-            out = self.net(x, mode=self.propagation.closed_form())
-            return self.likelihood.predictive(out).log_prob(y)  # own units: never rescaled
         if resolve_method(self.mode, method) == "closed_form":
-            mean, var = self.predictive(x, "closed_form")
-            return cast(Tensor, torch.distributions.Normal(mean, var.sqrt()).log_prob(y))
-        f = self._weight_draws(x, num_samples)
+            return self._closed_form_log_prob(self.net(x, mode=self.propagation.closed_form()), y)
         transform = self.outcome_transform
+        f = self._weight_draws(x, num_samples)
         # the library's one MCVI score, in standardised units, then the change of variables
         log_prob = self.likelihood.mixture_log_prob(f, transform.transform(y).to(f.dtype))
         return transform.untransform_log_prob(log_prob)
@@ -624,13 +624,34 @@ class DVIRegressor(DVIModule):
         transform = self.outcome_transform
         return (*transform.untransform(mean, var), transform.untransform_variance(epistemic))
 
+    def _closed_form_log_prob(self, out: Gaussian, y: Tensor) -> Tensor:
+        """:meth:`predictive_log_prob`'s closed form: targets ``y`` in original units, float64 ``[B]``."""
+        if not self.likelihood.standardizes_targets:  # own units: never rescaled
+            return self.likelihood.predictive(out).log_prob(y)
+        transform = self.outcome_transform
+        predictive = self.likelihood.predictive(_float64(out))  # in float64, as the moments
+        return transform.untransform_log_prob(predictive.log_prob(transform.transform(y)))
+
     def _update_metrics(self, metrics: MetricCollection, x: Tensor, y: Tensor) -> None:
         if metrics is self.val_metrics and not self._val_predictive:
             return  # val_metrics=["elbo"]: nothing needs the predictive
+        closed = resolve_method(self.mode, None) == "closed_form"
         with torch.no_grad():
-            mean, var, epistemic = self._original_units(*self._network_predictive(x, None, None))
-        target = self.targets_in_original_units(y.reshape(mean.shape))
-        metrics.update(mean, var, target)
+            if closed:  # one pass: the moments and, for the NLL, the predictive's own density
+                out = self.net(x, mode=self.propagation.closed_form())
+                dist = self.likelihood.predictive(out)
+                parts = (dist.mean, dist.variance, self.likelihood.epistemic_variance(out))
+            else:
+                parts = self._network_predictive(x, None, None)
+            mean, var, epistemic = self._original_units(*parts)
+            target = self.targets_in_original_units(y.reshape(mean.shape))
+            log_prob = None
+            if closed and "nll" in metrics.keys(keep_base=True):
+                log_prob = self._closed_form_log_prob(out, target)
+        if log_prob is None:
+            metrics.update(mean, var, target)
+        else:
+            metrics.update(mean, var, target, log_prob=log_prob)
         split = getattr(self, f"{(metrics.prefix or '').rstrip('/')}_split", None)
         if split is not None:
             split.update((var - epistemic).clamp_min(0), epistemic)
@@ -672,3 +693,10 @@ def _transform_target_keys(
     for old, new in _LEGACY_KEYS.items():
         if prefix + old in state:
             state[prefix + new] = state.pop(prefix + old)
+
+
+def _float64(out: Gaussian) -> Gaussian:
+    """``out`` in float64 (the network's dtype may be float32)."""
+    if out.cov is not None:
+        return Gaussian(out.mean.double(), cov=out.cov.double(), validate=False)
+    return Gaussian(out.mean.double(), var=out.var.double(), validate=False)

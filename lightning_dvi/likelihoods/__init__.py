@@ -9,7 +9,12 @@ from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 from .bernoulli import Bernoulli
 from .categorical import Categorical
 from .config import SHORTHANDS, likelihood_config, register_likelihood, resolve_likelihood
-from .gaussian import HeteroscedasticGaussian, HomoscedasticGaussian, NoiseBoundWarning
+from .gaussian import (
+    HeteroscedasticGaussian,
+    HeteroscedasticPredictive,
+    HomoscedasticGaussian,
+    NoiseBoundWarning,
+)
 from .poisson import Poisson, PoissonLogNormal
 
 __all__ = [
@@ -18,6 +23,7 @@ __all__ = [
     "Categorical",
     "ExportOptions",
     "HeteroscedasticGaussian",
+    "HeteroscedasticPredictive",
     "HomoscedasticGaussian",
     "Likelihood",
     "NoiseBoundWarning",

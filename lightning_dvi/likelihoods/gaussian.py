@@ -9,14 +9,17 @@ from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor, nn
+from torch.distributions import constraints
 
 from ..gaussian import Gaussian
 from ..moments import policy
+from ..moments._quadrature import constant, gauss_hermite
 from . import functional as F
 from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 
 __all__ = [
     "HeteroscedasticGaussian",
+    "HeteroscedasticPredictive",
     "HomoscedasticGaussian",
     "NoiseBound",
     "NoiseBoundWarning",
@@ -73,6 +76,121 @@ def dequantisation_variance(resolution: float) -> float:
     if not (math.isfinite(resolution) and resolution >= 0):
         raise ValueError(f"resolution must be finite and >= 0, got {resolution}")
     return resolution * resolution / 12.0
+
+
+class HeteroscedasticPredictive(torch.distributions.Distribution):
+    r"""The predictive of :class:`HeteroscedasticGaussian`: :math:`\int\mathcal N(y; m, e^\ell)\,q(m, \ell)\,dm\,d\ell`.
+
+    :math:`(m, \ell)` is the network's bivariate Gaussian output (moments
+    :math:`\langle m\rangle, \langle\ell\rangle, \Sigma_{mm}, \Sigma_{\ell\ell}, \Sigma_{m\ell}`).
+    ``mean`` and ``variance`` are exact, :math:`\langle m\rangle` and
+    :math:`\Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2}` (appendix B.3, the
+    exponent capped one below the dtype's overflow); ``log_prob`` is the exact density of the
+    scale mixture, not that of the Gaussian with those moments
+    (:func:`~lightning_dvi.likelihoods.functional.heteroscedastic_predictive_log_prob`, adaptive
+    Gauss–Hermite quadrature over :math:`\ell`): its tails are heavier, so a target many
+    predicted noise deviations away costs fewer nats. ``cdf`` integrates the conditional
+    Gaussian CDFs over :math:`\ell` by Gauss–Hermite quadrature; ``sample`` draws
+    :math:`\ell`, then :math:`m\mid\ell`, then :math:`y`.
+
+    Args:
+        mean_m: :math:`\langle m\rangle`. All tensors broadcast.
+        var_m: :math:`\Sigma_{mm} \ge 0`.
+        mean_l: :math:`\langle\ell\rangle`.
+        var_l: :math:`\Sigma_{\ell\ell} \ge 0`.
+        cov_ml: :math:`\Sigma_{m\ell}`, or ``None`` (a diag output: zero).
+
+    Examples:
+        >>> z = torch.zeros(2)
+        >>> p = HeteroscedasticPredictive(z, z, z, torch.ones(2))
+        >>> p.variance  # e^{0 + 1/2}
+        tensor([1.6487, 1.6487])
+        >>> bool((p.log_prob(torch.full((2,), 8.0)) > -20).all())  # a Gaussian gives -20.3
+        True
+    """
+
+    arg_constraints = {  # noqa: RUF012
+        "mean_m": constraints.real,
+        "var_m": constraints.nonnegative,
+        "mean_l": constraints.real,
+        "var_l": constraints.nonnegative,
+    }
+    support = constraints.real
+    has_rsample = False
+    mean_m: Tensor
+    var_m: Tensor
+    mean_l: Tensor
+    var_l: Tensor
+    cov_ml: Tensor
+
+    def __init__(
+        self,
+        mean_m: Tensor,
+        var_m: Tensor,
+        mean_l: Tensor,
+        var_l: Tensor,
+        cov_ml: Tensor | None = None,
+        validate_args: bool | None = None,
+    ) -> None:
+        zero = torch.zeros_like(mean_m) if cov_ml is None else cov_ml
+        self.mean_m, self.var_m, self.mean_l, self.var_l, self.cov_ml = torch.broadcast_tensors(
+            mean_m, var_m, mean_l, var_l, zero
+        )
+        super().__init__(self.mean_m.shape, validate_args=validate_args)
+
+    @property
+    def mean(self) -> Tensor:
+        r""":math:`\langle m\rangle`."""
+        return self.mean_m
+
+    @property
+    def variance(self) -> Tensor:
+        r""":math:`\Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2}`, finite."""
+        exponent = self.mean_l + 0.5 * self.var_l
+        return self.var_m + exponent.clamp(max=_overflow_exponent(exponent.dtype)).exp()
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        r"""The exact log density (quadrature over :math:`\ell`)."""
+        if self._validate_args:
+            self._validate_sample(value)
+        return F.heteroscedastic_predictive_log_prob(
+            self.mean_m, self.var_m, self.mean_l, self.var_l, self.cov_ml, value
+        )
+
+    def _conditional(self, ell: Tensor, last: bool = False) -> tuple[Tensor, Tensor]:
+        r"""Mean and variance of :math:`y\mid\ell`; ``last``: ``ell`` has one more (last) dimension."""
+        parts = (self.mean_m, self.var_m, self.mean_l, self.var_l, self.cov_ml)
+        mean_m, var_m, mean_l, var_l, cov_ml = (p.unsqueeze(-1) for p in parts) if last else parts
+        v = var_l.clamp_min(torch.finfo(var_l.dtype).tiny)
+        beta = torch.where(var_l > 0, cov_ml / v, torch.zeros_like(v))
+        rest = (var_m - beta * cov_ml).clamp_min(0)
+        limit = _overflow_exponent(ell.dtype)
+        return mean_m + beta * (ell - mean_l), rest + ell.clamp(max=limit).exp()
+
+    def cdf(self, value: Tensor) -> Tensor:
+        r""":math:`P(y \le \text{value}) = \mathbb E_\ell\,\Phi\big((\text{value} - \mu_{y\mid\ell}) / \sigma_{y\mid\ell}\big)`, 32 Gauss–Hermite nodes."""
+        if self._validate_args:
+            self._validate_sample(value)
+        nodes, weights = gauss_hermite(F.PREDICTIVE_NODES)
+        dtype, device = self.mean_m.dtype, self.mean_m.device
+        t, w = constant(nodes, dtype, device), constant(weights, dtype, device)
+        ell = self.mean_l.unsqueeze(-1) + self.var_l.sqrt().unsqueeze(-1) * t  # [..., n]
+        loc, var = self._conditional(ell, last=True)
+        z = (value.to(dtype).unsqueeze(-1) - loc) * var.rsqrt()
+        probability: Tensor = (w * torch.special.ndtr(z)).sum(-1)
+        return probability
+
+    def sample(
+        self,
+        sample_shape: torch.Size | list[int] | tuple[int, ...] = torch.Size(),  # noqa: B008
+    ) -> Tensor:
+        r"""Draw :math:`\ell`, then :math:`y` from the Gaussian of :math:`y\mid\ell` (``m`` integrated)."""
+        shape = self._extended_shape(torch.Size(sample_shape))
+        with torch.no_grad():
+            eps = torch.randn(shape, dtype=self.mean_m.dtype, device=self.mean_m.device)
+            ell = self.mean_l + self.var_l.sqrt() * eps
+            loc, var = self._conditional(ell)
+            return loc + var.sqrt() * torch.randn_like(loc)
 
 
 class _DequantisedTargets:
@@ -144,7 +262,7 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         >>> tuple(lik.expected_log_prob(out, torch.zeros(3)).shape)
         (3,)
         >>> type(lik.predictive(out)).__name__
-        'Normal'
+        'HeteroscedasticPredictive'
     """
 
     num_outputs = 2
@@ -274,17 +392,25 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         709.8 in float64) is capped one below it (a warning names those rows too), never
         ``inf``.
         """
-        self.validate_output(out)
-        mean_m, var_m, mean_l, var_l, _ = self._parts(out)
-        bounded_mean, bounded_var = self.bounded_log_noise(mean_l, var_l)
-        exponent = bounded_mean + 0.5 * bounded_var
+        mean_m, var_m, mean_l, var_l, _ = self._predictive_parts(out)
+        exponent = mean_l + 0.5 * var_l
         limit = _overflow_exponent(exponent.dtype)
-        if not torch.compiler.is_compiling():
-            self._warn_bounded(mean_l + 0.5 * var_l, exponent, limit)
         mean, var = F.heteroscedastic_predictive_moments(
             mean_m, var_m, exponent.clamp(max=limit), torch.zeros_like(exponent)
         )
         return mean, var
+
+    def _predictive_parts(
+        self, out: Gaussian
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """``(m, Σ_mm, ℓ, Σ_ℓℓ, Σ_mℓ)`` with the log-noise bounded (:meth:`bounded_log_noise`), warning on bounded rows."""
+        self.validate_output(out)
+        mean_m, var_m, mean_l, var_l, cov_ml = self._parts(out)
+        bounded_mean, bounded_var = self.bounded_log_noise(mean_l, var_l)
+        if not torch.compiler.is_compiling():
+            exponent = bounded_mean + 0.5 * bounded_var
+            self._warn_bounded(mean_l + 0.5 * var_l, exponent, _overflow_exponent(exponent.dtype))
+        return mean_m, var_m, bounded_mean, bounded_var, cov_ml
 
     def sampled_noise_variance(self, log_noise: Tensor) -> Tensor:
         r""":math:`e^{\ell_s}` of sampled log-variances ``[S, B]``, capped below the dtype's overflow.
@@ -321,7 +447,7 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
                     "in the likelihood's units); the epistemic variance is not bounded. "
                     "noise_bound='none' gives the unbounded model",
                     NoiseBoundWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
             if bool(capped.any()):
                 warnings.warn(
@@ -331,7 +457,7 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
                     "are far outside the training data. noise_bound='training_range' bounds the "
                     "noise to what the training data showed",
                     NoiseBoundWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
 
     def _load_from_state_dict(
@@ -393,10 +519,15 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         r""":math:`\Sigma_{mm}`: the part of the predictive variance due to the weights, ``[B]``."""
         return self.validate_output(out).var[..., 0]
 
-    def predictive(self, out: Gaussian) -> torch.distributions.Normal:
-        r""":math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2})`, bounded as :meth:`predictive_moments` says."""
-        mean, var = self.predictive_moments(out)
-        return torch.distributions.Normal(mean, var.sqrt())
+    def predictive(self, out: Gaussian) -> HeteroscedasticPredictive:
+        r"""The exact predictive :class:`HeteroscedasticPredictive`, its log-noise bounded as :meth:`predictive_moments` says.
+
+        Mean :math:`\langle m\rangle` and variance :math:`\Sigma_{mm} + e^{\langle\ell\rangle +
+        \Sigma_{\ell\ell}/2}` (:meth:`predictive_moments`); ``log_prob`` integrates over
+        :math:`(m, \ell)` instead of scoring the Gaussian with those moments (its tails are
+        heavier).
+        """
+        return HeteroscedasticPredictive(*self._predictive_parts(out))
 
     def export_head(self, options: ExportOptions) -> PredictiveHead:
         r"""``mean = ⟨m⟩``, ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``, in the original units of ``y``.

@@ -10,6 +10,7 @@ from torch.distributions import constraints
 
 from ..gaussian import Gaussian
 from ..moments._quadrature import constant, fixed_rule
+from ..moments.special import lambert_w_of_exp
 from . import functional as F
 from .base import ExportOptions, Likelihood, PredictiveHead, RegressionHead
 
@@ -30,20 +31,6 @@ def _hermite_rule(n: int) -> tuple[Tensor, Tensor]:
     jacobi = torch.diag(k.sqrt(), 1) + torch.diag(k.sqrt(), -1)
     nodes, vectors = torch.linalg.eigh(jacobi)
     return nodes, 2 * vectors[0].abs().log()
-
-
-def _lambert_w_of_exp(log_x: Tensor, iterations: int = 8) -> Tensor:
-    r""":math:`W(e^{L})`, the solution :math:`w > 0` of :math:`w + \log w = L` (Newton's method).
-
-    Started at :math:`w = L - \log L` for :math:`L > 1` and :math:`e^L` below; the iteration is
-    monotone from there and 8 steps reach full precision in float64 for :math:`L \le 10^{4}`.
-    """
-    big = log_x > 1.0
-    safe = torch.where(big, log_x, torch.ones_like(log_x))
-    w = torch.where(big, safe - safe.log(), log_x.clamp_max(1.0).exp())
-    for _ in range(iterations):
-        w = w - (w + w.log() - log_x) * w / (w + 1.0)
-    return w
 
 
 class PoissonLogNormal(torch.distributions.Distribution):
@@ -94,7 +81,7 @@ class PoissonLogNormal(torch.distributions.Distribution):
         loc, var = torch.broadcast_tensors(self.loc, self.var)
         exact = var <= 0
         v = torch.where(exact, torch.ones_like(var), var)
-        mode = loc + v * y - _lambert_w_of_exp(v.log() + loc + v * y)
+        mode = loc + v * y - lambert_w_of_exp(v.log() + loc + v * y)
         scale = torch.rsqrt(mode.exp() + 1.0 / v)
         nodes, log_w = (
             constant(t, loc.dtype, loc.device).reshape(-1, *[1] * mode.dim())

@@ -123,7 +123,9 @@ class _MeanOfScores(_GaussianMetric):
 class GaussianNLL(_MeanOfScores):
     r"""Mean negative log predictive density, :math:`\frac1N\sum_i -\log\mathcal N(y_i; \mu_i, \sigma_i^2)`.
 
-    Lower is better. Zero variances are floored at the dtype's smallest normal number.
+    Lower is better. Zero variances are floored at the dtype's smallest normal number. A
+    predictive that is not Gaussian passes its per-point log density to :meth:`update`
+    (``log_prob``); the mean and variance are then only validated.
 
     Examples:
         >>> m = GaussianNLL()
@@ -136,6 +138,30 @@ class GaussianNLL(_MeanOfScores):
     higher_is_better = False
     _state = "nll"
     _score = staticmethod(gaussian_nll)
+    nll_sum: Tensor  # metric states (added by _MeanOfScores)
+    nll_count: Tensor
+
+    def update(
+        self, mean: Tensor, var: Tensor, target: Tensor, log_prob: Tensor | None = None
+    ) -> None:
+        r"""Accumulate a batch; ``log_prob`` (per point) scores a predictive that is not Gaussian.
+
+        With ``log_prob`` the score is :math:`-\log p(y_i)` as given (e.g. a heteroscedastic
+        model's exact predictive, :class:`~lightning_dvi.likelihoods.HeteroscedasticPredictive`,
+        whose mean and variance are ``mean`` and ``var`` but whose tails are heavier); without,
+        the Gaussian with ``mean`` and ``var``.
+        """
+        if log_prob is None:
+            super().update(mean, var, target)
+            return
+        self._check(mean, var, target)
+        if log_prob.shape != target.shape:
+            raise ValueError(
+                f"GaussianNLL: log_prob has shape {tuple(log_prob.shape)}, the targets "
+                f"{tuple(target.shape)}"
+            )
+        self.nll_sum = self.nll_sum - log_prob.sum()
+        self.nll_count = self.nll_count + log_prob.numel()
 
 
 class GaussianCRPS(_MeanOfScores):
@@ -367,11 +393,16 @@ class RegressionMetrics(MetricCollection):
         )
         self.validate_args = validate_args
 
-    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:  # type: ignore[override]  # MetricCollection.update takes *args, **kwargs
-        """Validate once, then update every member."""
+    def update(  # type: ignore[override]  # MetricCollection.update takes *args, **kwargs
+        self, mean: Tensor, var: Tensor, target: Tensor, log_prob: Tensor | None = None
+    ) -> None:
+        """Validate once, then update every member; ``log_prob`` goes to ``nll`` only (:class:`GaussianNLL`)."""
         if self.validate_args:
             check_gaussian_inputs(mean, var, target)
-        super().update(mean, var, target)
+        if log_prob is None:
+            super().update(mean, var, target)
+        else:
+            super().update(mean, var, target, log_prob=log_prob)
 
     def forward(self, mean: Tensor, var: Tensor, target: Tensor) -> dict[str, Any]:
         """Validate, update every member, and return this batch's values."""
