@@ -166,6 +166,29 @@ def test_metrics_are_reported_in_original_units():
     torch.testing.assert_close(computed, nll, rtol=1e-5, atol=1e-5)
 
 
+def test_coverage_and_nll_of_a_heteroscedastic_model_read_its_exact_predictive():
+    """Targets drawn from the model's own predictive: its CDF's intervals cover the nominal share."""
+    torch.manual_seed(0)
+    net = Sequential(BayesLinear(2, 2, init_scale=0.6))
+    with torch.no_grad():
+        net[0].bias_loc.copy_(torch.tensor([0.0, -1.0]))
+    model = DVIRegressor(net=net.double(), target_loc=1.0, target_scale=3.0).double()
+    x = torch.randn(6000, 2, dtype=torch.float64)
+    with torch.no_grad():
+        predictive = model.likelihood.predictive(model.net(x, mode="full"))
+        target = 1.0 + 3.0 * predictive.sample()  # original units
+    model._update_metrics(model.test_metrics, x, target)
+    computed = model.test_metrics.compute()
+    for level in (50, 90, 95):  # 4 binomial standard errors
+        assert abs(float(computed[f"test/coverage_{level}"]) - level / 100) < 4 * 0.0065
+    nll = -model.predictive_log_prob(x, target).mean()
+    torch.testing.assert_close(computed["test/nll"], nll)
+    # the Gaussian with the same moments misses the shares: this predictive's tails are heavier
+    mean, var = model.predictive(x)
+    inside = (target - mean).abs() <= 0.6745 * var.sqrt()
+    assert float(inside.double().mean()) > 0.5 + 4 * 0.0065
+
+
 class _Stream(torch.utils.data.IterableDataset):
     """A training stream without a length: N cannot be read from it."""
 

@@ -420,3 +420,39 @@ def test_ece_noise_floor_rejects_bad_input(probs, draws):
 
     with pytest.raises(ValueError, match="ece_noise_floor"):
         ece_noise_floor(probs, draws=draws)
+
+
+def test_pit_hits_are_the_gaussian_interval_hits_for_a_gaussian() -> None:
+    from lightning_dvi.metrics.functional import (
+        central_interval_hits,
+        central_interval_hits_from_pit,
+    )
+
+    gen = torch.Generator().manual_seed(11)
+    mean = torch.randn(4000, generator=gen, dtype=torch.float64)
+    var = torch.rand(4000, generator=gen, dtype=torch.float64) + 0.1
+    target = mean + 2.0 * var.sqrt() * torch.randn(4000, generator=gen, dtype=torch.float64)
+    levels = torch.linspace(0.0, 1.0, 101, dtype=torch.float64)
+    pit = torch.tensor(stats.norm.cdf(target.numpy(), mean.numpy(), var.sqrt().numpy()))
+    from_moments = central_interval_hits(mean, var, target, levels)
+    from_pit = central_interval_hits_from_pit(pit, levels)
+    assert (from_moments == from_pit).double().mean() > 1 - 1e-4  # only exact boundary ties
+    assert from_pit[:, -1].all() and from_pit.sum(0).diff().ge(0).all()
+
+
+def test_coverage_and_calibration_read_the_pit_when_given() -> None:
+    from lightning_dvi.metrics import RegressionMetrics
+
+    mean, var = torch.zeros(5, dtype=torch.float64), torch.ones(5, dtype=torch.float64)
+    target = torch.tensor([0.0, 0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+    pit = torch.tensor([0.5, 0.6, 0.7, 0.9, 0.999], dtype=torch.float64)  # a wider predictive
+    metrics = RegressionMetrics(coverage_levels=(0.5, 0.9))
+    metrics.update(mean, var, target, pit=pit)
+    computed = metrics.compute()
+    assert float(computed["coverage_50"]) == pytest.approx(3 / 5)  # |2u - 1| <= 0.5
+    assert float(computed["coverage_90"]) == pytest.approx(4 / 5)
+    plain = RegressionMetrics(coverage_levels=(0.5, 0.9))
+    plain.update(mean, var, target)  # the Gaussian's intervals: +-0.674 and +-1.645
+    assert float(plain.compute()["coverage_50"]) == pytest.approx(2 / 5)
+    with pytest.raises(ValueError, match="pit has shape"):
+        RegressionMetrics().update(mean, var, target, pit=pit[:3])

@@ -626,11 +626,25 @@ class DVIRegressor(DVIModule):
 
     def _closed_form_log_prob(self, out: Gaussian, y: Tensor) -> Tensor:
         """:meth:`predictive_log_prob`'s closed form: targets ``y`` in original units, float64 ``[B]``."""
+        return self._closed_form_scores(out, y, pit=False)[0]
+
+    def _closed_form_scores(
+        self, out: Gaussian, y: Tensor, pit: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """The closed-form predictive's log density at ``y`` (original units) and, with ``pit``, its CDF there.
+
+        Both float64 ``[B]``, from one predictive. The CDF is ``None`` for a Gaussian predictive
+        (its coverage comes from the moments, as before) and for counts (a discrete CDF has no
+        continuous PIT).
+        """
         if not self.likelihood.standardizes_targets:  # own units: never rescaled
-            return self.likelihood.predictive(out).log_prob(y)
+            return self.likelihood.predictive(out).log_prob(y), None
         transform = self.outcome_transform
         predictive = self.likelihood.predictive(_float64(out))  # in float64, as the moments
-        return transform.untransform_log_prob(predictive.log_prob(transform.transform(y)))
+        z = transform.transform(y)
+        log_prob = transform.untransform_log_prob(predictive.log_prob(z))
+        gaussian = isinstance(predictive, torch.distributions.Normal)
+        return log_prob, (predictive.cdf(z) if pit and not gaussian else None)
 
     def _update_metrics(self, metrics: MetricCollection, x: Tensor, y: Tensor) -> None:
         if metrics is self.val_metrics and not self._val_predictive:
@@ -645,13 +659,16 @@ class DVIRegressor(DVIModule):
                 parts = self._network_predictive(x, None, None)
             mean, var, epistemic = self._original_units(*parts)
             target = self.targets_in_original_units(y.reshape(mean.shape))
-            log_prob = None
-            if closed and "nll" in metrics.keys(keep_base=True):
-                log_prob = self._closed_form_log_prob(out, target)
-        if log_prob is None:
-            metrics.update(mean, var, target)
-        else:
-            metrics.update(mean, var, target, log_prob=log_prob)
+            extra: dict[str, Tensor] = {}
+            members = set(metrics.keys(keep_base=True))
+            if closed and members & {"nll", "coverage", "calibration"}:
+                # the predictive's own density and CDF (a Gaussian's: from the moments)
+                wants_pit = bool(members & {"coverage", "calibration"})
+                log_prob, pit = self._closed_form_scores(out, target, wants_pit)
+                extra = {"log_prob": log_prob} if "nll" in members else {}
+                if pit is not None:
+                    extra["pit"] = pit
+        metrics.update(mean, var, target, **extra)
         split = getattr(self, f"{(metrics.prefix or '').rstrip('/')}_split", None)
         if split is not None:
             split.update((var - epistemic).clamp_min(0), epistemic)

@@ -18,6 +18,7 @@ __all__ = [
     "categorical_brier",
     "categorical_nll",
     "central_interval_hits",
+    "central_interval_hits_from_pit",
     "check_gaussian_inputs",
     "check_probabilities",
     "ece_noise_floor",
@@ -166,6 +167,27 @@ def central_interval_hits(mean: Tensor, var: Tensor, target: Tensor, levels: Ten
     # inf * 0 is NaN: at level 1 every target is inside, whatever the variance.
     bound = torch.where(torch.isposinf(half_width), half_width, half_width * std)
     return residual <= bound
+
+
+def central_interval_hits_from_pit(pit: Tensor, levels: Tensor) -> Tensor:
+    r"""Whether each target lies in each central interval, from its PIT :math:`u = F(y)`.
+
+    For a continuous predictive with CDF :math:`F`, :math:`y` lies in the central interval of
+    level :math:`p`, :math:`[F^{-1}(\tfrac12 - \tfrac p2), F^{-1}(\tfrac12 + \tfrac p2)]`,
+    exactly when :math:`|2u - 1| \le p`. For a Gaussian this is :func:`central_interval_hits`;
+    for any other predictive (e.g. the heteroscedastic scale mixture,
+    :class:`~lightning_dvi.likelihoods.HeteroscedasticPredictive`) it needs only the CDF.
+
+    Args:
+        pit: :math:`F(y)` per target, in ``[0, 1]``, shape ``[B]`` (any shape is flattened).
+        levels: interval levels in ``[0, 1]``, shape ``[L]``.
+
+    Returns:
+        Boolean tensor ``[B, L]``.
+    """
+    distance = (2.0 * pit.reshape(-1, 1).double() - 1.0).abs()
+    grid = levels.detach().double().to(distance.device).reshape(1, -1)
+    return distance <= grid
 
 
 def categorical_nll(probs: Tensor, target: Tensor, eps: float = 1e-12) -> Tensor:

@@ -26,6 +26,7 @@ from torchmetrics import MeanSquaredError, Metric, MetricCollection
 
 from .functional import (
     central_interval_hits,
+    central_interval_hits_from_pit,
     check_gaussian_inputs,
     gaussian_crps,
     gaussian_nll,
@@ -229,11 +230,23 @@ def _check_levels(levels: Sequence[float]) -> tuple[float, ...]:
     return out
 
 
+def _hits(mean: Tensor, var: Tensor, target: Tensor, pit: Tensor | None, levels: Tensor) -> Tensor:
+    """Central-interval hits ``[B, L]``: from the Gaussian's moments, or from the PIT when given."""
+    if pit is None:
+        return central_interval_hits(mean, var, target, levels)
+    if pit.shape != target.shape:
+        raise ValueError(f"pit has shape {tuple(pit.shape)}, the targets {tuple(target.shape)}")
+    return central_interval_hits_from_pit(pit, levels)
+
+
 class IntervalCoverage(_GaussianMetric):
     r"""Fraction of targets inside the central predictive intervals of the given levels.
 
     The interval of level :math:`p` is :math:`\mu \pm \sigma\,\Phi^{-1}(\tfrac12 + \tfrac p2)`
-    (bounds included). A calibrated predictive covers a fraction :math:`p`.
+    (bounds included), or, for a predictive that is not Gaussian, the central interval of its
+    own CDF :math:`F`: pass ``pit`` :math:`= F(y)` to :meth:`update`
+    (:func:`~lightning_dvi.metrics.functional.central_interval_hits_from_pit`). A calibrated
+    predictive covers a fraction :math:`p`.
 
     Args:
         levels: interval levels in ``(0, 1)``.
@@ -264,10 +277,10 @@ class IntervalCoverage(_GaussianMetric):
         )
         self.add_state("coverage_count", torch.tensor(0), dist_reduce_fx="sum")
 
-    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:
-        """Count the targets inside each interval."""
+    def update(self, mean: Tensor, var: Tensor, target: Tensor, pit: Tensor | None = None) -> None:
+        """Count the targets inside each interval; ``pit`` (:math:`F(y)`) for a non-Gaussian predictive."""
         self._check(mean, var, target)
-        hits = central_interval_hits(mean, var, target, self._level_tensor)
+        hits = _hits(mean, var, target, pit, self._level_tensor)
         self.coverage_hits = self.coverage_hits + hits.sum(dim=0)
         self.coverage_count = self.coverage_count + hits.shape[0]
 
@@ -314,10 +327,10 @@ class RegressionCalibrationError(_GaussianMetric):
     def _grid(self) -> Tensor:
         return self._level_tensor.to(device=self.calibration_hits.device, dtype=self.dtype)
 
-    def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:
-        """Count the targets inside each interval of the grid."""
+    def update(self, mean: Tensor, var: Tensor, target: Tensor, pit: Tensor | None = None) -> None:
+        """Count the targets inside each interval of the grid; ``pit`` as :class:`IntervalCoverage`'s."""
         self._check(mean, var, target)
-        hits = central_interval_hits(mean, var, target, self._level_tensor)
+        hits = _hits(mean, var, target, pit, self._level_tensor)
         self.calibration_hits = self.calibration_hits + hits.sum(dim=0)
         self.calibration_count = self.calibration_count + hits.shape[0]
 
@@ -394,15 +407,23 @@ class RegressionMetrics(MetricCollection):
         self.validate_args = validate_args
 
     def update(  # type: ignore[override]  # MetricCollection.update takes *args, **kwargs
-        self, mean: Tensor, var: Tensor, target: Tensor, log_prob: Tensor | None = None
+        self,
+        mean: Tensor,
+        var: Tensor,
+        target: Tensor,
+        log_prob: Tensor | None = None,
+        pit: Tensor | None = None,
     ) -> None:
-        """Validate once, then update every member; ``log_prob`` goes to ``nll`` only (:class:`GaussianNLL`)."""
+        """Validate once, then update every member.
+
+        For a predictive that is not Gaussian: ``log_prob`` (per point) goes to ``nll``
+        (:class:`GaussianNLL`), ``pit`` (its CDF at the target) to ``coverage`` and
+        ``calibration``; ``crps`` and ``sharpness`` stay those of the moments' Gaussian.
+        """
         if self.validate_args:
             check_gaussian_inputs(mean, var, target)
-        if log_prob is None:
-            super().update(mean, var, target)
-        else:
-            super().update(mean, var, target, log_prob=log_prob)
+        extra = {k: v for k, v in (("log_prob", log_prob), ("pit", pit)) if v is not None}
+        super().update(mean, var, target, **extra)
 
     def forward(self, mean: Tensor, var: Tensor, target: Tensor) -> dict[str, Any]:
         """Validate, update every member, and return this batch's values."""
