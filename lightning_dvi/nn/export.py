@@ -17,7 +17,12 @@ The built-in heads:
 * :class:`~lightning_dvi.likelihoods.HomoscedasticGaussian`: ``mean = m``,
   ``var = Σ_mm + e^λ`` (``[B]`` each).
 * :class:`~lightning_dvi.likelihoods.HeteroscedasticGaussian`: ``mean = ⟨m⟩``,
-  ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``.
+  ``var = Σ_mm + exp(⟨ℓ⟩ + Σ_ℓℓ/2)``: the moments of
+  :class:`~lightning_dvi.likelihoods.HeteroscedasticPredictive`, whose density has heavier
+  tails than the Gaussian with these moments. The exported module serves the moments only;
+  the exact log density is ``DVIRegressor.predictive_log_prob`` (or
+  :func:`~lightning_dvi.likelihoods.functional.heteroscedastic_predictive_log_prob` on the
+  network's output).
 * :class:`~lightning_dvi.likelihoods.Categorical` (any method but ``"mc"``): the
   closed-form class probabilities ``[B, K]`` of
   :func:`~lightning_dvi.likelihoods.predictive.categorical_predictive` (the library's
