@@ -32,7 +32,7 @@ lint: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # no -q: it hides the warnings --strict counts
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal tests lightning_dvi benchmarks/lightning_dvi_benchmarks --doctest-modules --durations=25
 
 docs: install
