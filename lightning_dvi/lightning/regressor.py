@@ -139,8 +139,9 @@ class DVIRegressor(DVIModule):
     :math:`\langle m\rangle, \Sigma_{mm} + e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2}`
     (heteroscedastic; its density, in :meth:`predictive_log_prob` and the ``nll`` metrics, is
     the exact scale mixture :class:`~lightning_dvi.likelihoods.HeteroscedasticPredictive`) or
-    :math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^\lambda)` (homoscedastic). ``sample``/``local``: ``num_samples`` network samples give a mixture of
-    Gaussians :math:`\frac1S\sum_s\mathcal N(m_s, v_s)`; the predictive is the Gaussian with the
+    :math:`\mathcal N(\langle m\rangle, \Sigma_{mm} + e^\lambda)` (homoscedastic).
+    ``sample``/``local``: ``num_samples`` network samples give a mixture of Gaussians
+    :math:`\frac1S\sum_s\mathcal N(m_s, v_s)`; the predictive is the Gaussian with the
     mixture's exact moments, mean :math:`\bar m` and variance :math:`\overline{v} +
     \frac1S\sum_s(m_s-\bar m)^2`.
 
@@ -574,8 +575,9 @@ class DVIRegressor(DVIModule):
         :math:`\int\mathcal N(y; m, e^\ell)\,q(m, \ell)`
         (:class:`~lightning_dvi.likelihoods.HeteroscedasticPredictive`), whose tails are heavier
         than those of the Gaussian with :meth:`predictive`'s moments (the ``val/``/``test/``
-        ``nll`` metrics score that Gaussian: they take the mean and variance);
-        ``"homoscedastic"``: :math:`\log\mathcal N(y; \mu, \sigma^2)` with those moments. ``"mc"``: the density of the mixture itself over ``num_samples`` weight draws,
+        ``nll`` metrics of a closed-form model score the same density);
+        ``"homoscedastic"``: :math:`\log\mathcal N(y; \mu, \sigma^2)` with those moments.
+        ``"mc"``: the density of the mixture itself over ``num_samples`` weight draws,
         :math:`\log\frac1S\sum_s\mathcal N(y; \mu_s, \sigma_s^2)` (not its moment-matched
         Gaussian; the usual MCVI test log-likelihood). Per point, in the original units of ``y``.
         """
