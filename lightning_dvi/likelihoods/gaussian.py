@@ -107,7 +107,6 @@ class HeteroscedasticPredictive(torch.distributions.Distribution):
         tensor([1.6487, 1.6487])
         >>> p.log_prob(torch.full((2,), 8.0))  # the Gaussian with these moments: -20.58
         tensor([-8.5772, -8.5772])
-        True
     """
 
     arg_constraints = {  # noqa: RUF012
