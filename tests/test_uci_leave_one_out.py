@@ -325,3 +325,29 @@ def test_the_step_trace_replays_the_default_runs_choice(tmp_path):
     assert [s["cpu"] for s in steps] == sorted(s["cpu"] for s in steps)
     recipe.main(argv)  # already there: nothing runs again
     assert len(loo.load_records(out)) == 1
+
+
+def test_the_density_recipe_scores_the_runners_fit_both_ways(tmp_path):
+    """recipes/predictive_density.py: the extra scores leave the run and its test LL alone."""
+    spec = importlib.util.spec_from_file_location(
+        "predictive_density_recipe", RECIPE.parent / "predictive_density.py"
+    )
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(120, 3))
+    y = x[:, 0] + 0.3 * rng.normal(size=120) * (1 + (x[:, 1] > 1))
+    write_standard_layout(tmp_path / "toy", x, y, n_splits=1)
+    out = tmp_path / "density.jsonl"
+    argv = ["--data-dir", str(tmp_path), "--dataset", "toy", "--candidates",
+            "paired-trim1-kept", "--splits", "1", "--steps-cap", "4", "--output", str(out)]  # fmt: skip
+    assert recipe.main(argv) == 0
+    (line,) = loo.load_records(out)
+    assert line["candidate"] == "paired-trim1-kept" and line["median_var_l"] > 0
+    job = uci.make_jobs(tmp_path, ["toy"], ["dvi"], loo.CANDIDATES["paired-trim1-kept"], 1,
+                        steps_cap=4)[0]  # fmt: skip
+    plain = uci.run_job(job)  # the same run without the hook: the same fit and score
+    assert plain["test_ll"] == line["test_ll"] and plain["steps"] == line["steps"]
+    assert line["gaussian_ll"] != line["test_ll"]  # two densities of one fit
+    recipe.main(argv)  # already there: nothing runs again
+    assert len(loo.load_records(out)) == 1

@@ -356,11 +356,17 @@ def _quiet() -> None:
         warnings.filterwarnings("ignore", message)
 
 
-def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, Any]:
+def run_job(
+    job: Job,
+    accelerator: Literal["cpu", "gpu"] = "cpu",
+    extra_scores: Callable[[Any, Any, Any], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Train one split and score it.
 
     ``accelerator`` is the Trainer's: ``"gpu"`` trains on one CUDA device (the GPU suite,
     :mod:`lightning_dvi_benchmarks.gpu_suite`); scoring runs on the CPU either way.
+    ``extra_scores(model, x, y)``, when given, scores the fitted model (restored step, eval
+    mode) on the held-out rows in some other way; its dict is merged into the result.
 
     Returns:
         ``{"split", "test_ll", "rmse", "seconds", "cpu_seconds", "steps", "adam_steps",
@@ -464,7 +470,8 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
 
     if lbfgs and s.warm_start != "adam" and 0 < s.large_rows < dm.num_train:
         model, counts = _run_large(job, s, dm, build, trainer, early)
-        return {**_scored(job, model, dm, s, start, cpu_start), **counts, "protocol": "large"}
+        scored = _scored(job, model, dm, s, start, cpu_start, extra=extra_scores)
+        return {**scored, **counts, "protocol": "large"}
     warm, a = None, 0
     adam_first = lbfgs and s.warm_start == "adam" and s.adam_steps > 0
     if adam_first and dm.num_train <= s.adam_max_rows:  # Adam first (KL warm-up)
@@ -498,7 +505,7 @@ def run_job(job: Job, accelerator: Literal["cpu", "gpu"] = "cpu") -> dict[str, A
     if paired is not None and paired.mixture_steps is not None:
         mixed = paired.mixture_predictive(model)
     return {
-        **_scored(job, model, dm, s, start, cpu_start, mixed),
+        **_scored(job, model, dm, s, start, cpu_start, mixed, extra_scores),
         "mixture_steps": None if mixed is None else len(mixed),
         "steps": int(trainer_.global_step),
         "adam_steps": a,
@@ -531,6 +538,7 @@ def _scored(
     start: float,
     cpu_start: float,
     mixed: Any = None,
+    extra: Callable[[Any, Any, Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The split, the held-out test LL and RMSE, and the job's wall and CPU seconds so far.
 
@@ -546,13 +554,12 @@ def _scored(
         rmse = float((mixed.predictive(x)[0] - y.double()).square().mean().sqrt())
     else:
         test_ll, rmse = score(model, x, y, s.mc_eval_samples)
-    return {
-        "split": job.split,
-        "test_ll": test_ll,
-        "rmse": rmse,
+    timing = {
         "seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time() - cpu_start,
-    }
+    }  # before the extra scores: they are not the protocol's cost
+    more = {} if extra is None else extra(model, x.to(next(model.parameters()).dtype), y)
+    return {"split": job.split, "test_ll": test_ll, "rmse": rmse, **timing, **more}
 
 
 def _train_rows(dm: Any, rows: int, seed: int) -> Any:
