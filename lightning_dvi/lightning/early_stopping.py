@@ -114,13 +114,14 @@ class PairedEarlyStopping(Callback):
         \bar d > -z\,\frac{s_d}{\sqrt n},
 
     i.e. unless the carve-out shows it worse than the best step by more than ``z`` standard
-    errors (a step that changed no row, :math:`d = 0`, is not kept: with ``z = 0`` the rule
-    is Lightning's, which needs a strict improvement). Later steps are closer to the ELBO's optimum, the objective the fit is for, so
-    they win ties; an earlier step wins only on evidence, and the rule adapts to the carve-out's
-    size by itself (a large carve-out resolves small differences, a small one does not). The
-    first ``skip`` validations never become the best step :math:`b` (the ELBO phase's first
-    steps, where the noise is still at its initial value, are not a reference), but a later
-    step is still compared with them once one of them is all there is.
+    errors (a step that changed no row, :math:`d = 0`, is not kept: with ``z = 0`` the rule is
+    Lightning's, which needs a strict improvement). Later steps are closer to the ELBO's
+    optimum, the objective the fit is for, so they win ties; an earlier step wins only on
+    evidence, and the rule adapts to the carve-out's size by itself (a large carve-out resolves
+    small differences, a small one does not). The first ``skip`` validations never become the
+    best step :math:`b` (the ELBO phase's first steps, where the noise is still at its initial
+    value, are not a reference), but a later step is still compared with them once one of them
+    is all there is.
 
     No single row decides (``trim``): both comparisons, *new best* and *kept*, use the paired
     differences with the ``trim`` largest and the ``trim`` smallest removed,
