@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_recipe
 
 from lightning_dvi.data import UCIDataModule
 from lightning_dvi_benchmarks import uci
@@ -306,11 +307,7 @@ def test_the_runner_hands_the_candidates_selection_settings_to_the_callback(
 
 def test_the_step_trace_replays_the_default_runs_choice(tmp_path):
     """recipes/uci_step_trace.py: the step the default restores scores the run's own test LL."""
-    spec = importlib.util.spec_from_file_location(
-        "uci_step_trace_recipe", RECIPE.parent / "uci_step_trace.py"
-    )
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_recipe("uci_step_trace")
     rng = np.random.default_rng(2)
     x = rng.normal(size=(120, 3))
     write_standard_layout(tmp_path / "toy", x, x[:, 0] + 0.3 * rng.normal(size=120), n_splits=1)
@@ -329,11 +326,7 @@ def test_the_step_trace_replays_the_default_runs_choice(tmp_path):
 
 def test_the_density_recipe_scores_the_runners_fit_both_ways(tmp_path):
     """recipes/predictive_density.py: the extra scores leave the run and its test LL alone."""
-    spec = importlib.util.spec_from_file_location(
-        "predictive_density_recipe", RECIPE.parent / "predictive_density.py"
-    )
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_recipe("predictive_density")
     rng = np.random.default_rng(4)
     x = rng.normal(size=(120, 3))
     y = x[:, 0] + 0.3 * rng.normal(size=120) * (1 + (x[:, 1] > 1))
