@@ -39,6 +39,7 @@ __all__ = [
     "categorical_delta_predictive",
     "categorical_mean_field_predictive",
     "categorical_tight_expected_log_prob",
+    "heteroscedastic_conditional",
     "heteroscedastic_expected_log_prob",
     "heteroscedastic_expected_log_prob_packed",
     "heteroscedastic_predictive_log_prob",
@@ -360,13 +361,34 @@ def heteroscedastic_predictive_log_prob(
     return torch.cat(pieces).reshape(shape)
 
 
+def heteroscedastic_conditional(
+    var_m: Tensor, var_l: Tensor, cov_ml: Tensor
+) -> tuple[Tensor, Tensor]:
+    r"""The regression of :math:`m` on :math:`\ell` in the network's Gaussian output: ``(beta, s)``.
+
+    .. math::
+        m\mid\ell \sim \mathcal N\big(\langle m\rangle + \beta(\ell - \langle\ell\rangle),\ s\big),
+        \qquad \beta = \frac{\Sigma_{m\ell}}{\Sigma_{\ell\ell}},
+        \qquad s = \Sigma_{mm} - \beta\Sigma_{m\ell} \ge 0,
+
+    with :math:`\beta = 0` where :math:`\Sigma_{\ell\ell} = 0` (a point log-variance) and
+    :math:`s` clamped at 0 against rounding.
+
+    Returns:
+        ``(beta, s)``, the broadcast shape of the inputs.
+    """
+    point = var_l <= 0
+    beta = torch.where(point, torch.zeros_like(cov_ml), cov_ml / torch.where(point, 1.0, var_l))
+    return beta, (var_m - beta * cov_ml).clamp_min(0)
+
+
 def _predictive_log_prob(parts: Sequence[Tensor], num_nodes: int) -> Tensor:
     """:func:`heteroscedastic_predictive_log_prob` on the broadcast ``(m, Σ_mm, ℓ, Σ_ℓℓ, Σ_mℓ, y)`` of one chunk."""
     mean_m, var_m, mean_l, var_l, cov_ml, y = parts
     point = var_l <= 0
     v = torch.where(point, torch.ones_like(var_l), var_l)
-    beta = torch.where(point, torch.zeros_like(cov_ml), cov_ml / v)
-    log_s = (var_m - beta * cov_ml).clamp_min(0).log()  # -inf where s = 0
+    beta, rest = heteroscedastic_conditional(var_m, var_l, cov_ml)
+    log_s = rest.log()  # -inf where s = 0
     r0 = y - mean_m
     args = (mean_l, v, beta, log_s, r0)
 

@@ -159,11 +159,10 @@ class HeteroscedasticPredictive(torch.distributions.Distribution):
 
     def _conditional(self, ell: Tensor, last: bool = False) -> tuple[Tensor, Tensor]:
         r"""Mean and variance of :math:`y\mid\ell`; ``last``: ``ell`` has one more (last) dimension."""
-        parts = (self.mean_m, self.var_m, self.mean_l, self.var_l, self.cov_ml)
-        mean_m, var_m, mean_l, var_l, cov_ml = (p.unsqueeze(-1) for p in parts) if last else parts
-        v = var_l.clamp_min(torch.finfo(var_l.dtype).tiny)
-        beta = torch.where(var_l > 0, cov_ml / v, torch.zeros_like(v))
-        rest = (var_m - beta * cov_ml).clamp_min(0)
+        beta, rest = F.heteroscedastic_conditional(self.var_m, self.var_l, self.cov_ml)
+        mean_m, mean_l = self.mean_m, self.mean_l
+        if last:
+            mean_m, mean_l, beta, rest = (p.unsqueeze(-1) for p in (mean_m, mean_l, beta, rest))
         limit = _overflow_exponent(ell.dtype)
         return mean_m + beta * (ell - mean_l), rest + ell.clamp(max=limit).exp()
 
