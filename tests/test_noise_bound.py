@@ -215,3 +215,21 @@ def test_the_monte_carlo_predictive_is_finite_far_out():
     with pytest.warns(NoiseBoundWarning, match=r"rows? \((\d+, )*4\)"):
         _, var = model.predictive(FAR * 100)
     assert bool(torch.isfinite(var).all())
+
+
+def test_a_bounded_row_warns_once_per_metrics_update_and_per_log_density():
+    """The metrics build the predictive twice (moments, then its float64 density): one warning."""
+    torch.manual_seed(0)
+    model = DVIRegressor(in_features=1, hidden=[8], target_loc=0.0, target_scale=1.0)
+    model.likelihood.noise_bound = "training_range"
+    model.likelihood.record_noise_range(model.net(torch.linspace(-1, 1, 20)[:, None], mode="full"))
+    x, y = torch.tensor([[50.0], [0.0]]), torch.zeros(2)
+    for call in (
+        lambda: model._update_metrics(model.test_metrics, x, y),
+        lambda: model.predictive_log_prob(x, y),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        bounded = [w for w in caught if issubclass(w.category, NoiseBoundWarning)]
+        assert len(bounded) == 1 and "1 row (0)" in str(bounded[0].message)

@@ -2,6 +2,7 @@ r"""``DVIRegressor``: a Bayesian MLP for regression trained by DVI, dDVI or MCVI
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal, cast
 
 import torch
@@ -13,7 +14,7 @@ from torchmetrics import Metric, MetricCollection
 from ..gaussian import Gaussian
 from ..likelihoods import Likelihood, resolve_likelihood
 from ..likelihoods.config import shorthands
-from ..likelihoods.gaussian import NoiseBound
+from ..likelihoods.gaussian import NoiseBound, NoiseBoundWarning
 from ..metrics import RegressionMetrics
 from ..metrics.regression import RegressionCalibrationError, regression_metric_selection
 from ..nn.export import PredictiveParts
@@ -628,23 +629,32 @@ class DVIRegressor(DVIModule):
 
     def _closed_form_log_prob(self, out: Gaussian, y: Tensor) -> Tensor:
         """:meth:`predictive_log_prob`'s closed form: targets ``y`` in original units, float64 ``[B]``."""
-        return self._closed_form_scores(out, y, pit=False)[0]
+        log_prob, _ = self._closed_form_scores(out, y, density=True, pit=False)
+        assert log_prob is not None
+        return log_prob
 
     def _closed_form_scores(
-        self, out: Gaussian, y: Tensor, pit: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """The closed-form predictive's log density at ``y`` (original units) and, with ``pit``, its CDF there.
+        self, out: Gaussian, y: Tensor, *, density: bool, pit: bool, warn: bool = True
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The closed-form predictive's log density at ``y`` (original units) and its CDF there.
 
-        Both float64 ``[B]``, from one predictive. The CDF is ``None`` for a Gaussian predictive
-        (its coverage comes from the moments, as before) and for counts (a discrete CDF has no
-        continuous PIT).
+        Each float64 ``[B]``, from one predictive, and only where asked (``density``, ``pit``).
+        The CDF is ``None`` for a Gaussian predictive (its coverage comes from the moments, as
+        before) and for counts (a discrete CDF has no continuous PIT). ``warn=False``: no
+        :class:`~lightning_dvi.likelihoods.NoiseBoundWarning`, for a caller that has built the
+        predictive of the same rows already (it warned then).
         """
-        if not self.likelihood.standardizes_targets:  # own units: never rescaled
-            return self.likelihood.predictive(out).log_prob(y), None
+        with warnings.catch_warnings():
+            if not warn:
+                warnings.simplefilter("ignore", NoiseBoundWarning)
+            if not self.likelihood.standardizes_targets:  # own units: never rescaled
+                counts = self.likelihood.predictive(out)
+                return (counts.log_prob(y) if density else None), None
+            # in float64, as the moments' way back
+            predictive = self.likelihood.predictive(_float64(out))
         transform = self.outcome_transform
-        predictive = self.likelihood.predictive(_float64(out))  # in float64, as the moments
         z = transform.transform(y)
-        log_prob = transform.untransform_log_prob(predictive.log_prob(z))
+        log_prob = transform.untransform_log_prob(predictive.log_prob(z)) if density else None
         gaussian = isinstance(predictive, torch.distributions.Normal)
         return log_prob, (predictive.cdf(z) if pit and not gaussian else None)
 
@@ -664,12 +674,17 @@ class DVIRegressor(DVIModule):
             extra: dict[str, Tensor] = {}
             members = set(metrics.keys(keep_base=True))
             if closed and members & {"nll", "coverage", "calibration"}:
-                # the predictive's own density and CDF (a Gaussian's: from the moments)
-                wants_pit = bool(members & {"coverage", "calibration"})
-                log_prob, pit = self._closed_form_scores(out, target, wants_pit)
-                extra = {"log_prob": log_prob} if "nll" in members else {}
-                if pit is not None:
-                    extra["pit"] = pit
+                # the predictive's own density and CDF (a Gaussian's: from the moments); the
+                # moments' predictive above has warned about bounded rows already
+                log_prob, pit = self._closed_form_scores(
+                    out,
+                    target,
+                    density="nll" in members,
+                    pit=bool(members & {"coverage", "calibration"}),
+                    warn=False,
+                )
+                scores = {"log_prob": log_prob, "pit": pit}
+                extra = {name: value for name, value in scores.items() if value is not None}
         metrics.update(mean, var, target, **extra)
         split = getattr(self, f"{(metrics.prefix or '').rstrip('/')}_split", None)
         if split is not None:
