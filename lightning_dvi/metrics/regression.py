@@ -108,7 +108,10 @@ class _MeanOfScores(_GaussianMetric):
     def update(self, mean: Tensor, var: Tensor, target: Tensor) -> None:
         """Accumulate a batch of predictives and targets."""
         self._check(mean, var, target)
-        scores = self._score(mean, var, target)
+        self._accumulate(self._score(mean, var, target))
+
+    def _accumulate(self, scores: Tensor) -> None:
+        """Add a batch's per-point scores to the running sum and count."""
         setattr(self, f"{self._state}_sum", getattr(self, f"{self._state}_sum") + scores.sum())
         setattr(
             self, f"{self._state}_count", getattr(self, f"{self._state}_count") + scores.numel()
@@ -139,8 +142,6 @@ class GaussianNLL(_MeanOfScores):
     higher_is_better = False
     _state = "nll"
     _score = staticmethod(gaussian_nll)
-    nll_sum: Tensor  # metric states (added by _MeanOfScores)
-    nll_count: Tensor
 
     def update(
         self, mean: Tensor, var: Tensor, target: Tensor, log_prob: Tensor | None = None
@@ -161,8 +162,7 @@ class GaussianNLL(_MeanOfScores):
                 f"GaussianNLL: log_prob has shape {tuple(log_prob.shape)}, the targets "
                 f"{tuple(target.shape)}"
             )
-        self.nll_sum = self.nll_sum - log_prob.sum()
-        self.nll_count = self.nll_count + log_prob.numel()
+        self._accumulate(-log_prob)
 
 
 class GaussianCRPS(_MeanOfScores):
