@@ -2,7 +2,7 @@ r"""``DVIRegressor``: a Bayesian MLP for regression trained by DVI, dDVI or MCVI
 
 from __future__ import annotations
 
-import warnings
+import contextlib
 from typing import Any, Literal, cast
 
 import torch
@@ -14,7 +14,7 @@ from torchmetrics import Metric, MetricCollection
 from ..gaussian import Gaussian
 from ..likelihoods import Likelihood, resolve_likelihood
 from ..likelihoods.config import shorthands
-from ..likelihoods.gaussian import NoiseBound, NoiseBoundWarning
+from ..likelihoods.gaussian import NoiseBound, noise_bound_warned
 from ..metrics import RegressionMetrics
 from ..metrics.regression import RegressionCalibrationError, regression_metric_selection
 from ..nn.export import PredictiveParts
@@ -642,15 +642,14 @@ class DVIRegressor(DVIModule):
         The CDF is ``None`` for a Gaussian predictive (its coverage comes from the moments, as
         before) and for counts (a discrete CDF has no continuous PIT). ``warn=False``: no
         :class:`~lightning_dvi.likelihoods.NoiseBoundWarning`, for a caller that has built the
-        predictive of the same rows already (it warned then).
+        predictive of the same rows already (it warned then;
+        :func:`~lightning_dvi.likelihoods.gaussian.noise_bound_warned`).
         """
-        with warnings.catch_warnings():
-            if not warn:
-                warnings.simplefilter("ignore", NoiseBoundWarning)
-            if not self.likelihood.standardizes_targets:  # own units: never rescaled
-                counts = self.likelihood.predictive(out)
-                return (counts.log_prob(y) if density else None), None
-            # in float64, as the moments' way back
+        if not self.likelihood.standardizes_targets:  # own units: never rescaled
+            log_prob = self.likelihood.predictive(out).log_prob(y) if density else None
+            return log_prob, None
+        # in float64, as the moments' way back
+        with contextlib.nullcontext() if warn else noise_bound_warned():
             predictive = self.likelihood.predictive(_float64(out))
         transform = self.outcome_transform
         z = transform.transform(y)

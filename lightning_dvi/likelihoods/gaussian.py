@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
@@ -41,6 +43,26 @@ class NoiseBoundWarning(UserWarning):
     for any setting, because :math:`e^{\langle\ell\rangle + \Sigma_{\ell\ell}/2}` would overflow
     the dtype. The message names the rows.
     """
+
+
+#: True inside :func:`noise_bound_warned`.
+_BOUND_WARNED: ContextVar[bool] = ContextVar("noise_bound_warned", default=False)
+
+
+@contextlib.contextmanager
+def noise_bound_warned() -> Iterator[None]:
+    """Inside, :meth:`HeteroscedasticGaussian.predictive` does not warn about bounded rows again.
+
+    For a caller that builds the predictive of the same rows a second time (``DVIRegressor``'s
+    metrics: the moments in the network's dtype, then the density in float64) and has warned
+    with the first. ``warnings.catch_warnings`` would silence it too, but leaving that context
+    resets the registry that shows a repeated warning only once.
+    """
+    token = _BOUND_WARNED.set(True)
+    try:
+        yield
+    finally:
+        _BOUND_WARNED.reset(token)
 
 
 def _overflow_exponent(dtype: torch.dtype) -> float:
@@ -406,7 +428,7 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         self.validate_output(out)
         mean_m, var_m, mean_l, var_l, cov_ml = self._parts(out)
         bounded_mean, bounded_var = self.bounded_log_noise(mean_l, var_l)
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not _BOUND_WARNED.get():
             exponent = bounded_mean + 0.5 * bounded_var
             self._warn_bounded(mean_l + 0.5 * var_l, exponent, _overflow_exponent(exponent.dtype))
         return mean_m, var_m, bounded_mean, bounded_var, cov_ml
