@@ -9,6 +9,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from ._tracing import tracing
 from .propagation import MODES, Mode, propagation
 
 __all__ = [
@@ -45,7 +46,7 @@ def all_finite(x: Tensor) -> bool:
     would split the graph): the caller checks outside (:mod:`lightning_dvi.compile` validates
     inputs and targets before the compiled region).
     """
-    if torch.compiler.is_compiling():
+    if tracing():
         return True
     return math.isfinite(x.sum().item()) or bool(torch.isfinite(x).all())
 
@@ -148,7 +149,7 @@ class Gaussian:
             raise NonFiniteMomentsError(f"Gaussian {name} contains NaN or Inf")
         diag = cov.diagonal(dim1=-2, dim2=-1) if cov is not None else second
         # a host read, skipped while torch.compile / torch.export trace (as in all_finite)
-        if not torch.compiler.is_compiling() and bool((diag < 0).any()):
+        if not tracing() and bool((diag < 0).any()):
             raise ValueError(f"Gaussian {name} has negative variances (not PSD)")
 
     # ------------------------------------------------------------------ accessors

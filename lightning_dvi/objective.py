@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from ._checks import deferred_value_checks
 from .gaussian import Gaussian, all_finite
 from .likelihoods import Likelihood
+from .moments import policy
 from .nn.linear import shared_scales
 from .priors import Prior
 from .propagation import Mode, Propagation, propagation
@@ -148,6 +148,7 @@ def elbo(
         FloatingPointError: if ``check_finite`` and the loss is NaN or Inf.
 
     Examples:
+        >>> import torch
         >>> from lightning_dvi.nn import mlp
         >>> from lightning_dvi.likelihoods import HeteroscedasticGaussian
         >>> from lightning_dvi.priors import EmpiricalBayes
@@ -240,7 +241,7 @@ def elbo_terms(
     kl_term = kl / num_data if kl_weight == 1 else kl_weight * kl / num_data
     loss = kl_term - ell
     # one host read instead of torch.isfinite's four ops and a bool() sync
-    if check_finite and not torch.compiler.is_compiling() and not math.isfinite(loss.item()):
+    if check_finite and not policy.tracing() and not math.isfinite(loss.item()):
         raise FloatingPointError(
             f"ELBO loss is not finite (expected log-likelihood {ell.item():.4g}, KL "
             f"{kl.item():.4g}, mode {mode.name!r}); typical causes: a learning rate too high or a "

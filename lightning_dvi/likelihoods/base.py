@@ -14,6 +14,7 @@ from .._checks import value_checks_enabled
 from ..configurable import RecordsInitArgs
 from ..gaussian import Gaussian
 from ..gaussian import all_finite as _all_finite
+from ..moments import policy
 
 __all__ = ["ExportOptions", "Likelihood", "PredictiveHead", "RegressionHead"]
 
@@ -402,7 +403,7 @@ class Likelihood(RecordsInitArgs, nn.Module):
         if y.is_complex():
             raise ValueError(f"{type(self).__name__}: {what}, got dtype {y.dtype}")
         y = y if y.dtype.is_floating_point else y.to(torch.get_default_dtype())
-        if torch.compiler.is_compiling():  # value checks are host reads: done by the caller
+        if policy.tracing():  # value checks are host reads: done by the caller
             return y
         if not _all_finite(y):
             raise ValueError(f"{type(self).__name__}: targets contain NaN or Inf")

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..gaussian import Gaussian
+from ..moments import policy
 from . import functional as F
 from .base import ExportOptions, Likelihood, PredictiveHead, _all_finite
 from .predictive import categorical_predictive
@@ -92,7 +93,7 @@ class Categorical(Likelihood):
     def _check_values(self, y: Tensor) -> Tensor:
         if y.dtype == torch.bool or y.is_complex():
             raise ValueError(f"Categorical: labels must be integers, got dtype {y.dtype}")
-        if torch.compiler.is_compiling():  # value checks are host reads: done by the caller
+        if policy.tracing():  # value checks are host reads: done by the caller
             return y.long()
         if y.dtype.is_floating_point:
             if not _all_finite(y):

@@ -428,7 +428,7 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         self.validate_output(out)
         mean_m, var_m, mean_l, var_l, cov_ml = self._parts(out)
         bounded_mean, bounded_var = self.bounded_log_noise(mean_l, var_l)
-        if not torch.compiler.is_compiling() and not _BOUND_WARNED.get():
+        if not policy.tracing() and not _BOUND_WARNED.get():
             exponent = bounded_mean + 0.5 * bounded_var
             self._warn_bounded(mean_l + 0.5 * var_l, exponent, _overflow_exponent(exponent.dtype))
         return mean_m, var_m, bounded_mean, bounded_var, cov_ml
@@ -440,7 +440,7 @@ class HeteroscedasticGaussian(_DequantisedTargets, _GaussianRegression):
         :class:`NoiseBoundWarning` names the rows ``B`` with a capped draw.
         """
         limit = _overflow_exponent(log_noise.dtype)
-        if not torch.compiler.is_compiling():
+        if not policy.tracing():
             capped = (log_noise > limit).reshape(-1, log_noise.shape[-1]).any(0)
             if bool(capped.any()):
                 warnings.warn(

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..moments import policy
 from ..moments.special import (
     flush_gradient,
     flush_positive,
@@ -122,9 +123,7 @@ _WEIGHTS_SUM = sum(_WEIGHTS)
 
 def _tracing() -> bool:
     """Whether torch.compile, torch.export or ``torch.jit.trace`` is tracing (no host reads then)."""
-    return bool(
-        torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-    )
+    return bool(policy.tracing() or torch.compiler.is_exporting() or torch.jit.is_tracing())
 
 
 def _erfcx_nonneg(z: Tensor) -> Tensor:

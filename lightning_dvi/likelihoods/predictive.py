@@ -22,6 +22,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..moments import policy
 from ..moments._quadrature import constant, fixed_rule
 from .functional import PROBIT_LAMBDA, _as_full_cov
 
@@ -366,7 +367,7 @@ def _probit_negligible(mean_var: Tensor, tolerance: float) -> bool:
     :math:`1-\omega \le \epsilon \iff \bar v \le \tau^2\epsilon/(1-\epsilon)`; one host read of
     the largest :math:`\bar v` (NaN compares false: the full formula). Never under tracing.
     """
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if policy.tracing() or torch.compiler.is_exporting():
         return False
     if torch._C._are_functorch_transforms_active() or type(mean_var) is not Tensor:
         return False

@@ -12,6 +12,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from . import policy
+
 __all__ = ["cached"]
 
 K = TypeVar("K", bound=Hashable)
@@ -29,7 +31,7 @@ def cached(cache: MutableMapping[K, V], key: K, build: Callable[[], V]) -> V:
     * Values are built outside inference mode, so autograd may save them after a first call
       in a validation or predict loop.
     """
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if policy.tracing() or torch.compiler.is_exporting():
         return build()
     hit = cache.get(key)
     if hit is None:

@@ -296,7 +296,7 @@ _cast_tables = functools.lru_cache(maxsize=64)(_build_tables)
 def _tables(
     kernel: Kernel, num_nodes: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[Tensor, ...]:
-    tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    tracing = policy.tracing() or torch.compiler.is_exporting()
     return (_build_tables if tracing else _cast_tables)(kernel, num_nodes, dtype, device)
 
 
@@ -316,7 +316,7 @@ class _Scratch:
 
     def __init__(self, like: Tensor, cols: int) -> None:
         self.like, self.cols, self.offset = like, cols, 0
-        tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        tracing = policy.tracing() or torch.compiler.is_exporting()
         self.pooled = like.device.type == "cpu" and not tracing
         key = (like.dtype, like.device)
         cache = _POOL.__dict__.setdefault("buffers", {})

@@ -199,7 +199,7 @@ def heaviside_full(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
     else:
         # recompute each chunk in the backward instead of keeping every chunk's intermediates
         # (not while traced: the outer compiler decides what to keep or recompute)
-        keep = torch.compiler.is_compiling() or not (
+        keep = policy.tracing() or not (
             torch.is_grad_enabled() and any(t.requires_grad for t in flat)
         )
         parts = [

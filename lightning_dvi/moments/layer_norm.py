@@ -84,6 +84,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from . import policy
 from ._quadrature import constant, fixed_rule
 from .special import flush
 
@@ -148,9 +149,7 @@ def _tight_ratio(trace: Tensor, m: Tensor, eps: float) -> Tensor:
 
 def _traced() -> bool:
     """Whether a tracer (``torch.compile``, ``torch.export``, ``torch.jit.trace``) runs the call."""
-    return bool(
-        torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-    )
+    return bool(policy.tracing() or torch.compiler.is_exporting() or torch.jit.is_tracing())
 
 
 _Parts3 = tuple[Tensor, Tensor, Tensor]

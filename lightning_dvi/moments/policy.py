@@ -67,6 +67,8 @@ from typing import Any, Literal
 
 import torch
 
+from .._tracing import step_trace, tracing
+
 __all__ = [
     "SCRATCH_ARRAYS",
     "Backend",
@@ -88,6 +90,8 @@ __all__ = [
     "set_fused",
     "set_kernel_backend",
     "set_memory_budget",
+    "step_trace",
+    "tracing",
     "use_fused",
 ]
 
@@ -251,7 +255,7 @@ def use_fused(*tensors: torch.Tensor | None) -> bool:
     """
     if not _state["fused"]:
         return False
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if tracing() or torch.compiler.is_exporting():
         return False
     if torch._C._are_functorch_transforms_active():
         return False
@@ -297,8 +301,7 @@ def select_backend(
 
 def resolve(device: torch.device) -> str:
     """:func:`select_backend` for a live call, with failed compilations falling back."""
-    tracing = torch.compiler.is_compiling()
-    path = select_backend(device, tracing=tracing)
+    path = select_backend(device, tracing=tracing())
     if path == "compiled" and _failed:
         return "whole"
     return path

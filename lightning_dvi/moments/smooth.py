@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import policy
 from ._mehler import mehler_cov, parseval_sum
 from ._quadrature import (
     DEFAULT_NODES,
@@ -630,7 +631,7 @@ def _in_buffers(mean: Tensor, var: Tensor) -> bool:
     """Whether :func:`gelu_closed_diag` may run in reused buffers: no autograd, eager, CPU."""
     if torch.is_grad_enabled() and (mean.requires_grad or var.requires_grad):
         return False
-    tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    tracing = policy.tracing() or torch.compiler.is_exporting()
     return not tracing and mean.device.type == "cpu" and mean.shape == var.shape
 
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ..gaussian import Gaussian
 from ..moments import attention as A
+from ..moments import policy
 from ..moments.linear import linear_diag
 from ..moments.skip import SkipRule, check_skip_rule, skip_independent
 from ..propagation import Propagation
@@ -57,7 +58,7 @@ _OPEN_MASKS: list[Tensor | None] = []
 
 def _padding() -> Tensor | None:
     """The key padding mask in force (:func:`key_padding`), ``None`` outside every block."""
-    if torch.compiler.is_compiling():
+    if policy.tracing():
         return _OPEN_MASKS[-1] if _OPEN_MASKS else None
     return _PADDING.get()
 

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from ..moments import policy
+
 __all__ = [
     "GroupMoments",
     "HasPosterior",
@@ -176,7 +178,7 @@ class PosteriorContext:
 def _active() -> Iterator[PosteriorContext]:
     # Not consulted while torch.compile traces: the compiler deduplicates the scale ops itself,
     # and a substitution is a front-end's eager pass.
-    if torch.compiler.is_compiling():
+    if policy.tracing():
         return iter(())
     return reversed(_STACK)
 
@@ -245,7 +247,7 @@ def shared_scales(net: nn.Module | None = None) -> PosteriorContext:
             batched ops for all of them, instead of autograd's per-tensor nodes.
     """
     nested = any(ctx.scales is not None for ctx in _active())
-    ctx = PosteriorContext(share_scales=not nested and not torch.compiler.is_compiling())
+    ctx = PosteriorContext(share_scales=not nested and not policy.tracing())
     if net is not None and ctx.scales is not None:
         _prefill(ctx, net)
     return ctx

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from ..gaussian import Gaussian
 from ..moments import normalization as N
+from ..moments import policy
 from ..moments import rms_norm as R
 from ..propagation import Mode, Propagation, propagation
 from .base import BayesModule, Moments, finish, prepare_input
@@ -40,7 +41,7 @@ __all__ = ["Embedding", "FixedEmbedding", "MeanTokens", "PositionalEncoding", "R
 def _check_ids(name: str, ids: Tensor, rows: int) -> None:
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
         raise ValueError(f"{name} takes integer token ids, got {ids.dtype}")
-    if torch.compiler.is_compiling():  # a host read would break torch.export's trace
+    if policy.tracing():  # a host read would break torch.export's trace
         return
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
         raise ValueError(

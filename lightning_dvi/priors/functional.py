@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..moments import policy
+
 __all__ = [
     "gaussian_kl",
     "gaussian_kl_elementwise",
@@ -131,7 +133,9 @@ def grouped_gaussian_kl(
     """
     if len(locs) != len(scales) or not locs:
         raise ValueError(f"need as many scales as locs, at least one: {len(locs)}, {len(scales)}")
-    if torch._C._are_functorch_transforms_active():  # torch.func.grad/vmap/...: plain autograd
+    # torch.func.grad/vmap/... and graph traces: autograd through the per-group formulas, which
+    # a compiler fuses (inductor has no kernel for the Function's _foreach_norm)
+    if torch._C._are_functorch_transforms_active() or policy.tracing():
         kl = _reference_grouped_kl(locs, scales, variances, alpha, beta)
         if variances is None:
             s = torch.stack(
@@ -174,10 +178,10 @@ def _group_constants(
     afresh while ``torch.compile`` traces, where they become graph constants.
     """
     key = (sizes, alpha, dtype, device)
-    if torch.compiler.is_compiling() or key not in _CONSTANTS:
+    if policy.tracing() or key not in _CONSTANTS:
         n = torch.tensor(sizes, dtype=dtype, device=device)
         made = (n, n + (2 * alpha + 2), 2 * n + (2 * alpha + 2))
-        if torch.compiler.is_compiling():
+        if policy.tracing():
             return made
         if len(_CONSTANTS) >= 64:
             _CONSTANTS.clear()

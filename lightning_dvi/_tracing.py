@@ -1,0 +1,44 @@
+"""Whether a graph trace is under way (a leaf module: it imports only torch).
+
+:func:`tracing` is what the library asks before a host read, a Python loop over blocks or a
+cache of eager values; :mod:`lightning_dvi.moments.policy` re-exports it with the rest of the
+execution policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+import torch
+
+__all__ = ["step_trace", "tracing"]
+
+_STEP_TRACE: ContextVar[bool] = ContextVar("lightning_dvi_step_trace", default=False)
+
+
+def tracing() -> bool:
+    """Whether a graph trace is under way: :func:`torch.compile`'s, or :func:`step_trace`'s.
+
+    While it is, the library takes its trace-safe paths, exactly as under ``torch.compile``:
+    no host reads (value checks and warnings are the caller's, outside the graph), no Python
+    loop over blocks, autograd through the formulas instead of the fused Functions, no
+    substitution caches.
+    """
+    return torch.compiler.is_compiling() or _STEP_TRACE.get()
+
+
+@contextlib.contextmanager
+def step_trace() -> Iterator[None]:
+    """Within the block, :func:`tracing` is true: the library's whole-step graph trace.
+
+    :class:`lightning_dvi.compile.CompiledStep` records a training step (forward and backward)
+    as one aten graph with ``make_fx``, which runs the Python code once on tensors that record
+    what they do; the code must then take the same trace-safe paths as under ``torch.compile``.
+    """
+    token = _STEP_TRACE.set(True)
+    try:
+        yield
+    finally:
+        _STEP_TRACE.reset(token)
