@@ -41,22 +41,46 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
+from ._checks import deferred_value_checks
+from ._tracing import step_trace
 from .likelihoods import Likelihood
 from .nn.base import Moments
-from .objective import ELBOTerms, check_arguments, elbo_terms, expected_log_likelihood_and_kl
+from .objective import (
+    ELBOTerms,
+    _name_bad_values,
+    check_arguments,
+    elbo,
+    elbo_terms,
+    expected_log_likelihood_and_kl,
+)
 from .priors import Prior
 from .propagation import Mode, Propagation, propagation
 
-__all__ = ["COMPILE_MODES", "CompiledELBO", "compile_elbo", "compile_network", "compile_options"]
+__all__ = [
+    "COMPILE_MODES",
+    "CUDA_GRAPH_MODES",
+    "CompiledELBO",
+    "CompiledStep",
+    "StepTraceError",
+    "compile_elbo",
+    "compile_network",
+    "compile_options",
+    "compile_step",
+]
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """The ``mode`` values of :func:`torch.compile` accepted by ``compile=`` of the Lightning modules."""
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""The ``mode`` values that replay CUDA graphs, whose outputs live in memory the next replay
+overwrites: a front end keeps :class:`CompiledELBO` for them (its autograd owns the gradients)."""
 
 
 def compile_options(compile: bool | str | dict[str, Any]) -> dict[str, Any] | None:
@@ -140,6 +164,8 @@ class CompiledELBO:
         prior: the weight prior.
         mode: propagation mode (fixed per compiled function).
         num_samples: network samples for ``sample``/``local``.
+        compile_mode: :func:`torch.compile`'s own ``mode`` (``"reduce-overhead"``, ...), which
+            ``mode`` above (the propagation) leaves no room for among ``options``.
         **options: keyword arguments of :func:`torch.compile`.
     """
 
@@ -150,11 +176,15 @@ class CompiledELBO:
         prior: Prior,
         mode: Mode | Propagation = "full",
         num_samples: int | None = None,
+        *,
+        compile_mode: str | None = None,
         **options: Any,
     ) -> None:
         self.propagation = propagation(mode, num_samples)
         self.net, self.likelihood, self.prior = net, likelihood, prior
         self.mode, self.num_samples = self.propagation.name, num_samples
+        if compile_mode is not None:
+            options["mode"] = compile_mode
         self.options = options
         self._compiled = torch.compile(self._parts, **_cache_friendly(options))
 
@@ -190,3 +220,273 @@ def compile_elbo(
 ) -> CompiledELBO:
     """A :class:`CompiledELBO` (see there); ``options`` go to :func:`torch.compile`."""
     return CompiledELBO(net, likelihood, prior, mode, num_samples, **options)
+
+
+# ---------------------------------------------------------------------------- whole step
+class _ELBOParts(nn.Module):
+    """The network, likelihood and prior as one module: one list of parameters and buffers."""
+
+    def __init__(self, net: nn.Module, likelihood: Likelihood, prior: Prior, how: Propagation):
+        super().__init__()
+        self.net, self.likelihood, self.prior = net, likelihood, prior
+        self.how = how
+
+    def forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        return expected_log_likelihood_and_kl(self.net, self.likelihood, self.prior, x, y, self.how)
+
+
+class _StepGradients(torch.autograd.Function):
+    r"""The loss as an autograd node whose backward hands out gradients computed beforehand.
+
+    Forward: a copy of the loss. Backward: the precomputed :math:`\nabla_\theta` loss of
+    every parameter, times the incoming gradient (``None`` for parameters the step does not
+    use), so ``loss.backward()`` accumulates them into ``.grad`` with autograd's own
+    accumulation and hooks (gradient clipping, L-BFGS closures, DDP).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, loss: Tensor, grads: tuple[Tensor | None, ...], *params: Tensor
+    ) -> Tensor:
+        ctx.grads = grads
+        return loss.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, ()
+        # loss.backward() seeds a gradient of 1: on a CPU one cheap read of it saves a multiply
+        # per tensor (a 0-dim tensor factor takes _foreach_mul's per-tensor slow path)
+        if grad.device.type == "cpu" and grad.item() == 1.0:
+            return (None, None, *grads)
+        used = [g for g in grads if g is not None]
+        scaled = iter(torch._foreach_mul(used, grad))
+        return (None, None, *(None if g is None else next(scaled) for g in grads))
+
+
+class StepTraceError(RuntimeError):
+    """The step could not be recorded as one graph (a layer reads tensor values in Python)."""
+
+
+class CompiledStep:
+    r"""The ELBO step, its value and its gradient, as one compiled graph.
+
+    The same objective as :func:`~lightning_dvi.objective.elbo`,
+
+    .. math::
+        \text{loss}(\theta) = c\,\mathrm{KL}(q_\theta\,\|\,p) - \bar\ell(\theta),
+        \qquad c = \beta_{KL}/N,
+
+    and its gradient :math:`\nabla_\theta\,\text{loss}`, computed together. The first call
+    for an input signature (shapes, dtypes, device, which parameters take gradients, train or
+    eval) records the whole step, the network's moments, the expected log-likelihood, the KL
+    and autograd's backward through them (the library's closed-form backward Functions
+    included), as **one** aten graph (:func:`torch.fx.experimental.proxy_tensor.make_fx`, with
+    :func:`lightning_dvi.moments.policy.step_trace` on, so that the code takes the same
+    trace-safe paths as under ``torch.compile``), and compiles that graph with
+    :func:`torch.compile` (inductor by default). Every later call is one compiled call: no
+    autograd graph is built and no Python runs per op, which is what an eager step of a small
+    network spends most of its time on (docs/speed_current.md). :math:`c` is an input of the
+    graph, so a KL schedule never recompiles.
+
+    The returned ``loss`` carries the gradients: an autograd node whose backward hands them
+    out, so ``loss.backward()`` fills ``.grad`` as the eager step's would (to rounding), and
+    Lightning's automatic optimisation, gradient clipping and L-BFGS closures work unchanged.
+    ``expected_log_likelihood`` and ``kl`` come without gradient. The value checks run once per
+    call, outside the graph, as in :class:`CompiledELBO`: the input and targets before, the
+    loss's finiteness after (``check_finite``). Buffers the step writes (the empirical-Bayes
+    prior's fitted variances, normalization statistics) are written as in the eager step.
+
+    Deterministic modes only (``"full"``, ``"diag"``): a sampled step draws random numbers,
+    which a traced graph would replay with inductor's generator; use :class:`CompiledELBO`
+    there. With grad mode off (validation) the call runs the eager :func:`elbo`: there is no
+    gradient to compute, and a second graph would cost a second compile.
+
+    The graph is traced for the network, likelihood and prior as they are at the first call:
+    their parameters and buffers are inputs (so training, ``load_state_dict`` and in-place
+    changes are seen), but a changed Python setting (another likelihood, a layer added) needs a
+    new :class:`CompiledStep`.
+
+    Args:
+        net: a :mod:`lightning_dvi.nn` network.
+        likelihood: the observation model.
+        prior: the weight prior.
+        mode: ``"full"`` or ``"diag"`` (or their :class:`~lightning_dvi.propagation.Propagation`).
+        compile_mode: :func:`torch.compile`'s own ``mode``, as for :class:`CompiledELBO`.
+        **options: keyword arguments of :func:`torch.compile` for the traced graph (``backend``,
+            ``mode``, ...); ``fullgraph=True`` and ``dynamic=False`` unless given.
+
+    Raises:
+        ValueError: for a sampled mode.
+
+    Examples:
+        >>> import torch
+        >>> from lightning_dvi.compile import compile_step
+        >>> from lightning_dvi.likelihoods import HeteroscedasticGaussian
+        >>> from lightning_dvi.nn import mlp
+        >>> from lightning_dvi.priors import EmpiricalBayes
+        >>> net = mlp(3, [8], 2)
+        >>> step = compile_step(net, HeteroscedasticGaussian(), EmpiricalBayes(), mode="diag",
+        ...                     backend="eager")  # default: inductor; "eager" keeps it fast
+        >>> x, y = torch.randn(16, 3), torch.randn(16)
+        >>> step(x, y, num_data=100).loss.backward()
+        >>> net[0].weight_loc.grad.shape
+        torch.Size([8, 3])
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        likelihood: Likelihood,
+        prior: Prior,
+        mode: Mode | Propagation = "full",
+        *,
+        compile_mode: str | None = None,
+        **options: Any,
+    ) -> None:
+        if compile_mode is not None:
+            options["mode"] = compile_mode
+        self.propagation = propagation(mode, None)
+        if self.propagation.samples:
+            raise ValueError(
+                f"CompiledStep traces the deterministic modes (full, diag), got mode "
+                f"{self.propagation.name!r}; compile a sampled step with compile_elbo"
+            )
+        self.net, self.likelihood, self.prior = net, likelihood, prior
+        self.mode = self.propagation.name
+        self.options = {"fullgraph": True, "dynamic": False, **options} if options else {}
+        self._parts = _ELBOParts(net, likelihood, prior, self.propagation)
+        self._slots: list[tuple[nn.Module, str, bool]] | None = None
+        self._modules: list[nn.Module] = []
+        self._graphs: dict[Hashable, tuple[Callable[..., Any], list[bool]]] = {}
+
+    @property
+    def graphs(self) -> int:
+        """How many input signatures have been traced and compiled so far."""
+        return len(self._graphs)
+
+    def _tensors(self) -> list[Tensor]:
+        """The parameters, then the buffers, of the network, likelihood and prior, as of now."""
+        if self._slots is None:
+            slots: list[tuple[nn.Module, str, bool]] = []
+            for kind in ("_parameters", "_buffers"):
+                seen: set[int] = set()
+                for module in self._parts.modules():
+                    for name, t in getattr(module, kind).items():
+                        if t is not None and id(t) not in seen:
+                            seen.add(id(t))
+                            slots.append((module, name, kind == "_parameters"))
+            self._slots = slots
+            self._modules = list(self._parts.modules())
+        return [
+            (m._parameters if param else m._buffers)[name]  # type: ignore[misc]  # slots hold tensors
+            for m, name, param in self._slots
+        ]
+
+    def _names(self) -> list[str]:
+        assert self._slots is not None
+        prefix = {id(m): n for n, m in self._parts.named_modules(remove_duplicate=False)}
+        return [f"{prefix[id(m)]}.{name}" if prefix[id(m)] else name for m, name, _ in self._slots]
+
+    def _trace(
+        self, tensors: list[Tensor], x: Tensor, y: Tensor, coef: Tensor
+    ) -> tuple[Callable[..., Any], list[bool]]:
+        from torch.func import functional_call
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        assert self._slots is not None
+        names = self._names()
+        wanted = [
+            param and t.requires_grad for t, (_, _, param) in zip(tensors, self._slots, strict=True)
+        ]
+        used: list[bool] = []
+
+        def step(*args: Tensor) -> tuple[Tensor, ...]:
+            *flat, x, y, coef = args
+            ell, kl = functional_call(self._parts, dict(zip(names, flat, strict=True)), (x, y))
+            leaves = [t for t, w in zip(flat, wanted, strict=True) if w]
+            grads = torch.autograd.grad(coef * kl - ell, leaves, allow_unused=True)
+            used[:] = [g is not None for g in grads]
+            return (ell.detach(), kl.detach(), *(g for g in grads if g is not None))
+
+        leaves = [t.detach().requires_grad_(w) for t, w in zip(tensors, wanted, strict=True)]
+        try:
+            with step_trace(), torch.enable_grad():
+                graph = make_fx(step)(*leaves, x, y, coef)
+        except RuntimeError as err:  # e.g. a data-dependent branch: make_fx cannot record it
+            raise StepTraceError(
+                f"the ELBO step could not be traced as one graph ({type(err).__name__}: {err}); "
+                "compile_elbo compiles it through torch.compile instead"
+            ) from err
+        if self.options:
+            fn = torch.compile(graph, **_cache_friendly(self.options))
+        else:  # inductor on the traced graph itself: no Dynamo frame, no guards (the key is ours)
+            example: list[Any] = [t.detach() for t in tensors] + [x, y, coef]
+            fn = torch._inductor.compile(graph, example)
+        return fn, used
+
+    def __call__(
+        self,
+        x: Tensor,
+        y: Tensor,
+        num_data: int,
+        kl_weight: float = 1.0,
+        check_finite: bool = True,
+    ) -> ELBOTerms:
+        """Arguments and result as :func:`~lightning_dvi.objective.elbo` (see the class)."""
+        if not torch.is_grad_enabled() or not any(
+            p.requires_grad for p in self._parts.parameters()
+        ):  # nothing to differentiate: the eager objective, without a second graph to compile
+            return elbo(
+                self.net, self.likelihood, self.prior, x, y, num_data, self.propagation,
+                kl_weight=kl_weight, check_finite=check_finite,
+            )  # fmt: skip
+        check_arguments(num_data, kl_weight, x, y)
+        if not isinstance(x, Tensor) or x.dim() < 1 or not x.dtype.is_floating_point:
+            _check_input(x)  # raises
+        # as in eager elbo: with check_finite, the loss's finite check stands in for the value
+        # checks of x and y, which run only to name the cause of a non-finite loss
+        with deferred_value_checks(check_finite):
+            if not check_finite:
+                _check_input(x)
+            y = self.likelihood.validate_target(y, x.shape[0])
+        tensors = self._tensors()
+        dtype = next((t.dtype for t in tensors if t.is_floating_point()), x.dtype)
+        coef = torch.full((), kl_weight / num_data, dtype=dtype, device=x.device)
+        key = (
+            x.shape, x.stride(), x.dtype, x.device, y.shape, y.stride(), y.dtype,
+            tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors),
+            tuple(m.training for m in self._modules),
+        )  # fmt: skip
+        compiled = self._graphs.get(key)
+        if compiled is None:
+            compiled = self._graphs[key] = self._trace(tensors, x, y, coef)
+        fn, used = compiled
+        with torch.no_grad():
+            ell, kl, *grads = fn(*tensors, x, y, coef)
+        try:
+            terms = elbo_terms(ell, kl, num_data, kl_weight, self.propagation, check_finite)
+        except FloatingPointError:
+            _name_bad_values(self.likelihood, x, y)
+            raise
+        params = [
+            t
+            for t, (_, _, p) in zip(tensors, self._slots or [], strict=True)
+            if p and t.requires_grad
+        ]
+        it = iter(grads)
+        full: tuple[Tensor | None, ...] = tuple(next(it) if u else None for u in used)
+        loss = _StepGradients.apply(terms.loss, full, *params)
+        return ELBOTerms(loss, terms.elbo, ell, kl, terms.kl_weight)
+
+
+def compile_step(
+    net: nn.Module,
+    likelihood: Likelihood,
+    prior: Prior,
+    *,
+    mode: Mode | Propagation = "full",
+    **options: Any,
+) -> CompiledStep:
+    """A :class:`CompiledStep` (see there); ``options`` go to :func:`torch.compile`."""
+    return CompiledStep(net, likelihood, prior, mode, **options)

@@ -32,7 +32,7 @@ def test_compile_pays_when_the_saved_time_exceeds_the_compile():
     # saved = R t (1 - 1/k): 1000 x 0.03 x 2/3 = 20 s at k = 3; 1000 x 0.03 x 4/9 = 13.3 s at the default
     assert compile_pays(1000, 0.03, 19.9, speedup=3.0)
     assert not compile_pays(1000, 0.03, 20.1, speedup=3.0)
-    assert compile_pays(1000, 0.03, 13.2) and not compile_pays(1000, 0.03, 13.4)
+    assert compile_pays(1000, 0.03, 9.9) and not compile_pays(1000, 0.03, 10.1)  # k = 1.5
     assert compile_pays(math.inf, 1e-6, 1e6)  # an open-ended run always pays
     assert not compile_pays(0, 1.0, 0.0)
     with pytest.raises(ValueError, match="speedup must be > 1"):
@@ -87,6 +87,14 @@ def _fit(
     return model, auto
 
 
+def test_the_default_compile_time_follows_the_compiled_path():
+    whole = DVIRegressor(2, [8], mode="diag")
+    assert compile_auto._whole_step(whole, {})
+    assert not compile_auto._whole_step(whole, {"mode": "reduce-overhead"})  # CUDA graphs
+    assert not compile_auto._whole_step(DVIRegressor(2, [8], mode="sample", num_samples=2), {})
+    assert DEFAULT_COMPILE_SECONDS < compile_auto.DEFAULT_FORWARD_COMPILE_SECONDS
+
+
 def test_a_short_run_stays_eager(monkeypatch, tmp_path):
     model, auto = _fit(monkeypatch, tmp_path, step_seconds=0.01, max_steps=12)
     assert auto.decision is not None and not auto.decision.compiled
@@ -98,7 +106,7 @@ def test_a_short_run_stays_eager(monkeypatch, tmp_path):
 
 
 def test_a_long_run_compiles_and_records_the_compile_time(monkeypatch, tmp_path):
-    # 20 - 4 steps left x 10 s x (1 - 1/1.8) = 71 s saved > the assumed 60 s
+    # 20 - 4 steps left x 10 s x (1 - 1/1.5) = 53 s saved > the assumed 20 s
     model, auto = _fit(monkeypatch, tmp_path, step_seconds=10.0, max_steps=20)
     assert auto.decision is not None and auto.decision.compiled
     assert not auto.decision.measured_before

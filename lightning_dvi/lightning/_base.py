@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torchmetrics import MetricCollection
 from typing_extensions import Self
 
-from ..compile import CompiledELBO
+from ..compile import CUDA_GRAPH_MODES, CompiledELBO, CompiledStep, StepTraceError
 from ..gaussian import Gaussian
 from ..likelihoods import Likelihood
 from ..moments.allocator import reuse_large_allocations
@@ -508,9 +508,16 @@ class DVIModule(LightningModule):
         check_finite = stage != "train" or self.optimiser_config.optimizer != "lbfgs"
         try:
             if self._compile is not None:  # value checks run eagerly around the compiled part
-                return self._compiled_elbo()(
-                    x, y, self.num_data, kl_weight, check_finite=check_finite
-                )
+                try:
+                    return self._compiled_elbo()(
+                        x, y, self.num_data, kl_weight, check_finite=check_finite
+                    )
+                except StepTraceError as err:
+                    rank_zero_warn(f"{err}; falling back to compile_elbo for this module")
+                    self.__dict__["_compiled_elbo_fn"] = self._compiled_elbo(whole_step=False)
+                    return self._compiled_elbo()(
+                        x, y, self.num_data, kl_weight, check_finite=check_finite
+                    )
             return elbo(
                 self.net,
                 self.likelihood,
@@ -529,13 +536,24 @@ class DVIModule(LightningModule):
                 f"{self.current_epoch}); training stopped: {err}"
             ) from err
 
-    def _compiled_elbo(self) -> CompiledELBO:
+    def _compiled_elbo(self, whole_step: bool = True) -> CompiledStep | CompiledELBO:
+        """The compiled objective, built on first use (outside nn.Module's attribute registry).
+
+        A deterministic mode compiles the whole step, value and gradient, as one graph
+        (:class:`~lightning_dvi.compile.CompiledStep`); a sampled mode, a CUDA-graph mode or a
+        step that cannot be traced (``whole_step=False``) compiles the objective's forward
+        through ``torch.compile`` (:class:`~lightning_dvi.compile.CompiledELBO`).
+        """
         compiled = self.__dict__.get("_compiled_elbo_fn")
-        if compiled is None:  # built on first use, outside nn.Module's attribute registry
-            options = self._compile or {}  # set: compile was asked for
-            compiled = CompiledELBO(
-                self.net, self.likelihood, self.prior, self.mode, self.num_samples, **options
-            )
+        if compiled is None or not whole_step:
+            options = dict(self._compile or {})  # set: compile was asked for
+            compile_mode = options.pop("mode", None)  # torch.compile's mode, not the propagation
+            how = propagation(self.mode, self.num_samples)
+            parts = (self.net, self.likelihood, self.prior, how)
+            if whole_step and not how.samples and compile_mode not in CUDA_GRAPH_MODES:
+                compiled = CompiledStep(*parts, compile_mode=compile_mode, **options)
+            else:
+                compiled = CompiledELBO(*parts, compile_mode=compile_mode, **options)
             self.__dict__["_compiled_elbo_fn"] = compiled
         return compiled
 

@@ -1,0 +1,208 @@
+"""The whole ELBO step as one compiled graph (``lightning_dvi.compile.CompiledStep``, issue 39).
+
+The step is recorded (forward, likelihood, KL and autograd's backward) as one aten graph and
+compiled; its gradients reach ``.grad`` through the returned loss. It must give the eager
+step's loss, gradients and written buffers, keep every value check, retrace only for a new
+input signature, hand gradients to autograd like any loss (accumulation, scaling, frozen
+parameters), and the Lightning modules must train with it as they do eagerly. Most tests
+compile with ``backend="eager"`` (the recorded graph run as it is: what is tested is the
+recording); one runs inductor itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dvi import DVIRegressor
+from lightning_dvi.compile import CompiledELBO, CompiledStep, StepTraceError, compile_step
+from lightning_dvi.likelihoods import Categorical, HeteroscedasticGaussian, HomoscedasticGaussian
+from lightning_dvi.nn import mlp
+from lightning_dvi.objective import elbo
+from lightning_dvi.priors import EmpiricalBayes, GaussianPrior
+from tests.helpers import cpu_trainer
+
+FAST = {"backend": "eager"}
+
+
+def _problem(kind: str):
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    if kind == "heteroscedastic":
+        return mlp(3, [5, 4], 2).double(), HeteroscedasticGaussian(), x, torch.randn(6).double()
+    if kind == "homoscedastic":  # a likelihood with a parameter of its own
+        return mlp(3, [5], 1).double(), HomoscedasticGaussian().double(), x, torch.randn(6).double()
+    return mlp(3, [5, 4], 3).double(), Categorical(3), x, torch.randint(0, 3, (6,))
+
+
+def _grads(module):
+    return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+
+
+def _eager(net, lik, prior, x, y, mode, kl_weight=0.3):
+    for m in (net, lik):
+        m.zero_grad(set_to_none=True)
+    terms = elbo(net, lik, prior, x, y, num_data=50, mode=mode, kl_weight=kl_weight)
+    terms.loss.backward()
+    return terms, _grads(net) + _grads(lik), [b.clone() for b in prior.buffers()]
+
+
+@pytest.mark.parametrize(
+    ("kind", "mode"),
+    [("heteroscedastic", "full"), ("heteroscedastic", "diag"), ("classification", "diag"),
+     ("classification", "full"), ("homoscedastic", "diag")],
+)  # fmt: skip
+def test_whole_step_matches_the_eager_step(kind, mode):
+    net, lik, x, y = _problem(kind)
+    prior = EmpiricalBayes(mode="in_graph")
+    eager, want, want_buffers = _eager(net, lik, prior, x, y, mode)
+    for b in prior.buffers():
+        b.fill_(-1.0)  # the compiled step must write them again
+    for m in (net, lik):
+        m.zero_grad(set_to_none=True)
+    step = compile_step(net, lik, prior, mode=mode, **FAST)
+    terms = step(x, y, num_data=50, kl_weight=0.3)
+    terms.loss.backward()
+    torch.testing.assert_close(terms.loss, eager.loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(terms.elbo, eager.elbo, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(terms.kl, eager.kl.detach(), rtol=1e-12, atol=0)
+    got = _grads(net) + _grads(lik)
+    assert len(got) == len(want) and all(g is not None for g in want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-14)
+    for b, w in zip(prior.buffers(), want_buffers, strict=True):
+        torch.testing.assert_close(b, w, rtol=1e-12, atol=0)
+
+
+def test_inductor_compiles_the_recorded_step():
+    """The default path: inductor on the recorded graph (C++ kernels on a CPU)."""
+    net, lik, x, y = _problem("heteroscedastic")
+    prior = EmpiricalBayes()
+    _, want, _ = _eager(net, lik, prior, x, y, "diag")
+    net.zero_grad(set_to_none=True)
+    step = compile_step(net, lik, prior, mode="diag")
+    step(x, y, num_data=50, kl_weight=0.3).loss.backward()
+    for g, w in zip(_grads(net), want, strict=False):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+def test_a_kl_schedule_reuses_the_graph_and_a_new_signature_records_another():
+    net, lik, x, y = _problem("heteroscedastic")
+    step = CompiledStep(net, lik, EmpiricalBayes(), "diag", **FAST)
+    for w in (0.0, 0.5, 1.0):
+        net.zero_grad(set_to_none=True)
+        step(x, y, num_data=50, kl_weight=w).loss.backward()
+    assert step.graphs == 1
+    step(x[:4], y[:4], num_data=50).loss.backward()  # a smaller last batch
+    net.eval()
+    step(x, y, num_data=50).loss.backward()
+    assert step.graphs == 3
+    net.train()
+    step(x, y, num_data=50, kl_weight=0.7).loss.backward()
+    assert step.graphs == 3
+
+
+def test_gradients_accumulate_scale_and_skip_frozen_parameters():
+    net, lik, x, y = _problem("heteroscedastic")
+    prior = GaussianPrior()
+    _, want, _ = _eager(net, lik, prior, x, y, "full", kl_weight=1.0)
+    step = compile_step(net, lik, prior, mode="full", **FAST)
+    net.zero_grad(set_to_none=True)
+    step(x, y, num_data=50).loss.backward()
+    (2.5 * step(x, y, num_data=50).loss).backward()  # accumulated, and scaled by 2.5
+    for g, w in zip(_grads(net), want, strict=False):
+        torch.testing.assert_close(g, 3.5 * w, rtol=1e-10, atol=1e-14)
+    first = list(net[0].parameters())
+    for p in first:
+        p.requires_grad_(False)
+    net.zero_grad(set_to_none=True)
+    step(x, y, num_data=50).loss.backward()
+    assert all(p.grad is None for p in first)
+    rest = [p for p in net.parameters() if p.requires_grad]
+    for p, w in zip(rest, want[len(first) :], strict=True):
+        torch.testing.assert_close(p.grad, w, rtol=1e-10, atol=1e-14)
+    assert step.graphs == 2  # which parameters take gradients is part of the signature
+
+
+def test_value_checks_stay_on_and_no_grad_runs_eagerly():
+    net, lik, x, y = _problem("classification")
+    step = compile_step(net, lik, EmpiricalBayes(), mode="diag", **FAST)
+    bad_x = x.clone()
+    bad_x[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="input contains NaN or Inf"):
+        step(bad_x, y, num_data=50)
+    with pytest.raises(ValueError, match="labels out of range"):
+        step(x, torch.full_like(y, 3), num_data=50)
+    with pytest.raises(ValueError, match="num_data"):
+        step(x, y, num_data=0)
+    with pytest.raises(ValueError, match="input must be a floating tensor"):
+        step(x.long(), y, num_data=50)
+    with pytest.raises(ValueError, match="input contains NaN or Inf"):
+        step(bad_x, y, num_data=50, check_finite=False)  # checked up front then
+    recorded = step.graphs
+    with torch.no_grad():
+        terms = step(x[:5], y[:5], num_data=50)
+        want = elbo(net, lik, EmpiricalBayes(), x[:5], y[:5], num_data=50, mode="diag")
+    torch.testing.assert_close(terms.loss, want.loss)
+    assert step.graphs == recorded  # nothing to differentiate: no graph for the new shape
+    with torch.no_grad():
+        next(net.parameters()).fill_(float("inf"))
+    with pytest.raises(FloatingPointError, match="not finite"):
+        step(x, y, num_data=50)
+    reg_net, reg_lik, rx, ry = _problem("heteroscedastic")
+    ry[1] = float("inf")
+    with pytest.raises(ValueError, match="targets contain NaN or Inf"):
+        compile_step(reg_net, reg_lik, EmpiricalBayes(), mode="diag", **FAST)(rx, ry, 50)
+
+
+def test_sampled_modes_are_refused():
+    net, lik, _, _ = _problem("heteroscedastic")
+    with pytest.raises(ValueError, match="deterministic modes"):
+        CompiledStep(net, lik, EmpiricalBayes(), "sample")
+
+
+def _data(rows: int = 48):
+    torch.manual_seed(1)
+    x = torch.randn(rows, 3)
+    y = x[:, 0] + 0.3 * torch.randn(rows)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "lbfgs"])
+def test_lightning_fit_with_the_whole_step_follows_the_eager_fit(optimizer):
+    fitted = {}
+    for compile in (False, dict(FAST)):
+        torch.manual_seed(0)
+        model = DVIRegressor(
+            in_features=3, hidden=[8], num_data=48, mode="diag", optimizer=optimizer,
+            compile=compile, lr=1e-2,
+        )  # fmt: skip
+        data = _data()
+        if optimizer == "lbfgs":  # full batch
+            data = torch.utils.data.DataLoader(data.dataset, batch_size=48)
+        # float64, and two L-BFGS steps: an L-BFGS path amplifies rounding about 1000-fold per
+        # step on this problem (1e-14, 2e-11, 3e-9, ... between the two)
+        steps = 2 if optimizer == "lbfgs" else 6
+        cpu_trainer(max_steps=steps, enable_checkpointing=False, precision="64-true").fit(
+            model, data
+        )
+        fitted[bool(compile)] = torch.cat([p.detach().flatten() for p in model.parameters()])
+        if compile:
+            assert isinstance(model.__dict__["_compiled_elbo_fn"], CompiledStep)
+    torch.testing.assert_close(fitted[True], fitted[False], rtol=1e-7, atol=1e-8)
+
+
+def test_lightning_keeps_the_forward_compile_for_samples_and_untraceable_steps(monkeypatch):
+    sampled = DVIRegressor(in_features=3, hidden=[4], num_data=48, mode="sample", compile=FAST)
+    assert isinstance(sampled._compiled_elbo(), CompiledELBO)
+    cuda_graphs = DVIRegressor(in_features=3, hidden=[4], num_data=48, compile="reduce-overhead")
+    assert isinstance(cuda_graphs._compiled_elbo(), CompiledELBO)
+
+    def fail(self, *args):
+        raise StepTraceError("cannot record this step")
+
+    monkeypatch.setattr(CompiledStep, "_trace", fail)
+    model = DVIRegressor(in_features=3, hidden=[4], num_data=48, mode="diag", compile=dict(FAST))
+    with pytest.warns(UserWarning, match="falling back to compile_elbo"):
+        cpu_trainer(max_steps=2, enable_checkpointing=False).fit(model, _data())
+    assert isinstance(model.__dict__["_compiled_elbo_fn"], CompiledELBO)
