@@ -10,7 +10,12 @@ and plain steps in interleaved rounds (one round: ``--repeats`` steps of each; t
 round), where plain is a torch MLP of the same shape with a Gaussian NLL, and reports
 inductor's FX-graph cache and AOTAutograd's cache counters.
 
-Run:  python recipes/compile_cache.py [--width 50] [--batch 32] [--mode diag] [--cache-dir DIR]
+``--step whole`` (the default) compiles the step as one graph, value and gradient
+(``lightning_dvi.compile.compile_step``, what ``compile=True`` runs); ``--step forward`` the
+objective's forward through ``torch.compile`` (``compile_elbo``).
+
+Run:  python recipes/compile_cache.py [--width 50] [--batch 32] [--mode diag] [--step whole]
+          [--cache-dir DIR]
 """
 
 from __future__ import annotations
@@ -42,12 +47,14 @@ def _children_cpu() -> float:
     return t.children_user + t.children_system
 
 
-def child(width: int, batch: int, mode: str, repeats: int, rounds: int) -> dict[str, Any]:
+def child(
+    width: int, batch: int, mode: str, repeats: int, rounds: int, step: str = "whole"
+) -> dict[str, Any]:
     """One interpreter's measurements (CPU seconds)."""
     import torch
     from torch._dynamo.utils import counters
 
-    from lightning_dvi.compile import compile_elbo
+    from lightning_dvi.compile import compile_elbo, compile_step
     from lightning_dvi.likelihoods import HeteroscedasticGaussian
     from lightning_dvi.nn import mlp
     from lightning_dvi.objective import elbo
@@ -63,7 +70,10 @@ def child(width: int, batch: int, mode: str, repeats: int, rounds: int) -> dict[
         net.zero_grad(set_to_none=True)
         elbo(x, y, num_data=1000).loss.backward()
 
-    compiled = compile_elbo(net, likelihood, prior, mode=mode)
+    if step == "whole":  # what compile=True runs: the step, value and gradient, as one graph
+        compiled: Any = compile_step(net, likelihood, prior, mode=mode)
+    else:  # the objective's forward through torch.compile, backward by AOTAutograd
+        compiled = compile_elbo(net, likelihood, prior, mode=mode)
     start, start_wall, start_children = time.process_time(), time.perf_counter(), _children_cpu()
     run(compiled)
     first = time.process_time() - start
@@ -109,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=50)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--mode", default="diag", choices=["diag", "full"])
+    parser.add_argument(
+        "--step",
+        default="whole",
+        choices=["whole", "forward"],
+        help="whole: compile_step (compile=True); forward: compile_elbo",
+    )
     parser.add_argument("--repeats", type=int, default=20, help="steps per round")
     parser.add_argument("--rounds", type=int, default=11, help="interleaved rounds")
     parser.add_argument("--jsonl", default=None, help="append each run's result to this file")
@@ -116,13 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.width, args.batch, args.mode, args.repeats, args.rounds)))
+        result = child(args.width, args.batch, args.mode, args.repeats, args.rounds, args.step)
+        print(json.dumps(result))
         return 0
     cache = args.cache_dir or tempfile.mkdtemp(prefix="inductor-cache-")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
     command = [sys.executable, __file__, "--child", "--width", str(args.width)]
     command += ["--batch", str(args.batch), "--mode", args.mode, "--repeats", str(args.repeats)]
-    command += ["--rounds", str(args.rounds)]
+    command += ["--rounds", str(args.rounds), "--step", args.step]
     for run in ("cold", "warm"):
         out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
         result = json.loads(out.stdout.strip().splitlines()[-1])

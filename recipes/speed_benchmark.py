@@ -44,7 +44,12 @@ from lightning_dvi_benchmarks.speed import (  # noqa: F401 - count_ops, peak_mem
     step_ratios,
     table,
 )
-from lightning_dvi_benchmarks.speed_cost import bench_cost, report_cost
+from lightning_dvi_benchmarks.speed_cost import (
+    COMPILED_COST_METHODS,
+    COST_METHODS,
+    bench_cost,
+    report_cost,
+)
 from lightning_dvi_benchmarks.speed_net import (  # noqa: F401 - net_step: tests use it from here
     NET_METHODS,
     bench_compile,
@@ -75,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--compiled",
         default="auto",
         choices=("auto", "on", "off"),
-        help="compiled columns of the net section (auto: on for cuda, off for cpu)",
+        help="compiled columns of the net and cost sections (auto: on for cuda, off for cpu)",
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead")
@@ -190,7 +195,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         result["targets"] = bench_targets(3 if args.quick else args.rounds, args.quick)
         print(report_targets(result["targets"]))
     if "cost" in sections:
-        rows = bench_cost(3 if args.quick else args.rounds, [(50, 32)] if args.quick else None)
+        methods = COST_METHODS
+        if args.compiled == "on" or (args.compiled == "auto" and S.DEVICE.type == "cuda"):
+            methods = (*COST_METHODS, *COMPILED_COST_METHODS)
+        rows = bench_cost(
+            3 if args.quick else args.rounds, [(50, 32)] if args.quick else None, methods
+        )
         result["cost"] = rows
         print(report_cost(rows))
     result["load_after"] = os.getloadavg()

@@ -32,6 +32,7 @@ from lightning_dvi.propagation import Propagation, propagation
 from . import timing as T
 
 __all__ = [
+    "COMPILED_STEP_METHODS",
     "DEVICE",
     "IN_FEATURES",
     "NUM_DATA",
@@ -71,6 +72,14 @@ STEP_METHODS: tuple[tuple[str, str | None, int | None], ...] = (
     ("local reparam", "local", 1),
     ("Pyro AutoNormal", "pyro", None),
 )
+
+COMPILED_STEP_METHODS: tuple[tuple[str, str, None], ...] = (
+    ("dDVI compiled step", "diag", None),
+    ("DVI compiled step", "full", None),
+)
+"""The same ELBO steps as one compiled graph (``lightning_dvi.compile.CompiledStep``, inductor):
+what the Lightning modules' ``compile=True`` runs. Built by :func:`make_step`, which compiles
+(or loads from inductor's cache) before returning; the ``cost`` section's ``--compiled on``."""
 
 DEVICE = torch.device("cpu")
 """Where the benchmarks run (the recipe's ``--device``)."""
@@ -185,9 +194,25 @@ def pyro_step(width: int, x: Tensor, y: Tensor) -> Callable[[], None]:
     return step
 
 
+def compiled_dvi_step(width: int, x: Tensor, y: Tensor, mode: Mode) -> Callable[[], None]:
+    """:func:`dvi_step` with the step compiled as one graph; compiles before returning."""
+    from lightning_dvi.compile import compile_step
+
+    net, lik, prior = mlp(IN_FEATURES, [width], 2), HeteroscedasticGaussian(), EmpiricalBayes()
+    net.to(x.device)
+    compiled = compile_step(net, lik, prior, mode=mode)
+
+    def step() -> None:
+        net.zero_grad(set_to_none=True)
+        compiled(x, y, NUM_DATA).loss.backward()
+
+    step()
+    return step
+
+
 def make_step(method: str, width: int, batch: int, seed: int = 0) -> Callable[[], None]:
-    """The step callable for one row of :data:`STEP_METHODS`."""
-    _, mode, samples = next(m for m in STEP_METHODS if m[0] == method)
+    """The step callable for one row of :data:`STEP_METHODS` or :data:`COMPILED_STEP_METHODS`."""
+    _, mode, samples = next(m for m in STEP_METHODS + COMPILED_STEP_METHODS if m[0] == method)
     gen = torch.Generator().manual_seed(seed)
     x, y = torch.randn(batch, IN_FEATURES, generator=gen), torch.randn(batch, generator=gen)
     x, y = x.to(DEVICE), y.to(DEVICE)
@@ -195,6 +220,8 @@ def make_step(method: str, width: int, batch: int, seed: int = 0) -> Callable[[]
         return plain_step(width, x, y)
     if mode == "pyro":
         return pyro_step(width, x, y)
+    if any(method == m[0] for m in COMPILED_STEP_METHODS):
+        return compiled_dvi_step(width, x, y, validate_mode(mode))
     return dvi_step(width, x, y, validate_mode(mode), samples)
 
 

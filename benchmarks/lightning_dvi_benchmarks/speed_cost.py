@@ -21,12 +21,23 @@ from typing import Any
 from . import timing as T
 from .speed import make_step
 
-__all__ = ["COST_METHODS", "COST_ROWS", "FIXED_SIZE", "bench_cost", "report_cost"]
+__all__ = [
+    "COMPILED_COST_METHODS",
+    "COST_METHODS",
+    "COST_ROWS",
+    "FIXED_SIZE",
+    "bench_cost",
+    "report_cost",
+]
 
 COST_ROWS: tuple[tuple[int, int], ...] = ((50, 32), (50, 512), (128, 32), (128, 512))
 """``(width, batch)`` of issue 39's table."""
 
 COST_METHODS: tuple[str, ...] = ("plain MLP", "dDVI", "DVI", "MCVI S=10")
+
+COMPILED_COST_METHODS: tuple[str, ...] = ("dDVI compiled step", "DVI compiled step")
+"""Added by the recipe's ``--compiled on``: the steps of ``compile=True`` (each cell compiles, or
+loads inductor's cache, once before the rounds)."""
 
 FIXED_SIZE = (2, 2)
 """``(width, batch)`` of the step that measures the fixed cost."""
@@ -66,14 +77,18 @@ def bench_cost(
             row["dDVI / plain"] = T.ratio(samples, "dDVI", "plain MLP")
         if {"DVI", "MCVI S=10"} <= set(methods):
             row["DVI / MCVI S=10"] = T.ratio(samples, "DVI", "MCVI S=10")
+        if {"plain MLP", "dDVI compiled step"} <= set(methods):
+            row["dDVI compiled / plain"] = T.ratio(samples, "dDVI compiled step", "plain MLP")
         out.append(row)
     return out
 
 
 def report_cost(rows: list[dict[str, Any]]) -> str:
     """The section's Markdown report: times and ratios, then ops and the time split."""
-    methods = [m for m in COST_METHODS if m in rows[0]]
-    ratios = [k for k in ("dDVI / plain", "DVI / MCVI S=10") if k in rows[0]]
+    methods = [m for m in (*COST_METHODS, *COMPILED_COST_METHODS) if m in rows[0]]
+    ratios = [
+        k for k in ("dDVI / plain", "DVI / MCVI S=10", "dDVI compiled / plain") if k in rows[0]
+    ]
     times = [{"width": r["width"], "batch": r["batch"], **{m: r[m] for m in methods},
               **{k: r[k] for k in ratios}} for r in rows]  # fmt: skip
     split = []
