@@ -206,3 +206,42 @@ def test_lightning_keeps_the_forward_compile_for_samples_and_untraceable_steps(m
     with pytest.warns(UserWarning, match="falling back to compile_elbo"):
         cpu_trainer(max_steps=2, enable_checkpointing=False).fit(model, _data())
     assert isinstance(model.__dict__["_compiled_elbo_fn"], CompiledELBO)
+
+
+def test_a_traced_cpu_erfc_is_one_opaque_aten_call_with_erfcs_values_and_gradient():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lightning_dvi.moments import policy
+
+    x = torch.linspace(-3.0, 9.0, policy.OPAQUE_ERFC_NUMEL, dtype=torch.float64)
+    with policy.step_trace():
+        graph = make_fx(policy.erfc)(x)
+        small = make_fx(policy.erfc)(x[:100])
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets == ["lightning_dvi.erfc.default"]
+    assert [str(n.target) for n in small.graph.nodes if n.op == "call_function"] == [
+        "aten.erfc.default"
+    ]  # below the threshold inductor fuses its own erfc
+    torch.testing.assert_close(graph(x), torch.special.erfc(x), rtol=0, atol=0)
+    leaf = x[::997].clone().requires_grad_()
+    assert torch.autograd.gradcheck(torch.ops.lightning_dvi.erfc, (leaf,))
+    assert policy.erfc(x) is not None and not policy.tracing()  # eager: torch.special.erfc
+
+
+def test_the_traced_float32_relu_moments_match_the_eager_ones():
+    """While traced on a CPU, float32 takes the all-float32 (Dekker) path for phi(a)."""
+    from lightning_dvi.moments import policy
+    from lightning_dvi.moments._relu import _relu_diag_forward
+
+    mean = torch.linspace(-40.0, 40.0, 4001).repeat(3)
+    var = torch.cat([torch.full((4001,), v) for v in (1e-3, 1.0, 30.0)])
+    eager = _relu_diag_forward(mean, var)
+    with policy.step_trace():
+        traced = _relu_diag_forward(mean, var)
+    reference = _relu_diag_forward(mean.double(), var.double())
+    for e, t, r in zip(eager, traced, reference, strict=True):
+        normal = r.abs() > 1e-25  # where float32 holds the value
+        err_eager = ((e.double() - r).abs() / r.abs())[normal].max()
+        err_traced = ((t.double() - r).abs() / r.abs())[normal].max()
+        # float32 accuracy either way (the far tail of the variance: about 1e-3 for both)
+        assert err_traced <= 2 * err_eager + 1e-6

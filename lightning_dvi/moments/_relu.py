@@ -98,10 +98,12 @@ def _relu_diag_forward(mean: Tensor, var: Tensor) -> tuple[Tensor, ...]:
     # the variance's cancellation): erfcx's accuracy at a tenth of its cost. x is clamped
     # where phi underflows anyway; CPU exp/erfc are ~10x slower on arguments that underflow.
     x = mu.abs().mul_(_SQRT_HALF).clamp_max_(math.sqrt(-math.log(e_min)))
-    half = torch.special.erfc(x).mul_(0.5)  # Phi(-a), full relative precision in the tail
-    if x.dtype == torch.float32 and x.device.type == "cpu":
+    half = policy.erfc(x).mul_(0.5)  # Phi(-a), full relative precision in the tail
+    if x.dtype == torch.float32 and x.device.type == "cpu" and not policy.tracing():
         # the square of a float32 is exact in float64: phi(a) to float32's rounding from one
-        # float64 exp (6 aten ops fewer than the product's exact error below, and as fast)
+        # float64 exp (6 aten ops fewer than the product's exact error below, and as fast);
+        # a traced graph fuses the float32 ops below instead (inductor's float64 exp on a CPU
+        # costs about twice ATen's, and the float32 chain is one kernel there)
         x64 = x.double()
         pdf = x64.mul(x64).neg_().exp_().mul_(_INV_SQRT_2PI).float()
         mills = half / pdf
