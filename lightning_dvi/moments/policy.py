@@ -244,7 +244,7 @@ OPAQUE_ERFC_NUMEL = 1 << 14
 
 @torch.library.custom_op("lightning_dvi::erfc", mutates_args=())
 def _erfc_op(x: torch.Tensor) -> torch.Tensor:
-    return torch.special.erfc(x)
+    return torch.erfc(x)
 
 
 @_erfc_op.register_fake
@@ -278,7 +278,7 @@ def erfc(x: torch.Tensor) -> torch.Tensor:
     """
     if x.device.type == "cpu" and x.numel() >= OPAQUE_ERFC_NUMEL and tracing():
         return torch.ops.lightning_dvi.erfc(x)  # type: ignore[no-any-return]  # a registered op
-    return torch.special.erfc(x)
+    return torch.erfc(x)
 
 
 def use_fused(*tensors: torch.Tensor | None) -> bool:
