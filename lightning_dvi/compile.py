@@ -354,7 +354,7 @@ class CompiledStep:
             )
         self.net, self.likelihood, self.prior = net, likelihood, prior
         self.mode = self.propagation.name
-        self.options = {"fullgraph": True, "dynamic": False, **options} if options else {}
+        self.options = {"fullgraph": True, "dynamic": False, **options}
         self._parts = _ELBOParts(net, likelihood, prior, self.propagation)
         self._slots: list[tuple[nn.Module, str, bool]] | None = None
         self._modules: list[nn.Module] = []
@@ -418,12 +418,11 @@ class CompiledStep:
                 f"the ELBO step could not be traced as one graph ({type(err).__name__}: {err}); "
                 "compile_elbo compiles it through torch.compile instead"
             ) from err
-        if self.options:
-            fn = torch.compile(graph, **_cache_friendly(self.options))
-        else:  # inductor on the traced graph itself: no Dynamo frame, no guards (the key is ours)
-            example: list[Any] = [t.detach() for t in tensors] + [x, y, coef]
-            fn = torch._inductor.compile(graph, example)
-        return fn, used
+        # torch.compile of the recorded graph rather than inductor on it directly: Dynamo's
+        # frame costs about 60 us a call, but its shape environment is what lets inductor's
+        # and AOTAutograd's on-disk caches serve a second run (a direct compile bypasses them:
+        # 13 CPU s per run instead of about 2 from the cache, docs/speed_current.md)
+        return torch.compile(graph, **_cache_friendly(self.options)), used
 
     def __call__(
         self,

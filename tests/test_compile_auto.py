@@ -106,7 +106,7 @@ def test_a_short_run_stays_eager(monkeypatch, tmp_path):
 
 
 def test_a_long_run_compiles_and_records_the_compile_time(monkeypatch, tmp_path):
-    # 20 - 4 steps left x 10 s x (1 - 1/1.5) = 53 s saved > the assumed 20 s
+    # 20 - 4 steps left x 10 s x (1 - 1/1.5) = 53 s saved > the assumed 30 s
     model, auto = _fit(monkeypatch, tmp_path, step_seconds=10.0, max_steps=20)
     assert auto.decision is not None and auto.decision.compiled
     assert not auto.decision.measured_before

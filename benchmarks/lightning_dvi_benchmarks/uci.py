@@ -169,6 +169,9 @@ class Settings:
     than ``large_rows`` training rows; 0 turns the rule off): ``large_subsample``,
     ``large_subsample_steps``, ``large_batch_size``, ``large_epochs``, ``large_lr`` and
     ``large_final_lr_fraction`` (the module docstring).
+
+    ``compiled`` = 1: the regressor's ``compile=True`` (the step as one compiled graph in the
+    deterministic modes; its compile, or the load from inductor's cache, is in the CPU time).
     """
 
     optimizer: Literal["lbfgs", "adam"] = "lbfgs"
@@ -208,6 +211,7 @@ class Settings:
     large_final_lr_fraction: float = 0.1
     patience_growth: float = 0.0
     selection_mixture: int = 0
+    compiled: int = 0
 
     @property
     def regressor_resolution(self) -> float | Literal["auto"] | None:
@@ -444,6 +448,7 @@ def run_job(
             # validation's forward pass when it runs after every step
             val_metrics=["nll"],
             target_resolution=s.regressor_resolution,
+            compile=bool(s.compiled),
         )
 
     def trainer(
