@@ -264,6 +264,24 @@ class _StepGradients(torch.autograd.Function):
         return (None, None, *(None if g is None else next(scaled) for g in grads))
 
 
+def _inductor(graph: torch.fx.GraphModule, args: list[Tensor]) -> Callable[..., Any]:
+    """Inductor on a recorded graph, without Dynamo: one compiled call, no guards (the key is ours).
+
+    The example inputs are fake tensors of a mode with a shape environment: without one,
+    inductor and AOTAutograd bypass their on-disk caches (13-15 CPU s on every run instead of
+    about 2 from the caches, docs/speed_current.md). ``torch.compile`` of the graph would supply
+    one too, but its frame and guards cost 0.1-0.25 ms a call on a small network.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    fake: list[Any] = [mode.from_tensor(a.detach(), static_shapes=True) for a in args]
+    with torch.no_grad():  # an inference graph: the recorded step is already differentiated
+        compiled: Callable[..., Any] = torch._inductor.compile(graph, fake)
+    return compiled
+
+
 class StepTraceError(RuntimeError):
     """The step could not be recorded as one graph (a layer reads tensor values in Python)."""
 
@@ -283,9 +301,8 @@ class CompiledStep:
     and autograd's backward through them (the library's closed-form backward Functions
     included), as **one** aten graph (:func:`torch.fx.experimental.proxy_tensor.make_fx`, with
     :func:`lightning_dvi.moments.policy.step_trace` on, so that the code takes the same
-    trace-safe paths as under ``torch.compile``), and compiles that graph with
-    :func:`torch.compile` (inductor by default). Every later call is one compiled call: no
-    autograd graph is built and no Python runs per op, which is what an eager step of a small
+    trace-safe paths as under ``torch.compile``), and compiles that graph with inductor. Every
+    later call is one compiled call: no autograd graph is built and no Python runs per op, which is what an eager step of a small
     network spends most of its time on (docs/speed_current.md). :math:`c` is an input of the
     graph, so a KL schedule never recompiles.
 
@@ -314,7 +331,9 @@ class CompiledStep:
         mode: ``"full"`` or ``"diag"`` (or their :class:`~lightning_dvi.propagation.Propagation`).
         compile_mode: :func:`torch.compile`'s own ``mode``, as for :class:`CompiledELBO`.
         **options: keyword arguments of :func:`torch.compile` for the traced graph (``backend``,
-            ``mode``, ...); ``fullgraph=True`` and ``dynamic=False`` unless given.
+            ``mode``, ...), then compiled through :func:`torch.compile` (``fullgraph=True`` and
+            ``dynamic=False`` unless given); without options, inductor compiles the graph
+            directly (no Dynamo frame or guards per call).
 
     Raises:
         ValueError: for a sampled mode.
@@ -354,7 +373,7 @@ class CompiledStep:
             )
         self.net, self.likelihood, self.prior = net, likelihood, prior
         self.mode = self.propagation.name
-        self.options = {"fullgraph": True, "dynamic": False, **options}
+        self.options = {"fullgraph": True, "dynamic": False, **options} if options else {}
         self._parts = _ELBOParts(net, likelihood, prior, self.propagation)
         self._slots: list[tuple[nn.Module, str, bool]] | None = None
         self._modules: list[nn.Module] = []
@@ -418,11 +437,9 @@ class CompiledStep:
                 f"the ELBO step could not be traced as one graph ({type(err).__name__}: {err}); "
                 "compile_elbo compiles it through torch.compile instead"
             ) from err
-        # torch.compile of the recorded graph rather than inductor on it directly: Dynamo's
-        # frame costs about 60 us a call, but its shape environment is what lets inductor's
-        # and AOTAutograd's on-disk caches serve a second run (a direct compile bypasses them:
-        # 13 CPU s per run instead of about 2 from the cache, docs/speed_current.md)
-        return torch.compile(graph, **_cache_friendly(self.options)), used
+        if self.options:  # a backend or mode of the user's: through torch.compile
+            return torch.compile(graph, **_cache_friendly(self.options)), used
+        return _inductor(graph, [*tensors, x, y, coef]), used
 
     def __call__(
         self,
