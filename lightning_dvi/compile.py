@@ -450,8 +450,10 @@ class CompiledStep:
         check_finite: bool = True,
     ) -> ELBOTerms:
         """Arguments and result as :func:`~lightning_dvi.objective.elbo` (see the class)."""
+        tensors = self._tensors()
         if not torch.is_grad_enabled() or not any(
-            p.requires_grad for p in self._parts.parameters()
+            param and t.requires_grad
+            for t, (_, _, param) in zip(tensors, self._slots or [], strict=True)
         ):  # nothing to differentiate: the eager objective, without a second graph to compile
             return elbo(
                 self.net, self.likelihood, self.prior, x, y, num_data, self.propagation,
@@ -466,7 +468,6 @@ class CompiledStep:
             if not check_finite:
                 _check_input(x)
             y = self.likelihood.validate_target(y, x.shape[0])
-        tensors = self._tensors()
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), x.dtype)
         coef = torch.full((), kl_weight / num_data, dtype=dtype, device=x.device)
         key = (
