@@ -73,8 +73,9 @@ MEASURED_STEPS = 3
 ASSUMED_SPEEDUP = 1.5
 """The compiled step's assumed speed-up over the eager one: below the smallest measured, so that a
 compile must pay clearly. The whole step as one graph (what ``compile=True`` runs in the
-deterministic modes) on issue 39's 2-layer net, 2-core Intel Xeon, one thread: 3.9x (width 50,
-batch 32), 2.1x (50, 512), 3.5x (128, 32), 1.55x (128, 512), docs/speed_current.md; the
+deterministic modes) on issue 39's 2-layer net, 2-core Intel Xeon, one thread, at ``c14260f``:
+3.7x (width 50, batch 32), 2.3x (50, 512), 3.4x (128, 32), 2.2x (128, 512); 3.7-3.9x on the
+compile-cost recipe's net (docs/speed_current.md); the
 forward compiled through ``torch.compile`` (the sampled modes): 1.9-2.2x under load at
 ``48e5b2e``."""
 
