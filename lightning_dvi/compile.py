@@ -254,7 +254,13 @@ class _StepGradients(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        grads, ctx.grads = ctx.grads, ()
+        # handed over, not kept: autograd then moves each into .grad instead of copying it
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "a CompiledStep loss hands out its gradients once; for a second backward "
+                "(retain_graph=True) call the step again"
+            )
         # loss.backward() seeds a gradient of 1: on a CPU one cheap read of it saves a multiply
         # per tensor (a 0-dim tensor factor takes _foreach_mul's per-tensor slow path)
         if grad.device.type == "cpu" and grad.item() == 1.0:
@@ -302,9 +308,10 @@ class CompiledStep:
     included), as **one** aten graph (:func:`torch.fx.experimental.proxy_tensor.make_fx`, with
     :func:`lightning_dvi.moments.policy.step_trace` on, so that the code takes the same
     trace-safe paths as under ``torch.compile``), and compiles that graph with inductor. Every
-    later call is one compiled call: no autograd graph is built and no Python runs per op, which is what an eager step of a small
-    network spends most of its time on (docs/speed_current.md). :math:`c` is an input of the
-    graph, so a KL schedule never recompiles.
+    later call is one compiled call: no autograd graph is built and no Python runs per op,
+    which is what an eager step of a small network spends most of its time on
+    (docs/speed_current.md). :math:`c` is an input of the graph, so a KL schedule never
+    recompiles.
 
     The returned ``loss`` carries the gradients: an autograd node whose backward hands them
     out, so ``loss.backward()`` fills ``.grad`` as the eager step's would (to rounding), and

@@ -112,6 +112,10 @@ def test_gradients_accumulate_scale_and_skip_frozen_parameters():
     (2.5 * step(x, y, num_data=50).loss).backward()  # accumulated, and scaled by 2.5
     for g, w in zip(_grads(net), want, strict=False):
         torch.testing.assert_close(g, 3.5 * w, rtol=1e-10, atol=1e-14)
+    loss = step(x, y, num_data=50).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="hands out its gradients once"):
+        loss.backward()
     first = list(net[0].parameters())
     for p in first:
         p.requires_grad_(False)
