@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_dvi import DVIClassifier, DVIRegressor
-from lightning_dvi.compile import compile_elbo, compile_network, compile_options
+from lightning_dvi.compile import compile_elbo, compile_network, compile_options, compile_step
 from lightning_dvi.likelihoods import Categorical, HeteroscedasticGaussian
 from lightning_dvi.nn import mlp
 from lightning_dvi.objective import elbo
@@ -59,9 +59,11 @@ def test_compiled_sampling_mode_traces_as_one_graph():
     step(x, y, num_data=50).loss.backward()
 
 
-def test_value_checks_stay_on_outside_the_compiled_region():
+@pytest.mark.parametrize("factory", [compile_elbo, compile_step])
+def test_value_checks_stay_on_outside_the_compiled_region(factory):
+    """Both compiled objectives (the forward compiled, the whole step recorded) keep them."""
     net, lik, x, y = _problem("classification")
-    step = compile_elbo(net, lik, EmpiricalBayes(), mode="full", **FAST)
+    step = factory(net, lik, EmpiricalBayes(), mode="full", **FAST)
     bad_x = x.clone()
     bad_x[0, 0] = float("nan")
     with pytest.raises(ValueError, match="input contains NaN or Inf"):
@@ -75,7 +77,7 @@ def test_value_checks_stay_on_outside_the_compiled_region():
     with pytest.raises(FloatingPointError, match="not finite"):
         step(x, y, num_data=50)
     reg_net, reg_lik, rx, ry = _problem("regression")
-    reg_step = compile_elbo(reg_net, reg_lik, EmpiricalBayes(), mode="diag", **FAST)
+    reg_step = factory(reg_net, reg_lik, EmpiricalBayes(), mode="diag", **FAST)
     ry[1] = float("inf")
     with pytest.raises(ValueError, match="targets contain NaN or Inf"):
         reg_step(rx, ry, num_data=50)

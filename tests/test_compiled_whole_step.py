@@ -128,35 +128,23 @@ def test_gradients_accumulate_scale_and_skip_frozen_parameters():
     assert step.graphs == 2  # which parameters take gradients is part of the signature
 
 
-def test_value_checks_stay_on_and_no_grad_runs_eagerly():
+def test_value_checks_before_the_graph_and_no_grad_runs_eagerly():
+    """The checks both compiled objectives share are in tests/test_compile_step.py."""
     net, lik, x, y = _problem("classification")
     step = compile_step(net, lik, EmpiricalBayes(), mode="diag", **FAST)
     bad_x = x.clone()
     bad_x[0, 0] = float("nan")
-    with pytest.raises(ValueError, match="input contains NaN or Inf"):
-        step(bad_x, y, num_data=50)
-    with pytest.raises(ValueError, match="labels out of range"):
-        step(x, torch.full_like(y, 3), num_data=50)
-    with pytest.raises(ValueError, match="num_data"):
-        step(x, y, num_data=0)
     with pytest.raises(ValueError, match="input must be a floating tensor"):
         step(x.long(), y, num_data=50)
     with pytest.raises(ValueError, match="input contains NaN or Inf"):
         step(bad_x, y, num_data=50, check_finite=False)  # checked up front then
+    step(x, y, num_data=50).loss.backward()
     recorded = step.graphs
     with torch.no_grad():
         terms = step(x[:5], y[:5], num_data=50)
         want = elbo(net, lik, EmpiricalBayes(), x[:5], y[:5], num_data=50, mode="diag")
     torch.testing.assert_close(terms.loss, want.loss)
-    assert step.graphs == recorded  # nothing to differentiate: no graph for the new shape
-    with torch.no_grad():
-        next(net.parameters()).fill_(float("inf"))
-    with pytest.raises(FloatingPointError, match="not finite"):
-        step(x, y, num_data=50)
-    reg_net, reg_lik, rx, ry = _problem("heteroscedastic")
-    ry[1] = float("inf")
-    with pytest.raises(ValueError, match="targets contain NaN or Inf"):
-        compile_step(reg_net, reg_lik, EmpiricalBayes(), mode="diag", **FAST)(rx, ry, 50)
+    assert step.graphs == recorded == 1  # nothing to differentiate: no graph for the new shape
 
 
 def test_sampled_modes_are_refused():
