@@ -33,7 +33,7 @@ LONG_FIRST = (
     "tests/test_docs_examples.py::test_documented_example_runs[docs/pyro.md:7]",
     "tests/test_compile_step.py::test_compiled_elbo_matches_eager_values_and_gradients",
     "tests/test_ddp.py::test_two_process_ddp_matches_one_process[cold]",
-    "tests/test_docs_examples.py::test_documented_example_runs[docs/lightning.md:452]",
+    "tests/test_docs_examples.py::test_documented_example_runs[docs/lightning.md:453]",
     "tests/test_cli_user_files.py::test_a_classifier_run_summary",
     "tests/test_noise_bound.py::test_the_bound_travels_with_the_exported_predictive",
     "tests/test_export.py::test_pt2_file_runs_without_lightning_dvi",

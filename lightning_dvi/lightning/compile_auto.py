@@ -25,8 +25,7 @@ against 9 before AOTAutograd's cache hit, for the 2-layer net of docs/speed_curr
 
 3. :math:`C` is the compile time measured for the same network, mode, input shape and dtype on
    an earlier run (recorded next to inductor's cache, so it reflects a cache hit), or
-   :data:`DEFAULT_COMPILE_SECONDS` (:data:`DEFAULT_FORWARD_COMPILE_SECONDS` for a step compiled
-   through ``torch.compile``) before any was measured. After compiling, the first
+   :data:`DEFAULT_COMPILE_SECONDS` before any was measured. After compiling, the first
    compiled step's time minus :math:`t` is recorded as the new :math:`C`.
 
 The decision, its numbers and the measured compile time are logged (``rank_zero_info``) and
@@ -57,7 +56,6 @@ from ..propagation import propagation
 __all__ = [
     "ASSUMED_SPEEDUP",
     "DEFAULT_COMPILE_SECONDS",
-    "DEFAULT_FORWARD_COMPILE_SECONDS",
     "MEASURED_STEPS",
     "AutoCompile",
     "CompileAuto",
@@ -79,16 +77,14 @@ compile-cost recipe's net (docs/speed_current.md); the
 forward compiled through ``torch.compile`` (the sampled modes): 1.9-2.2x under load at
 ``48e5b2e``."""
 
-DEFAULT_COMPILE_SECONDS = 30.0
-"""The expected compile time, wall seconds, before any was measured for the network: the whole
-step as one graph (a cold compile on a 2-core Intel Xeon: about 6 CPU s in the process and 10 s
-wall for issue 39's one-hidden-layer net, 15 CPU s and 28 s wall with two hidden layers; about
-3-4 s wall from inductor's and AOTAutograd's caches), with a margin."""
-
-DEFAULT_FORWARD_COMPILE_SECONDS = 60.0
-"""The same for a step compiled through ``torch.compile`` (:class:`CompiledELBO`: the sampled
-modes and the CUDA-graph modes): 22.3 CPU s in the process and 37.1 in inductor's compile
-workers for a small network's ELBO step on a 2-core CPU at ``48e5b2e``."""
+DEFAULT_COMPILE_SECONDS = 60.0
+"""The expected compile time, wall seconds, before any was measured for the network. Cold
+compiles on a 2-core CPU: the whole step as one graph (``CompiledStep``, the deterministic
+modes), about 6 CPU s in the process and 10 s wall for issue 39's one-hidden-layer regression
+net, 13 CPU s + 16 in compile workers and 25 s wall with two hidden layers (Intel Xeon), 43
+CPU s for a 64-unit digits classifier, whose categorical objective is the larger graph; the
+forward through ``torch.compile`` (``CompiledELBO``, the sampled modes), 22 CPU s + 37 in
+compile workers (AMD EPYC, ``48e5b2e``). From the caches a second run takes about 2-4 s."""
 
 
 def compile_pays(
@@ -106,9 +102,9 @@ def compile_pays(
         speedup: :math:`k > 1`, the compiled step's speed-up.
 
     Examples:
-        >>> compile_pays(10_000, 0.005, 30.0)  # 16.7 s saved at 1.5x < 30 s
+        >>> compile_pays(30_000, 0.005, 60.0)  # 50 s saved at 1.5x < 60 s
         False
-        >>> compile_pays(30_000, 0.005, 30.0)  # 50 s saved
+        >>> compile_pays(40_000, 0.005, 60.0)  # 66.7 s saved
         True
     """
     if not speedup > 1:
@@ -305,12 +301,7 @@ class CompileAuto(Callback):
         planned = float(trainer.estimated_stepping_batches)
         remaining = planned - trainer.global_step if math.isfinite(planned) else math.inf
         recorded = _read_times(compile_times_path()).get(self._key)
-        default = (
-            DEFAULT_COMPILE_SECONDS
-            if _whole_step(pl_module, self.auto.options)
-            else (DEFAULT_FORWARD_COMPILE_SECONDS)
-        )
-        expected = default if recorded is None else recorded
+        expected = DEFAULT_COMPILE_SECONDS if recorded is None else recorded
         compiled = compile_pays(remaining, eager, expected)
         compiled = bool(trainer.strategy.broadcast(compiled, src=0))
         self.decision = CompileDecision(compiled, remaining, eager, expected, recorded is not None)
