@@ -237,3 +237,17 @@ def test_the_traced_float32_relu_moments_match_the_eager_ones():
         err_traced = ((t.double() - r).abs() / r.abs())[normal].max()
         # float32 accuracy either way (the far tail of the variance: about 1e-3 for both)
         assert err_traced <= 2 * err_eager + 1e-6
+
+
+def test_an_export_keeps_erfc_a_plain_aten_op():
+    """An exported file must run without this package: no lightning_dvi op in its graph."""
+    from lightning_dvi.moments import policy
+
+    class Erfc(torch.nn.Module):
+        def forward(self, x):
+            return policy.erfc(x)
+
+    x = torch.rand(policy.OPAQUE_ERFC_NUMEL)
+    exported = torch.export.export(Erfc(), (x,))
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert targets and not any("lightning_dvi" in t for t in targets)

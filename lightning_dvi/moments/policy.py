@@ -274,9 +274,15 @@ def erfc(x: torch.Tensor) -> torch.Tensor:
     ``lightning_dvi::erfc``, which inductor calls as an external kernel (ATen's) and stores
     once. A custom op call costs about 45 us of Python dispatch, so only tensors of at least
     :data:`OPAQUE_ERFC_NUMEL` elements take it (the break-even at about 3 ns saved per element).
-    The values are ATen's either way; elsewhere (eager, CUDA) it is ``torch.special.erfc``.
+    The values are ATen's either way; elsewhere (eager, CUDA, and an export, whose file must
+    run without this package) it is ``torch.special.erfc``.
     """
-    if x.device.type == "cpu" and x.numel() >= OPAQUE_ERFC_NUMEL and tracing():
+    if (
+        x.device.type == "cpu"
+        and x.numel() >= OPAQUE_ERFC_NUMEL
+        and tracing()
+        and not torch.compiler.is_exporting()
+    ):
         return torch.ops.lightning_dvi.erfc(x)  # type: ignore[no-any-return]  # a registered op
     return torch.erfc(x)
 
