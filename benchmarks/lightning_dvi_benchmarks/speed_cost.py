@@ -67,8 +67,8 @@ def bench_cost(
         for method in methods:
             step_ms = 1e3 * statistics.median(samples[method])
             fixed_ms = 1e3 * statistics.median(samples[f"{method} @2x2"])
-            # a compiled step runs one graph: no aten ops to count (and torch.compile refuses
-            # to run under the counting dispatch mode)
+            # a compiled step runs one graph of inductor's kernels, which are not aten ops
+            # (and a step compiled through torch.compile refuses the counting dispatch mode)
             counts = (
                 {"aten ops": None, "non-view ops": None}
                 if method in COMPILED_COST_METHODS
