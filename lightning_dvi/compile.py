@@ -73,6 +73,7 @@ __all__ = [
     "compile_network",
     "compile_options",
     "compile_step",
+    "records_whole_step",
 ]
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -286,6 +287,16 @@ def _inductor(graph: torch.fx.GraphModule, args: list[Tensor]) -> Callable[..., 
     with torch.no_grad():  # an inference graph: the recorded step is already differentiated
         compiled: Callable[..., Any] = torch._inductor.compile(graph, fake)
     return compiled
+
+
+def records_whole_step(how: Propagation, compile_mode: str | None = None) -> bool:
+    """Whether a front end's ``compile=`` runs the step as one recorded graph.
+
+    :class:`CompiledStep` for the deterministic modes; :class:`CompiledELBO` for the sampled
+    modes and the CUDA-graph modes (:data:`CUDA_GRAPH_MODES`, ``compile_mode`` being
+    :func:`torch.compile`'s own ``mode``).
+    """
+    return not how.samples and compile_mode not in CUDA_GRAPH_MODES
 
 
 class StepTraceError(RuntimeError):

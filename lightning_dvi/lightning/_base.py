@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torchmetrics import MetricCollection
 from typing_extensions import Self
 
-from ..compile import CUDA_GRAPH_MODES, CompiledELBO, CompiledStep, StepTraceError
+from ..compile import CompiledELBO, CompiledStep, StepTraceError, records_whole_step
 from ..gaussian import Gaussian
 from ..likelihoods import Likelihood
 from ..moments.allocator import reuse_large_allocations
@@ -550,7 +550,7 @@ class DVIModule(LightningModule):
             compile_mode = options.pop("mode", None)  # torch.compile's mode, not the propagation
             how = propagation(self.mode, self.num_samples)
             parts = (self.net, self.likelihood, self.prior, how)
-            if whole_step and not how.samples and compile_mode not in CUDA_GRAPH_MODES:
+            if whole_step and records_whole_step(how, compile_mode):
                 compiled = CompiledStep(*parts, compile_mode=compile_mode, **options)
             else:
                 compiled = CompiledELBO(*parts, compile_mode=compile_mode, **options)

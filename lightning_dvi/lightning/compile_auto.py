@@ -50,7 +50,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..compile import CUDA_GRAPH_MODES, compile_options
+from ..compile import compile_options, records_whole_step
 from ..propagation import propagation
 
 __all__ = [
@@ -179,10 +179,8 @@ def _write_time(path: Path, key: str, seconds: float) -> None:
 
 def _whole_step(module: LightningModule, options: dict[str, Any]) -> bool:
     """Whether ``module`` compiles its step as one graph (``DVIModule._compiled_elbo``)."""
-    if options.get("mode") in CUDA_GRAPH_MODES:
-        return False
-    samples = propagation(getattr(module, "mode", "full"), getattr(module, "num_samples", None))
-    return not samples.samples
+    how = propagation(getattr(module, "mode", "full"), getattr(module, "num_samples", None))
+    return records_whole_step(how, options.get("mode"))
 
 
 def _network_key(module: LightningModule, batch: Any, options: dict[str, Any]) -> str:
