@@ -124,12 +124,17 @@ def plain_step(width: int, x: Tensor, y: Tensor) -> Callable[[], None]:
     return step
 
 
+def _dvi_parts(width: int, device: torch.device) -> tuple[nn.Module, Any, Any]:
+    """The steps' ``8 -> width -> 2`` BNN on ``device``, heteroscedastic, empirical-Bayes prior."""
+    net = mlp(IN_FEATURES, [width], 2).to(device)
+    return net, HeteroscedasticGaussian(), EmpiricalBayes()
+
+
 def dvi_step(
     width: int, x: Tensor, y: Tensor, mode: Mode, samples: int | None
 ) -> Callable[[], None]:
     """One ELBO step of the library's own code path (``lightning_dvi.objective.elbo``)."""
-    net, lik, prior = mlp(IN_FEATURES, [width], 2), HeteroscedasticGaussian(), EmpiricalBayes()
-    net.to(x.device)
+    net, lik, prior = _dvi_parts(width, x.device)
 
     def step() -> None:
         net.zero_grad(set_to_none=True)
@@ -198,8 +203,7 @@ def compiled_dvi_step(width: int, x: Tensor, y: Tensor, mode: Mode) -> Callable[
     """:func:`dvi_step` with the step compiled as one graph; compiles before returning."""
     from lightning_dvi.compile import compile_step
 
-    net, lik, prior = mlp(IN_FEATURES, [width], 2), HeteroscedasticGaussian(), EmpiricalBayes()
-    net.to(x.device)
+    net, lik, prior = _dvi_parts(width, x.device)
     compiled = compile_step(net, lik, prior, mode=mode)
 
     def step() -> None:
