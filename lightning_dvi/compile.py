@@ -278,13 +278,23 @@ def _inductor(graph: torch.fx.GraphModule, args: list[Tensor]) -> Callable[..., 
     inductor and AOTAutograd bypass their on-disk caches (13-15 CPU s on every run instead of
     about 2 from the caches, docs/speed_current.md). ``torch.compile`` of the graph would supply
     one too, but its frame and guards cost 0.1-0.25 ms a call on a small network.
+
+    Inductor runs with ``realize_reads_threshold=1``: an intermediate read by more than one
+    kernel is stored once instead of recomputed in each reader. A recorded step holds long
+    chains (a categorical objective's series, Newton steps and their backward) that the
+    default threshold recomputed: the Pyro digits classifier's step took 11.1 ms with it and
+    8.5 ms without, while the regression steps of the speed benchmark's cost table did not move
+    (docs/speed_current.md).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
     fake: list[Any] = [mode.from_tensor(a.detach(), static_shapes=True) for a in args]
-    with torch.no_grad():  # an inference graph: the recorded step is already differentiated
+    with (
+        torch.no_grad(),  # an inference graph: the recorded step is already differentiated
+        torch._inductor.config.patch(realize_reads_threshold=1),
+    ):
         compiled: Callable[..., Any] = torch._inductor.compile(graph, fake)
     return compiled
 

@@ -220,6 +220,38 @@ def test_a_traced_cpu_erfc_is_one_opaque_aten_call_with_erfcs_values_and_gradien
     assert policy.erfc(x) is not None and not policy.tracing()  # eager: torch.special.erfc
 
 
+def test_a_traced_elementwise_bound_runs_on_flat_buffers_with_the_same_values_and_gradient():
+    """softplus_normal_bound on [N, 10] while traced: on 1-D buffers (opaque copies), same numbers."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lightning_dvi.likelihoods.functional import softplus_normal_bound
+    from lightning_dvi.moments import policy
+
+    gen = torch.Generator().manual_seed(0)
+    rows = policy.FLAT_BUFFER_NUMEL // 10 + 1
+    mean = 6 * torch.randn(rows, 10, generator=gen, dtype=torch.float64)
+    var = torch.rand(rows, 10, generator=gen, dtype=torch.float64) * 40  # every branch
+
+    def value_and_grad(m, v):
+        out = softplus_normal_bound(m, v)
+        return (out, *torch.autograd.grad(out.sum(), [m, v]))
+
+    leaves = [mean.clone().requires_grad_(), var.clone().requires_grad_()]
+    eager = value_and_grad(*leaves)
+    with policy.step_trace(), torch.enable_grad():
+        graph = make_fx(value_and_grad)(*leaves)
+        small = make_fx(value_and_grad)(leaves[0][:8].detach().requires_grad_(),
+                                        leaves[1][:8].detach().requires_grad_())  # fmt: skip
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets.count("lightning_dvi.flat_buffer.default") == 2
+    assert not any("flat_buffer" in str(n.target) for n in small.graph.nodes)  # below the size
+    for got, want in zip(graph(mean, var), eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # element by element the same
+    leaf = mean[:2].clone().requires_grad_()
+    assert torch.autograd.gradcheck(torch.ops.lightning_dvi.flat_buffer, (leaf,))
+    assert policy.flat_elementwise(softplus_normal_bound, mean, var) is None  # eager: None
+
+
 def test_the_traced_float32_relu_moments_match_the_eager_ones():
     """While traced on a CPU, float32 takes the all-float32 (Dekker) path for phi(a)."""
     from lightning_dvi.moments import policy
@@ -251,6 +283,16 @@ def test_an_export_keeps_erfc_a_plain_aten_op():
     exported = torch.export.export(Erfc(), (x,))
     targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
     assert targets and not any("lightning_dvi" in t for t in targets)
+
+    class Bound(torch.nn.Module):  # nor the flat buffers of an elementwise formula
+        def forward(self, m, v):
+            from lightning_dvi.likelihoods.functional import softplus_normal_bound
+
+            return softplus_normal_bound(m, v)
+
+    m = torch.randn(policy.FLAT_BUFFER_NUMEL // 10 + 1, 10)
+    exported = torch.export.export(Bound(), (m, m.abs()))
+    assert not any("lightning_dvi" in str(n.target) for n in exported.graph.nodes)
 
 
 def _transformer():

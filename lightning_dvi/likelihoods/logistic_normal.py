@@ -136,7 +136,7 @@ def _erfcx_nonneg(z: Tensor) -> Tensor:
     Both branches get clamped arguments, so neither can inject an Inf or NaN gradient.
     """
     zs, zl = z.clamp_max(_ERFCX_SPLIT), z.clamp_min(_ERFCX_SPLIT)
-    direct = torch.exp(zs * zs) * torch.special.erfc(zs)
+    direct = torch.exp(zs * zs) * policy.erfc(zs)
     r = 1.0 / (zl * zl)
     asymptotic = (_INV_SQRT_PI / zl) * (1 + r * (-0.5 + r * (0.75 + r * (-1.875 + r * 6.5625))))
     return sign_select(direct, asymptotic, _ERFCX_SPLIT - z)  # both finite, equal at the split
@@ -309,6 +309,9 @@ def softplus_normal_bound(mean: Tensor, var: Tensor | float) -> Tensor:
     """
     v = torch.as_tensor(var, dtype=mean.dtype, device=mean.device).clamp_min(0)
     mean, v = torch.broadcast_tensors(flush_gradient(mean), flush_gradient(v))
+    flat = policy.flat_elementwise(softplus_normal_bound, mean, v)  # how it runs when traced
+    if flat is not None:
+        return flat
     cheap = _cheap_softplus_bound(mean, v)
     wide = v > ASYMPTOTIC_VARIANCE
     bound = _where_needed((v > SERIES_VARIANCE) & ~wide, _series_or_cheap, (mean, v, cheap))

@@ -71,6 +71,7 @@ import torch
 from .._tracing import step_trace, tracing
 
 __all__ = [
+    "FLAT_BUFFER_NUMEL",
     "OPAQUE_ERFC_NUMEL",
     "SCRATCH_ARRAYS",
     "Backend",
@@ -79,6 +80,7 @@ __all__ = [
     "compiled",
     "elementwise",
     "erfc",
+    "flat_elementwise",
     "fused_functions",
     "get_fused",
     "get_kernel_backend",
@@ -262,6 +264,65 @@ def _erfc_setup(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> 
 
 
 _erfc_op.register_autograd(_erfc_backward, setup_context=_erfc_setup)
+
+
+FLAT_BUFFER_NUMEL = 1 << 10
+"""From this many elements a traced CPU elementwise formula runs on flat buffers (:func:`flat_elementwise`)."""
+
+
+@torch.library.custom_op("lightning_dvi::flat_buffer", mutates_args=())
+def _flat_buffer_op(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1).clone()
+
+
+@_flat_buffer_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.numel())
+
+
+def _flat_buffer_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    return grad.view(ctx.shape)
+
+
+def _flat_buffer_setup(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+    ctx.shape = inputs[0].shape
+
+
+_flat_buffer_op.register_autograd(_flat_buffer_backward, setup_context=_flat_buffer_setup)
+
+
+def flat_elementwise(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor | None:
+    r"""``fn(*args)`` of an elementwise formula run on flat buffers, where that is how it runs.
+
+    While a graph is traced (:func:`tracing`) for a CPU, from :data:`FLAT_BUFFER_NUMEL`
+    elements of an input with 2 or more dimensions: each argument (all of one shape, e.g.
+    after ``torch.broadcast_tensors``) becomes a 1-D buffer of its own, the custom op
+    ``lightning_dvi::flat_buffer`` (a copy, opaque to inductor), ``fn`` runs on those and the
+    result takes the shape back. Elsewhere (eager, other devices, an export) it returns
+    ``None`` and the caller computes ``fn(*args)`` itself; the values are the same either way,
+    element by element.
+
+    Why: inductor's C++ code vectorises along the innermost dimension. On the ``[N, 10]``
+    logits of a classifier head each vector op runs 10 of its 16 lanes behind a mask, and
+    inputs that are gathers (the diagonal of a covariance, a label's row) are loaded one
+    element at a time; flattened *within* the fused kernel the index becomes ``i % 10`` and
+    the loop is not vectorised at all. Contiguous buffers of their own make it one
+    full-width loop: :func:`lightning_dvi.likelihoods.functional.softplus_normal_bound` on
+    ``[1401, 10]``, value and gradient, 7.5 ms fused as it is, 1.9 ms on flat buffers
+    (docs/speed_current.md). The copies and a custom op's Python dispatch (about 45 µs a
+    call) are why small tensors keep the fused form.
+    """
+    x = args[0]
+    if (
+        x.dim() < 2
+        or x.numel() < FLAT_BUFFER_NUMEL
+        or x.device.type != "cpu"
+        or not tracing()
+        or torch.compiler.is_exporting()
+    ):
+        return None
+    flat = [torch.ops.lightning_dvi.flat_buffer(a) for a in args]
+    return fn(*flat).view(x.shape)
 
 
 def erfc(x: torch.Tensor) -> torch.Tensor:
