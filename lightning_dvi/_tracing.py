@@ -13,7 +13,7 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["step_trace", "tracing"]
+__all__ = ["step_trace", "tracing", "untraced"]
 
 _STEP_TRACE: ContextVar[bool] = ContextVar("lightning_dvi_step_trace", default=False)
 
@@ -42,3 +42,19 @@ def step_trace() -> Iterator[None]:
         yield
     finally:
         _STEP_TRACE.reset(token)
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Within the block, a whole-step recording records nothing: values are read on the host.
+
+    For facts about the *model*, not the data, that the library reads from tensor values while
+    it builds a step: whether a prior's mean is zero, or which rows and columns a shape op
+    keeps (its index probes). They are the same at every call of a recorded graph, so they are
+    decided while recording, from real values, and enter the graph as constants. Code inside
+    must not compute on the step's inputs. Outside a ``make_fx`` recording it changes nothing.
+    """
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing():
+        yield

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._tracing import _STEP_TRACE, untraced
 from ..gaussian import Gaussian
 from .layers import skip_covariance
 
@@ -147,15 +148,21 @@ def reindex_gaussian(
         return marginals, False
     batch, d = g.shape[:-1], g.shape[-1]
     n = math.prod(batch)
-    rows = torch.arange(n, device=g.device).reshape(*batch, 1).expand(*batch, d)
-    cols = torch.arange(d, device=g.device).expand(*batch, d)
-    r, c = op(rows, *args, **kwargs), op(cols, *args, **kwargs)
-    if r.dim() == 0 or not bool((r == r[..., :1]).all()):
-        return marginals, False
-    if g.cov is None:
-        # Independent units stay independent only if no unit is repeated within a row.
-        distinct = c.shape[-1] <= 1 or bool((c.sort(-1).values.diff(dim=-1) > 0).all())
-        return marginals, distinct
+    if _STEP_TRACE.get() and any(isinstance(a, Tensor) for a in (*args, *kwargs.values())):
+        raise RuntimeError(  # the probes would hold this call's index values in the graph
+            f"reindex_gaussian: {getattr(op, '__name__', op)} with a tensor index cannot be "
+            "recorded as part of a step graph"
+        )
+    with untraced():  # the probes depend on the op and the shape only: host values
+        rows = torch.arange(n, device=g.device).reshape(*batch, 1).expand(*batch, d)
+        cols = torch.arange(d, device=g.device).expand(*batch, d)
+        r, c = op(rows, *args, **kwargs), op(cols, *args, **kwargs)
+        if r.dim() == 0 or not bool((r == r[..., :1]).all()):
+            return marginals, False
+        if g.cov is None:
+            # Independent units stay independent only if no unit is repeated within a row.
+            distinct = c.shape[-1] <= 1 or bool((c.sort(-1).values.diff(dim=-1) > 0).all())
+            return marginals, distinct
     out_d = c.shape[-1]
     cov = g.cov.reshape(n, d, d)[r[..., 0]]
     cov = cov.gather(-2, c.unsqueeze(-1).expand(*c.shape, d))

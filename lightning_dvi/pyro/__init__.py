@@ -10,6 +10,7 @@ log-likelihoods of :mod:`lightning_dvi.likelihoods`; ``PyroBayesNet`` exposes a 
 
 # The moment rules register themselves in the op table of .dispatch on import.
 from . import moment_rules  # noqa: F401  (isort: keep first)
+from .compiled_elbo import CompiledDeterministicELBO
 from .distributions import Categorical, HeteroscedasticGaussian
 from .elbo import DeterministicELBO
 from .guide import DeterministicGuide, init_to_he
@@ -19,6 +20,7 @@ from .validation import ValidationCheckpoint, predictive_log_density, predictive
 
 __all__ = [
     "Categorical",
+    "CompiledDeterministicELBO",
     "DeterministicELBO",
     "DeterministicGuide",
     "HeteroscedasticGaussian",

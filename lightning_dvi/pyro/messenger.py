@@ -26,6 +26,7 @@ from pyro.poutine.messenger import Messenger
 from torch import Tensor
 
 from .. import likelihoods
+from .._tracing import untraced
 from ..likelihoods.functional import normal_expected_log_prob
 from ..priors.functional import gaussian_kl_elementwise, optimal_variance
 from .distributions import (
@@ -130,7 +131,7 @@ class MomentPassMessenger(Messenger):
             )
         p_loc = _plain(base.loc, f"the prior of weight site {name!r} depending on other weights")
         p_var = _plain(base.scale, f"the prior of weight site {name!r} depending on weights") ** 2
-        if self.eb_hyper is not None and not bool((p_loc != 0).any()):
+        if self.eb_hyper is not None and _all_zero(p_loc):
             # Empirical Bayes: the zero-mean prior's variance becomes its closed-form optimum.
             p_var = optimal_variance(q.dvi_mean, q.dvi_var.sqrt(), *self.eb_hyper)
         event_dim = prior.event_dim
@@ -152,6 +153,19 @@ class MomentPassMessenger(Messenger):
             _check_observed(name, fn, value)
         expected = _expected_log_prob(name, fn)
         return _SiteTerm(expected, fn.batch_shape, fn.event_shape)
+
+
+def _all_zero(loc: Tensor | float) -> bool:
+    """Whether a prior's mean is zero everywhere: a property of the model, read on the host.
+
+    The prior's constants are not inputs of a recorded step
+    (:class:`~lightning_dvi.pyro.CompiledDeterministicELBO`), so the answer is read from their
+    values even while the step is being recorded.
+    """
+    if not isinstance(loc, Tensor):
+        return bool(loc == 0)
+    with untraced():
+        return not bool((loc != 0).any())
 
 
 def _check_observed(name: str, fn: Any, value: Any) -> None:

@@ -1,0 +1,329 @@
+r"""CompiledDeterministicELBO: the DVI objective's value and gradient as one compiled graph.
+
+The Pyro counterpart of :class:`lightning_dvi.compile.CompiledStep`, as Pyro's own
+``JitTrace_ELBO`` is of ``Trace_ELBO``: the same objective as
+:class:`~lightning_dvi.pyro.DeterministicELBO`, with the step recorded once per call signature
+and compiled.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import pyro
+import pyro.poutine as poutine
+import torch
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.runtime import _PYRO_STACK
+from pyro.util import warn_if_nan
+from torch import Tensor, nn
+from torch.distributions import transform_to
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .._tracing import step_trace
+from ..compile import StepTraceError, _cache_friendly, _inductor, _StepGradients
+from ..priors import EmpiricalBayes
+from .elbo import DeterministicELBO
+from .guide import DeterministicGuide
+
+__all__ = ["CompiledDeterministicELBO"]
+
+#: Python values a call signature may hold besides tensors (compared by value, baked into a graph).
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+class _ParamValues(Messenger):
+    """Answer ``pyro.param`` statements for the named parameters with the given values.
+
+    ``values`` maps a param-store name to an *unconstrained* tensor; the statement returns
+    ``transform_to(constraint)(value)``, as the param store does for its own tensors. The
+    statement stops here: handlers outside the recording never see a traced value.
+    """
+
+    def __init__(self, values: dict[str, Tensor], constraints: dict[str, Any]) -> None:
+        super().__init__()
+        self.values, self.constraints = values, constraints
+
+    def _pyro_param(self, msg: dict) -> None:
+        name = msg["name"]
+        if name in self.values:
+            msg["value"] = transform_to(self.constraints[name])(self.values[name])
+            msg["done"] = msg["stop"] = True
+
+
+class CompiledDeterministicELBO(DeterministicELBO):
+    r""":class:`~lightning_dvi.pyro.DeterministicELBO` with each step run as one compiled graph.
+
+    The objective is DeterministicELBO's,
+
+    .. math::
+        \text{loss}(\phi) = -\Big(\sum_{\text{obs}} s\,\mathbb E_q\log p(y\mid f)
+            - \sum_{\text{weights}} s\,\mathrm{KL}(q_\phi(w)\,\|\,p(w))\Big),
+
+    and its gradient :math:`\nabla_\phi` loss with respect to the guide's unconstrained
+    parameters :math:`\phi` (the param store's tensors, which the optimiser updates) is computed
+    with it. The first call for a *call signature* (the model and guide, the shape, dtype,
+    stride and device of every tensor argument, the value of every other, the parameters'
+    shapes, and the modules' train/eval flags) runs the eager DeterministicELBO, which sets the
+    guide up and runs every check, and then records the step: the guide's moment pass, the
+    model's moment pass, the expected log-likelihoods, the KL and autograd's backward through
+    them, as **one** aten graph (:func:`torch.fx.experimental.proxy_tensor.make_fx` under
+    :func:`lightning_dvi.moments.policy.step_trace`, with the parameters and tensor arguments
+    as its inputs). Inductor compiles it. Every later call with that signature is one compiled
+    call: no Pyro trace is built and no Python runs per op.
+
+    The returned loss carries the gradients (the node of :class:`lightning_dvi.compile.
+    CompiledStep`), so ``SVI(model, guide, optim, loss=CompiledDeterministicELBO())``, an
+    L-BFGS closure over :meth:`differentiable_loss` and ``loss.backward()`` work as with the
+    eager ELBO, to rounding. Inside an effect handler (``SVI.step``'s parameter capture) every
+    parameter is announced with its ``pyro.param`` statement, as the eager step does.
+
+    What is checked: the first call of a signature runs the eager ELBO, with all its checks
+    (Pyro's site shapes, observed values). Later calls check the loss: when it is not finite
+    the eager ELBO is run on the same arguments, which names the site with a NaN or Inf
+    observation when Pyro's validation is on, and otherwise warns as the eager ELBO does. An
+    index the compiled graph finds out of range (a label) is named the same way.
+
+    Limits, each refused with an error naming it:
+
+    * no random draws: every latent site must be a weight site of the guide (the eager
+      ELBO's one-sample estimate of other latents would replay one draw forever);
+    * parameters must be read through ``pyro.param`` statements (the guide's and
+      ``PyroParam`` attributes of a ``PyroModule`` model are); a tensor that requires
+      gradients read any other way (a plain ``nn.Parameter`` of the model, a ``pyro.module``
+      network) would be baked into the graph as a constant, so it is refused;
+    * Pyro's ``module_local_params`` setting is not supported.
+
+    Arguments other than tensors and plain Python values (``None``, numbers, strings) make a
+    call signature that cannot be compared: such calls run the eager ELBO (with a warning).
+
+    Args:
+        prior: as for :class:`~lightning_dvi.pyro.DeterministicELBO`.
+        max_plate_nesting: as for :class:`~lightning_dvi.pyro.DeterministicELBO`.
+        validate_every_step: as for :class:`~lightning_dvi.pyro.DeterministicELBO` (the
+            eager call of a new signature).
+        compile_mode: :func:`torch.compile`'s own ``mode``.
+        **options: keyword arguments of :func:`torch.compile` (``backend``, ``mode``, ...);
+            with any, the recorded graph is compiled through :func:`torch.compile`, else
+            inductor compiles it directly (no Dynamo frame or guards per call).
+
+    Raises:
+        ValueError: (at the first call) a guide with latent sites it samples.
+        StepTraceError: (at the first call) a step that cannot be recorded as one graph.
+
+    Examples:
+        >>> # svi = SVI(model, DeterministicGuide(model), optim, CompiledDeterministicELBO())
+    """
+
+    def __init__(
+        self,
+        prior: EmpiricalBayes | None = None,
+        max_plate_nesting: float = float("inf"),
+        validate_every_step: bool = False,
+        *,
+        compile_mode: str | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            num_particles=1,
+            prior=prior,
+            max_plate_nesting=max_plate_nesting,
+            validate_every_step=validate_every_step,
+        )
+        if compile_mode is not None:
+            options["mode"] = compile_mode
+        self.options = {"fullgraph": True, "dynamic": False, **options} if options else {}
+        self._graphs: dict[Hashable, _Recorded] = {}
+        self._uncomparable_warned = False
+
+    @property
+    def graphs(self) -> int:
+        """How many call signatures have been recorded and compiled so far."""
+        return len(self._graphs)
+
+    # ------------------------------------------------------------------ the call
+    def differentiable_loss(self, model: Any, guide: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The negative ELBO as a 0-dim tensor whose backward fills the parameters' ``.grad``."""
+        if (
+            not isinstance(guide, DeterministicGuide)
+            or not torch.is_grad_enabled()
+            or guide.prototype_trace is None  # the first call sets the guide (its modules) up
+        ):
+            return super().differentiable_loss(model, guide, *args, **kwargs)
+        if pyro.settings.get("module_local_params"):
+            raise NotImplementedError(
+                "CompiledDeterministicELBO reads the guide's parameters from Pyro's param "
+                "store; with pyro.settings module_local_params=True use DeterministicELBO"
+            )
+        leaves, spec = tree_flatten((args, kwargs))
+        key = self._key(model, guide, leaves, spec)
+        if key is None:
+            return super().differentiable_loss(model, guide, *args, **kwargs)
+        store = dict(pyro.get_param_store().named_parameters())
+        recorded = self._graphs.get(key)
+        params = None if recorded is None else recorded.current(store)
+        if recorded is None or params is None:
+            # the eager step sets the guide up, checks, and names the parameters it reads
+            with poutine.trace(param_only=True) as trace:
+                loss = super().differentiable_loss(model, guide, *args, **kwargs)
+            names = [name for name, site in trace.trace.nodes.items() if site["type"] == "param"]
+            self._graphs[key] = self._record(model, guide, names, leaves, spec)
+            return loss
+        return self._compiled_loss(recorded, params, model, guide, leaves, args, kwargs)
+
+    def _key(self, model: Any, guide: Any, leaves: list[Any], spec: Any) -> Hashable | None:
+        """The call signature, or ``None`` (with a warning, once) when it cannot be compared."""
+        sig: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, Tensor):
+                sig.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+            elif type(leaf) in _CONSTANTS:
+                sig.append((type(leaf), leaf))
+            else:
+                if not self._uncomparable_warned:
+                    self._uncomparable_warned = True
+                    warnings.warn(
+                        f"CompiledDeterministicELBO: an argument of type {type(leaf).__name__} "
+                        "cannot be part of a compiled call signature; these calls run the eager "
+                        "DeterministicELBO (pass tensors and plain Python values to compile)",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+                return None
+        flags = tuple(
+            m.training for owner in (model, guide) if isinstance(owner, nn.Module)
+            for m in owner.modules()
+        )  # fmt: skip
+        return (id(model), id(guide), str(spec), tuple(sig), flags)
+
+    def _compiled_loss(
+        self,
+        recorded: _Recorded,
+        params: list[Tensor],
+        model: Any,
+        guide: Any,
+        leaves: list[Any],
+        args: tuple,
+        kwargs: dict,
+    ) -> Tensor:
+        tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+        try:
+            with torch.no_grad():
+                loss, *grads = recorded.fn(*params, *tensors)
+        except RuntimeError:  # e.g. inductor's bounds check on an out-of-range label
+            with torch.no_grad():
+                super().differentiable_loss(model, guide, *args, **kwargs)  # names the cause
+            raise
+        if _PYRO_STACK:  # announce the parameters to the handlers (SVI's parameter capture)
+            for name in recorded.names:
+                pyro.param(name)
+        if not math.isfinite(float(loss)):
+            with torch.no_grad():  # validation on: raises, naming the site; off: warns
+                super().differentiable_loss(model, guide, *args, **kwargs)
+            warn_if_nan(loss, "loss")
+        wanted = [p for p, w in zip(params, recorded.wanted, strict=True) if w]
+        it = iter(grads)
+        full = tuple(next(it) if used else None for used in recorded.used)
+        out: Tensor = _StepGradients.apply(loss, full, *wanted)
+        return out
+
+    # ------------------------------------------------------------------ recording
+    def _record(
+        self, model: Any, guide: DeterministicGuide, names: list[str], leaves: list[Any], spec: Any
+    ) -> _Recorded:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        guide_sites = guide.prototype_trace.iter_stochastic_nodes() if guide.prototype_trace else ()
+        sampled = sorted(name for name, _ in guide_sites if name not in guide.weight_sites)
+        if sampled:
+            raise ValueError(
+                f"CompiledDeterministicELBO records a step without random draws, but the guide "
+                f"samples the latent sites {sampled}; use DeterministicELBO"
+            )
+        store = pyro.get_param_store()
+        # the store's own table (get_state() would also strip the live parameters' weakrefs)
+        constraints = {name: store._constraints[name] for name in names}
+        current = dict(store.named_parameters())
+        params = [current[name] for name in names]
+        wanted = [p.requires_grad for p in params]
+        tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        used: list[bool] = []
+
+        def step(*inputs: Tensor) -> tuple[Tensor, ...]:
+            values, tensors = inputs[: len(names)], inputs[len(names) :]
+            call = list(leaves)
+            for i, t in zip(tensor_at, tensors, strict=True):
+                call[i] = t
+            args, kwargs = tree_unflatten(call, spec)
+            with (
+                _ParamValues(dict(zip(names, values, strict=True)), constraints),
+                pyro.validation_enabled(False),
+            ):
+                loss = DeterministicELBO._particle_loss(self, model, guide, args, kwargs)
+            leaves_ = [v for v, w in zip(values, wanted, strict=True) if w]
+            grads = torch.autograd.grad(loss, leaves_, allow_unused=True)
+            used[:] = [g is not None for g in grads]
+            return (loss.detach(), *(g for g in grads if g is not None))
+
+        inputs = [p.detach().requires_grad_(w) for p, w in zip(params, wanted, strict=True)]
+        tensors = [leaves[i] for i in tensor_at]
+        try:
+            with step_trace(), torch.enable_grad():
+                graph = make_fx(step)(*inputs, *tensors)
+        except RuntimeError as err:
+            raise StepTraceError(
+                f"the DeterministicELBO step could not be recorded as one graph "
+                f"({type(err).__name__}: {err}); use DeterministicELBO"
+            ) from err
+        _refuse_trainable_constants(graph)
+        fn: Callable[..., Any]
+        if self.options:
+            fn = torch.compile(graph, **_cache_friendly(self.options))
+        else:
+            fn = _inductor(graph, [*params, *tensors])
+        return _Recorded(fn, names, params, used)
+
+
+class _Recorded:
+    """One compiled step: the function, the parameters it takes, and which gradients it returns.
+
+    ``wanted``: which parameters take gradients; ``used``: which of those the step reaches.
+    """
+
+    def __init__(
+        self, fn: Callable[..., Any], names: list[str], params: list[Tensor], used: list[bool]
+    ) -> None:
+        self.fn, self.names, self.used = fn, names, used
+        self.wanted = [p.requires_grad for p in params]
+        self._meta = [_meta(p) for p in params]
+
+    def current(self, store: dict[str, Tensor]) -> list[Tensor] | None:
+        """The param store's tensors for this graph, or ``None`` if one is gone or changed."""
+        params = [store.get(name) for name in self.names]
+        if any(p is None or _meta(p) != m for p, m in zip(params, self._meta, strict=True)):
+            return None
+        return params  # type: ignore[return-value]  # no None left
+
+
+def _meta(t: Tensor) -> tuple[Any, ...]:
+    """What a graph input's tensor must keep: shape, stride, dtype, device, requires_grad."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _refuse_trainable_constants(graph: torch.fx.GraphModule) -> None:
+    """Refuse a graph that baked in a tensor requiring gradients (a parameter read directly)."""
+    for node in graph.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(graph, node.target)
+            if isinstance(value, Tensor) and (
+                value.requires_grad or isinstance(value, nn.Parameter)
+            ):
+                raise StepTraceError(
+                    f"the model reads a tensor of shape {tuple(value.shape)} that requires "
+                    "gradients without a pyro.param statement (a plain nn.Parameter or a "
+                    "pyro.module network): the recorded step would hold it as a constant and "
+                    "never train it. Declare it as a PyroParam, or use DeterministicELBO"
+                )
