@@ -13,7 +13,7 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["step_trace", "tracing", "untraced"]
+__all__ = ["recording", "step_trace", "tracing", "untraced"]
 
 _STEP_TRACE: ContextVar[bool] = ContextVar("lightning_dvi_step_trace", default=False)
 
@@ -42,6 +42,11 @@ def step_trace() -> Iterator[None]:
         yield
     finally:
         _STEP_TRACE.reset(token)
+
+
+def recording() -> bool:
+    """Whether :func:`step_trace` is on: a whole step is being recorded (``make_fx``)."""
+    return _STEP_TRACE.get()
 
 
 @contextlib.contextmanager

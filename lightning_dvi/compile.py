@@ -284,7 +284,8 @@ def _inductor(graph: torch.fx.GraphModule, args: list[Tensor]) -> Callable[..., 
     chains (a categorical objective's series, Newton steps and their backward) that the
     default threshold recomputed: the Pyro digits classifier's step took 11.1 ms at the default
     and 8.5 ms at 1, while the regression steps of the speed benchmark's cost table did not move
-    (docs/speed_current.md).
+    (docs/speed_current.md). With ``fallback_random``, a random op of the graph (a Pyro guide's
+    one-sample latent) draws from torch's generator through ATen, as the eager step does.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -293,7 +294,7 @@ def _inductor(graph: torch.fx.GraphModule, args: list[Tensor]) -> Callable[..., 
     fake: list[Any] = [mode.from_tensor(a.detach(), static_shapes=True) for a in args]
     with (
         torch.no_grad(),  # an inference graph: the recorded step is already differentiated
-        torch._inductor.config.patch(realize_reads_threshold=1),
+        torch._inductor.config.patch(realize_reads_threshold=1, fallback_random=True),
     ):
         compiled: Callable[..., Any] = torch._inductor.compile(graph, fake)
     return compiled

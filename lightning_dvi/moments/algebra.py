@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._tracing import _STEP_TRACE, untraced
+from .._tracing import recording, untraced
 from ..gaussian import Gaussian
 from .layers import skip_covariance
 
@@ -148,7 +148,7 @@ def reindex_gaussian(
         return marginals, False
     batch, d = g.shape[:-1], g.shape[-1]
     n = math.prod(batch)
-    if _STEP_TRACE.get() and any(isinstance(a, Tensor) for a in (*args, *kwargs.values())):
+    if recording() and any(isinstance(a, Tensor) for a in (*args, *kwargs.values())):
         raise RuntimeError(  # the probes would hold this call's index values in the graph
             f"reindex_gaussian: {getattr(op, '__name__', op)} with a tensor index cannot be "
             "recorded as part of a step graph"

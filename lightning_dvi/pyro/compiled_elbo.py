@@ -87,10 +87,14 @@ class CompiledDeterministicELBO(DeterministicELBO):
     observation when Pyro's validation is on, and otherwise warns as the eager ELBO does. An
     index the compiled graph finds out of range (a label) is named the same way.
 
+    Latents that are not weight sites (a noise scale with a Uniform or HalfNormal prior) are
+    estimated by one reparameterised draw per step, as by the eager ELBO: the random op is part
+    of the graph and draws from torch's generator at every call (inductor runs it through ATen,
+    so from the same generator state a compiled and an eager step draw the same numbers; the
+    recording itself consumes one draw).
+
     Limits, each refused with an error naming it:
 
-    * no random draws: every latent site must be a weight site of the guide (the eager
-      ELBO's one-sample estimate of other latents would replay one draw forever);
     * parameters must be read through ``pyro.param`` statements (the guide's and
       ``PyroParam`` attributes of a ``PyroModule`` model are); a tensor that requires
       gradients read any other way (a plain ``nn.Parameter`` of the model, a ``pyro.module``
@@ -111,8 +115,9 @@ class CompiledDeterministicELBO(DeterministicELBO):
             inductor compiles it directly (no Dynamo frame or guards per call).
 
     Raises:
-        ValueError: (at the first call) a guide with latent sites it samples.
-        StepTraceError: (at the first call) a step that cannot be recorded as one graph.
+        StepTraceError: (at the call that records) a step that cannot be recorded as one
+            graph, or a model reading a trainable tensor without a ``pyro.param`` statement.
+        NotImplementedError: with Pyro's ``module_local_params`` setting on.
 
     Examples:
         >>> # svi = SVI(model, DeterministicGuide(model), optim, CompiledDeterministicELBO())
@@ -236,13 +241,6 @@ class CompiledDeterministicELBO(DeterministicELBO):
     ) -> _Recorded:
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        guide_sites = guide.prototype_trace.iter_stochastic_nodes() if guide.prototype_trace else ()
-        sampled = sorted(name for name, _ in guide_sites if name not in guide.weight_sites)
-        if sampled:
-            raise ValueError(
-                f"CompiledDeterministicELBO records a step without random draws, but the guide "
-                f"samples the latent sites {sampled}; use DeterministicELBO"
-            )
         store = pyro.get_param_store()
         # the store's own table (get_state() would also strip the live parameters' weakrefs)
         constraints = {name: store._constraints[name] for name in names}

@@ -26,7 +26,7 @@ from pyro.poutine.messenger import Messenger
 from torch import Tensor
 
 from .. import likelihoods
-from .._tracing import untraced
+from .._tracing import recording, untraced
 from ..likelihoods.functional import normal_expected_log_prob
 from ..priors.functional import gaussian_kl_elementwise, optimal_variance
 from .distributions import (
@@ -111,7 +111,10 @@ class MomentPassMessenger(Messenger):
                 msg["fn"] = term
         elif carries_moments(msg["fn"]):
             raise unsupported(f"latent site {name!r}, whose prior depends on network weights")
-        elif isinstance(msg["value"], Tensor):  # a replayed one-sample latent
+        elif isinstance(msg["value"], Tensor) and not recording():  # a replayed sample
+            # The marker refuses a sampled latent as a layer's weight. A step is recorded
+            # (CompiledDeterministicELBO) only after the eager step with the same signature
+            # passed that check, and make_fx's tracing refuses tensor subclasses.
             msg["value"] = msg["value"].as_subclass(SampledTensor)
 
     # ------------------------------------------------------------------ weight sites
