@@ -20,7 +20,7 @@ from lightning_dvi.likelihoods import Categorical, HeteroscedasticGaussian, Homo
 from lightning_dvi.nn import mlp
 from lightning_dvi.objective import elbo
 from lightning_dvi.priors import EmpiricalBayes, GaussianPrior
-from tests.helpers import cpu_trainer
+from tests.helpers import cpu_trainer, load_recipe
 
 FAST = {"backend": "eager"}
 
@@ -343,3 +343,15 @@ def test_convolutions_normalisations_and_attention_record_as_one_graph(kind):
     rtol = 1e-6 if kind == "converted" else 1e-9
     for g, w in zip(_grads(net), want, strict=False):
         torch.testing.assert_close(g, w, rtol=rtol, atol=1e-12)
+
+
+def test_traced_objective_recipe_times_the_compiled_objective_against_eager():
+    """recipes/traced_objective.py (docs/speed_current.md's objective table) on a small head."""
+    recipe = load_recipe("traced_objective")
+    results = recipe.main(
+        ["--rows", "120", "--methods", "softplus,series", "--calls", "1", "--repeats", "1"]
+    )
+    assert set(results) == {"softplus", "series"}
+    for r in results.values():
+        assert r["eager_ms"] > 0 and r["compiled_ms"] > 0 and r["compile_s"] > 0
+        assert r["value_rel_diff"] < 1e-6  # the compiled graph computes the eager values
