@@ -214,9 +214,24 @@ def test_a_new_python_argument_records_a_new_graph():
     guide = DeterministicGuide(model)
     elbo = CompiledDeterministicELBO(**FAST)
     for scale in (0.5, 0.5, 2.0, 2.0):
-        got = float(elbo.differentiable_loss(model, guide, x, y, scale=scale))
-        assert got == pytest.approx(DeterministicELBO().loss(model, guide, x, y, scale=scale))
+        got = elbo.differentiable_loss(model, guide, x, y, scale=scale).detach()
+        assert float(got) == pytest.approx(
+            DeterministicELBO().loss(model, guide, x, y, scale=scale)
+        )
     assert elbo.graphs == 2
+    with pytest.warns(UserWarning, match="recorded and compiled 8 call signatures"):
+        for scale in (3.0, 4.0, 5.0, 6.0, 7.0, 8.0):  # a value that changes at every call
+            elbo.differentiable_loss(model, guide, x, y, scale=scale)
+    # with Pyro's validation off a NaN observation is not named: the call warns and returns
+    # the eager step's NaN loss, as DeterministicELBO does
+    bad = y.clone()
+    bad[0] = float("nan")
+    with pyro.validation_enabled(False):
+        elbo.differentiable_loss(model, guide, x, y)  # records this signature
+        graphs = elbo.graphs
+        with pytest.warns(UserWarning, match="Encountered NaN"):
+            loss = elbo.differentiable_loss(model, guide, x, bad)
+    assert loss.isnan() and loss.requires_grad and elbo.graphs == graphs
 
 
 def test_what_cannot_be_recorded_is_refused_by_name():

@@ -308,9 +308,10 @@ def flat_elementwise(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> to
     element at a time; flattened *within* the fused kernel the index becomes ``i % 10`` and
     the loop is not vectorised at all. Contiguous buffers of their own make it one
     full-width loop: :func:`lightning_dvi.likelihoods.functional.softplus_normal_bound` on
-    ``[1401, 10]``, value and gradient, 7.5 ms fused as it is, 1.9 ms on flat buffers
-    (docs/speed_current.md). The copies and a custom op's Python dispatch (about 45 µs a
-    call) are why small tensors keep the fused form.
+    ``[1401, 10]``, value and gradient compiled, took 8.3 ms before and 1.3 ms after this and
+    the opaque :func:`erfc` (``recipes/traced_objective.py``, docs/speed_current.md). The
+    copies and a custom op's Python dispatch (about 45 µs a call) are why small tensors keep
+    the fused form.
     """
     x = args[0]
     if (

@@ -18,7 +18,6 @@ import pyro.poutine as poutine
 import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
-from pyro.util import warn_if_nan
 from torch import Tensor, nn
 from torch.distributions import transform_to
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -33,6 +32,9 @@ __all__ = ["CompiledDeterministicELBO"]
 
 #: Python values a call signature may hold besides tensors (compared by value, baked into a graph).
 _CONSTANTS = (type(None), bool, int, float, str)
+
+#: At this many recorded signatures a CompiledDeterministicELBO warns (once) about recompiles.
+_MANY_GRAPHS = 8
 
 
 class _ParamValues(Messenger):
@@ -83,9 +85,11 @@ class CompiledDeterministicELBO(DeterministicELBO):
 
     What is checked: the first call of a signature runs the eager ELBO, with all its checks
     (Pyro's site shapes, observed values). Later calls check the loss: when it is not finite
-    the eager ELBO is run on the same arguments, which names the site with a NaN or Inf
-    observation when Pyro's validation is on, and otherwise warns as the eager ELBO does. An
-    index the compiled graph finds out of range (a label) is named the same way.
+    the call returns the eager ELBO's result on the same arguments, which raises naming the
+    site with a NaN or Inf observation when Pyro's validation is on, and otherwise warns as
+    the eager ELBO does. An index the compiled graph finds out of range (a label) is named the
+    same way. Each new signature costs a compile; at 8 of them a warning
+    says so.
 
     Latents that are not weight sites (a noise scale with a Uniform or HalfNormal prior) are
     estimated by one reparameterised draw per step, as by the eager ELBO: the random op is part
@@ -176,6 +180,15 @@ class CompiledDeterministicELBO(DeterministicELBO):
                 loss = super().differentiable_loss(model, guide, *args, **kwargs)
             names = [name for name, site in trace.trace.nodes.items() if site["type"] == "param"]
             self._graphs[key] = self._record(model, guide, names, leaves, spec)
+            if len(self._graphs) == _MANY_GRAPHS:
+                warnings.warn(
+                    f"CompiledDeterministicELBO has recorded and compiled {_MANY_GRAPHS} call "
+                    "signatures, each at the cost of a compile: the model, the guide or the "
+                    "shapes of the arguments change from call to call (pad batches to one "
+                    "size, or use DeterministicELBO)",
+                    UserWarning,
+                    stacklevel=2,
+                )
             return loss
         return self._compiled_loss(recorded, params, model, guide, leaves, args, kwargs)
 
@@ -225,10 +238,8 @@ class CompiledDeterministicELBO(DeterministicELBO):
         if _PYRO_STACK:  # announce the parameters to the handlers (SVI's parameter capture)
             for name in recorded.names:
                 pyro.param(name)
-        if not math.isfinite(float(loss)):
-            with torch.no_grad():  # validation on: raises, naming the site; off: warns
-                super().differentiable_loss(model, guide, *args, **kwargs)
-            warn_if_nan(loss, "loss")
+        if not math.isfinite(float(loss)):  # the eager step: with validation on it raises,
+            return super().differentiable_loss(model, guide, *args, **kwargs)  # naming the site
         wanted = [p for p, w in zip(params, recorded.wanted, strict=True) if w]
         it = iter(grads)
         full = tuple(next(it) if used else None for used in recorded.used)
