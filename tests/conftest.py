@@ -31,6 +31,7 @@ LONG_FIRST = (
     "tests/test_docs_examples.py::test_documented_example_runs[docs/byo_network.md:69]",
     "tests/test_tables.py::test_ddp_predict_writes_one_file",
     "tests/test_docs_examples.py::test_documented_example_runs[docs/pyro.md:7]",
+    "tests/test_docs_examples.py::test_documented_example_runs[docs/pyro.md:126]",
     "tests/test_compile_step.py::test_compiled_elbo_matches_eager_values_and_gradients",
     "tests/test_ddp.py::test_two_process_ddp_matches_one_process[cold]",
     "tests/test_docs_examples.py::test_documented_example_runs[docs/lightning.md:453]",
