@@ -355,3 +355,11 @@ def test_traced_objective_recipe_times_the_compiled_objective_against_eager():
     for r in results.values():
         assert r["eager_ms"] > 0 and r["compiled_ms"] > 0 and r["compile_s"] > 0
         assert r["value_rel_diff"] < 1e-6  # the compiled graph computes the eager values
+
+
+def test_classifier_step_recipe_times_eager_and_compiled_steps():
+    """recipes/classifier_step.py (docs/speed_current.md), on a small budget."""
+    recipe = load_recipe("classifier_step")
+    out = recipe.main(["--batch", "32", "--warmup", "2", "--rounds", "2", "--backend", "eager"])
+    assert set(out) == {"compile_s", "eager_ms", "compiled_ms"}
+    assert all(v > 0 for v in out.values())
