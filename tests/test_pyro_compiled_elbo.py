@@ -140,6 +140,60 @@ def test_a_sampled_noise_latent_draws_anew_at_every_call_as_the_eager_step_draws
     assert compiled.graphs == 1
 
 
+class Subsampled(Net):
+    """Mini-batches drawn inside the model: a random index per step, as in Pyro's tutorials."""
+
+    def __init__(self) -> None:
+        super().__init__(d_out=1)
+
+    def forward(self, x, y=None):  # type: ignore[override]
+        idx = torch.randperm(x.shape[0])[:8]
+        mean = super().forward(x[idx]).squeeze(-1)
+        with pyro.plate("data", x.shape[0], subsample=idx):
+            pyro.sample("obs", dist.Normal(mean, 0.5), obs=None if y is None else y[idx])
+
+
+class Declared(PyroModule):
+    """A declared network in a Pyro model (PyroBayesNet): the guide's moments are substituted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_dvi.nn import mlp
+        from lightning_dvi.pyro import PyroBayesNet
+
+        self.net = PyroBayesNet(mlp(3, [6], 1))
+
+    def forward(self, x, y=None):
+        mean = self.net(x).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, 0.5), obs=y)
+
+
+@pytest.mark.parametrize(("kind", "mode"), [("subsampled", "diag"), ("declared", "diag"),
+                                            ("declared", "full")])  # fmt: skip
+def test_subsampling_models_and_declared_networks_record_as_the_eager_step(kind, mode):
+    x, y = _data("regression")
+    model = Subsampled() if kind == "subsampled" else Declared()
+    guide = DeterministicGuide(model, mode=mode)
+    eager, compiled = DeterministicELBO(), CompiledDeterministicELBO(**FAST)
+    for _ in range(2):  # sets the guide up; records
+        compiled.differentiable_loss(model, guide, x, y)
+    params = [p for _, p in pyro.get_param_store().named_parameters()]
+    for seed in (1, 2):
+        got = []
+        for elbo in (eager, compiled):
+            for p in params:
+                p.grad = None
+            pyro.set_rng_seed(seed)  # the same mini-batch for both
+            loss = elbo.differentiable_loss(model, guide, x, y)
+            loss.backward()
+            got.append((float(loss), [p.grad.clone() for p in params]))
+        assert got[1][0] == pytest.approx(got[0][0], rel=1e-12)
+        for g, w in zip(got[1][1], got[0][1], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert compiled.graphs == 1
+
+
 def test_an_lbfgs_closure_and_a_new_batch_size():
     x, y = _data("classifier", rows=40)
     model = Classifier()

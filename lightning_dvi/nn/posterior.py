@@ -176,8 +176,12 @@ class PosteriorContext:
 
 
 def _active() -> Iterator[PosteriorContext]:
-    # Not consulted while torch.compile traces: the compiler deduplicates the scale ops itself,
-    # and a substitution is a front-end's eager pass.
+    """The open blocks, innermost first, as far as their scale caches go.
+
+    None while a graph is traced: the compiler deduplicates the scale ops itself, and a cache
+    of eager tensors must not leak into a graph. Substitutions are read by
+    :func:`substituted`.
+    """
     if policy.tracing():
         return iter(())
     return reversed(_STACK)
@@ -355,8 +359,16 @@ def cached_scale(
 
 
 def substituted(layer: nn.Module) -> GroupMoments | None:
-    """The innermost active substitution of ``layer``'s weights, or ``None``."""
-    for ctx in _active():
+    """The innermost active substitution of ``layer``'s weights, or ``None``.
+
+    Read while a whole step is recorded too (:class:`~lightning_dvi.pyro.
+    CompiledDeterministicELBO` records a :class:`~lightning_dvi.pyro.PyroBayesNet`, whose
+    weights are the guide's moments: without them the recording would take the network's own
+    posterior). Not under ``torch.compile``'s Dynamo, which never runs inside one.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    for ctx in reversed(_STACK):
         given = ctx.weights.get(layer)
         if given is not None:
             return given

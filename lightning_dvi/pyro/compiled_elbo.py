@@ -323,7 +323,14 @@ def _meta(t: Tensor) -> tuple[Any, ...]:
 
 
 def _refuse_trainable_constants(graph: torch.fx.GraphModule) -> None:
-    """Refuse a graph that baked in a tensor requiring gradients (a parameter read directly)."""
+    """Refuse a graph whose results depend on a tensor requiring gradients held as a constant.
+
+    Dead code goes first (inductor would drop it too): a declared network's own posterior
+    scales, computed but unused while a :class:`~lightning_dvi.pyro.PyroBayesNet` takes the
+    guide's moments, are no reason to refuse.
+    """
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
     for node in graph.graph.nodes:
         if node.op == "get_attr":
             value = getattr(graph, node.target)
