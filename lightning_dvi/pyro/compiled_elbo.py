@@ -67,15 +67,16 @@ class CompiledDeterministicELBO(DeterministicELBO):
 
     and its gradient :math:`\nabla_\phi` loss with respect to the guide's unconstrained
     parameters :math:`\phi` (the param store's tensors, which the optimiser updates) is computed
-    with it. The first call for a *call signature* (the model and guide, the shape, dtype,
-    stride and device of every tensor argument, the value of every other, the parameters'
-    shapes, and the modules' train/eval flags) runs the eager DeterministicELBO, which sets the
-    guide up and runs every check, and then records the step: the guide's moment pass, the
+    with it. The guide's first call sets it up, eagerly. After that, the first call of each
+    *call signature* (the model and guide, the shape, dtype, stride and device of every tensor
+    argument, the value of every other, and the modules' train/eval flags) runs the eager
+    DeterministicELBO with every check and then records the step: the guide's moment pass, the
     model's moment pass, the expected log-likelihoods, the KL and autograd's backward through
     them, as **one** aten graph (:func:`torch.fx.experimental.proxy_tensor.make_fx` under
     :func:`lightning_dvi.moments.policy.step_trace`, with the parameters and tensor arguments
     as its inputs). Inductor compiles it. Every later call with that signature is one compiled
-    call: no Pyro trace is built and no Python runs per op.
+    call: no Pyro trace is built and no Python runs per op. A parameter that changed shape,
+    dtype, device or ``requires_grad`` (or left the param store) makes the call record anew.
 
     The returned loss carries the gradients (the node of :class:`lightning_dvi.compile.
     CompiledStep`), so ``SVI(model, guide, optim, loss=CompiledDeterministicELBO())``, an
@@ -88,8 +89,7 @@ class CompiledDeterministicELBO(DeterministicELBO):
     the call returns the eager ELBO's result on the same arguments, which raises naming the
     site with a NaN or Inf observation when Pyro's validation is on, and otherwise warns as
     the eager ELBO does. An index the compiled graph finds out of range (a label) is named the
-    same way. Each new signature costs a compile; at 8 of them a warning
-    says so.
+    same way. Each new signature costs a compile; at 8 of them a warning says so.
 
     Latents that are not weight sites (a noise scale with a Uniform or HalfNormal prior) are
     estimated by one reparameterised draw per step, as by the eager ELBO: the random op is part
@@ -107,6 +107,9 @@ class CompiledDeterministicELBO(DeterministicELBO):
 
     Arguments other than tensors and plain Python values (``None``, numbers, strings) make a
     call signature that cannot be compared: such calls run the eager ELBO (with a warning).
+
+    One particle: the weights' part of the objective is exact, and a non-weight latent takes
+    one draw per step (``DeterministicELBO(num_particles=...)`` averages several).
 
     Args:
         prior: as for :class:`~lightning_dvi.pyro.DeterministicELBO`.
