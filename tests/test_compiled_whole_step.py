@@ -252,6 +252,34 @@ def test_a_traced_elementwise_bound_runs_on_flat_buffers_with_the_same_values_an
     assert policy.flat_elementwise(softplus_normal_bound, mean, var) is None  # eager: None
 
 
+def test_the_traced_bouchard_shift_runs_classes_first_with_the_eager_root():
+    """While traced on a CPU the shift's Newton steps run on [K, N] copies: the same root."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lightning_dvi.likelihoods import logistic_normal as ln
+    from lightning_dvi.moments import policy
+
+    gen = torch.Generator().manual_seed(3)
+    rows = policy.FLAT_BUFFER_NUMEL // 10 + 1
+    mean = 8 * torch.randn(rows, 10, generator=gen, dtype=torch.float64)
+    var = 5 * torch.rand(rows, 10, generator=gen, dtype=torch.float64)
+
+    def shift_and_grad(m, v):
+        c = ln._bouchard_shift(m, v)
+        return (c, *torch.autograd.grad(c.sum(), [m, v]))
+
+    leaves = [mean.clone().requires_grad_(), var.clone().requires_grad_()]
+    eager = shift_and_grad(*leaves)
+    with policy.step_trace(), torch.enable_grad():
+        graph = make_fx(shift_and_grad)(*leaves)
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets.count("lightning_dvi.flat_buffer.default") == 2  # mean and var, [K, N]
+    # the eager steps stop at their fixed point, the traced ones run all 16: the same root
+    for got, want in zip(graph(mean, var), eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert policy.classes_first(mean) is None  # eager: the rows as they are
+
+
 def test_the_traced_float32_relu_moments_match_the_eager_ones():
     """While traced on a CPU, float32 takes the all-float32 (Dekker) path for phi(a)."""
     from lightning_dvi.moments import policy

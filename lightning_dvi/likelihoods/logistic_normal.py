@@ -556,34 +556,14 @@ def _bouchard_shift(mean: Tensor, var: Tensor) -> Tensor:
     gradient is the derivative of its value.
     """
     with torch.no_grad():
+        # the Newton steps run on the rows as they are (dim=-1) or, while traced on a CPU, on a
+        # classes-first copy (dim=0; policy.classes_first): the same arithmetic, row by row
+        rows, var_rows = policy.classes_first(mean.detach()), policy.classes_first(var.detach())
+        if rows is None or var_rows is None:
+            c = _shift_newton(mean, var, -1)
+        else:
+            c = _shift_newton(rows, var_rows, 0).mT
         kappa = torch.rsqrt(1 + _PROBIT * var)
-        hi = (mean + math.log(mean.shape[-1]) / kappa).amax(-1, keepdim=True)
-        # the second largest m_k (topk(2) on a short last dimension costs twice this on CPU)
-        top = mean.argmax(-1, keepdim=True)
-        lo = mean.scatter(-1, top, float("-inf")).amax(-1, keepdim=True)
-        c = hi
-        # On CPU (outside tracing) stop once no row moves by more than a few ulps: Newton
-        # converges quadratically, so the last step left c at its fixed point to round-off and
-        # further steps only oscillate in the last bits. Elsewhere the fixed count (no host
-        # synchronisation, no data-dependent control flow under torch.compile / export).
-        early = mean.device.type == "cpu" and not _tracing()
-        eps = _SHIFT_TOL * torch.finfo(mean.dtype).eps
-        for _ in range(_SHIFT_STEPS):
-            # in [lo, hi] the sum of the sigmoids is at least 1/(K + 1) (at hi, every z_k is at
-            # most -log K, one equal), so it is summed as it is, with z clamped to +-_SHIFT_Z
-            # (beyond, sigmoid is 0 or 1 to every precision, and takes a slow path on CPU)
-            z = ((mean - c) * kappa).clamp(-_SHIFT_Z, _SHIFT_Z)
-            sig = torch.sigmoid(z)
-            total = sig.sum(-1, keepdim=True)
-            h = total.log()
-            slope = -(sig * kappa * torch.sigmoid(-z)).sum(-1, keepdim=True) / total
-            hi = torch.where(h <= 0, c, hi)
-            lo = torch.where(h > 0, c, lo)
-            step = c - h / slope.clamp_max(-torch.finfo(mean.dtype).tiny)
-            previous = c
-            c = torch.where((step >= lo) & (step <= hi), step, 0.5 * (lo + hi))
-            if early and not bool(((c - previous).abs() > eps * (1 + c.abs())).any()):
-                break
         # log sigma(z) + log sigma(-z) = -|z| - 2 log(1 + e^{-|z|}) (log1p and logsigmoid take
         # slow paths on CPU for large |z|; log(1 + u) is within an ulp of 1 of log1p(u) here)
         gap = mean - c
@@ -594,6 +574,43 @@ def _bouchard_shift(mean: Tensor, var: Tensor) -> Tensor:
         return c
     moved = (mean - mean.detach()) + var_coef * (var - var.detach())  # zero, with gradient
     return c + (weight * moved).sum(-1, keepdim=True)
+
+
+def _shift_newton(mean: Tensor, var: Tensor, dim: int) -> Tensor:
+    """:func:`_bouchard_shift`'s root :math:`c` by safeguarded Newton steps, per row along ``dim``.
+
+    ``dim=-1`` for ``[..., K]`` rows (the result ``[..., 1]``), ``dim=0`` for a classes-first
+    ``[K, N]`` copy (the result ``[1, N]``). No gradient.
+    """
+    kappa = torch.rsqrt(1 + _PROBIT * var)
+    hi = (mean + math.log(mean.shape[dim]) / kappa).amax(dim, keepdim=True)
+    # the second largest m_k (topk(2) on a short last dimension costs twice this on CPU)
+    top = mean.argmax(dim, keepdim=True)
+    lo = mean.scatter(dim, top, float("-inf")).amax(dim, keepdim=True)
+    c = hi
+    # On CPU (outside tracing) stop once no row moves by more than a few ulps: Newton converges
+    # quadratically, so the last step left c at its fixed point to round-off and further steps
+    # only oscillate in the last bits. Elsewhere the fixed count (no host synchronisation, no
+    # data-dependent control flow under torch.compile / export).
+    early = mean.device.type == "cpu" and not _tracing()
+    eps = _SHIFT_TOL * torch.finfo(mean.dtype).eps
+    for _ in range(_SHIFT_STEPS):
+        # in [lo, hi] the sum of the sigmoids is at least 1/(K + 1) (at hi, every z_k is at
+        # most -log K, one equal), so it is summed as it is, with z clamped to +-_SHIFT_Z
+        # (beyond, sigmoid is 0 or 1 to every precision, and takes a slow path on CPU)
+        z = ((mean - c) * kappa).clamp(-_SHIFT_Z, _SHIFT_Z)
+        sig = torch.sigmoid(z)
+        total = sig.sum(dim, keepdim=True)
+        h = total.log()
+        slope = -(sig * kappa * torch.sigmoid(-z)).sum(dim, keepdim=True) / total
+        hi = torch.where(h <= 0, c, hi)
+        lo = torch.where(h > 0, c, lo)
+        step = c - h / slope.clamp_max(-torch.finfo(mean.dtype).tiny)
+        previous = c
+        c = torch.where((step >= lo) & (step <= hi), step, 0.5 * (lo + hi))
+        if early and not bool(((c - previous).abs() > eps * (1 + c.abs())).any()):
+            break
+    return c
 
 
 def _bouchard(mean: Tensor, var: Tensor) -> Tensor:
