@@ -338,7 +338,7 @@ def classes_first(x: torch.Tensor) -> torch.Tensor | None:
     ``None``: the caller reduces over ``dim=-1``. The same arithmetic either way, row by row.
     Used by the Bouchard shift's Newton steps
     (:func:`lightning_dvi.likelihoods.functional.categorical_tight_expected_log_prob`): the
-    compiled objective on ``[1401, 10]``, 5.6 → 5.0 ms (docs/speed_current.md).
+    compiled objective on ``[1401, 10]``, 5.6 → 5.2 ms (docs/speed_current.md).
     """
     if (
         x.dim() != 2
