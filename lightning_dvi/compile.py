@@ -314,6 +314,62 @@ class StepTraceError(RuntimeError):
     """The step could not be recorded as one graph (a layer reads tensor values in Python)."""
 
 
+# What the two recorded steps share: CompiledStep here, lightning_dvi.pyro.CompiledDeterministicELBO
+def _recorded_options(compile_mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """:func:`torch.compile` options for a recorded graph, ``{}`` for inductor directly.
+
+    The user's options, whole-graph and static unless given; ``compile_mode`` is their ``mode``.
+    """
+    if compile_mode is not None:
+        options = {**options, "mode": compile_mode}
+    return {"fullgraph": True, "dynamic": False, **options} if options else {}
+
+
+def _record(
+    step: Callable[..., Any], inputs: list[Tensor], what: str, instead: str
+) -> torch.fx.GraphModule:
+    """``step(*inputs)``, its autograd included, recorded by ``make_fx`` under :func:`step_trace`.
+
+    Raises:
+        StepTraceError: naming ``what`` and the way out (``instead``) when ``make_fx`` cannot
+            record it (e.g. a data-dependent branch).
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        with step_trace(), torch.enable_grad():
+            graph: torch.fx.GraphModule = make_fx(step)(*inputs)
+    except RuntimeError as err:
+        raise StepTraceError(
+            f"the {what} step could not be recorded as one graph ({type(err).__name__}: {err}); "
+            f"{instead}"
+        ) from err
+    return graph
+
+
+def _compile_recorded(
+    graph: torch.fx.GraphModule, examples: list[Tensor], options: dict[str, Any]
+) -> Callable[..., Any]:
+    """A recorded graph compiled: through :func:`torch.compile` with ``options``, else :func:`_inductor`."""
+    if options:
+        return torch.compile(graph, **_cache_friendly(options))
+    return _inductor(graph, examples)
+
+
+def _with_gradients(
+    loss: Tensor, grads: list[Tensor], used: list[bool], params: list[Tensor]
+) -> Tensor:
+    """``loss`` as the :class:`_StepGradients` node that hands out a recorded step's gradients.
+
+    ``grads`` are the graph's gradient outputs, one for each of ``params`` that ``used`` marks
+    (the step reaches it); the others get none.
+    """
+    it = iter(grads)
+    full = tuple(next(it) if u else None for u in used)
+    out: Tensor = _StepGradients.apply(loss, full, *params)
+    return out
+
+
 class CompiledStep:
     r"""The ELBO step, its value and its gradient, as one compiled graph.
 
@@ -392,8 +448,6 @@ class CompiledStep:
         compile_mode: str | None = None,
         **options: Any,
     ) -> None:
-        if compile_mode is not None:
-            options["mode"] = compile_mode
         self.propagation = propagation(mode, None)
         if self.propagation.samples:
             raise ValueError(
@@ -402,7 +456,7 @@ class CompiledStep:
             )
         self.net, self.likelihood, self.prior = net, likelihood, prior
         self.mode = self.propagation.name
-        self.options = {"fullgraph": True, "dynamic": False, **options} if options else {}
+        self.options = _recorded_options(compile_mode, options)
         self._parts = _ELBOParts(net, likelihood, prior, self.propagation)
         self._slots: list[tuple[nn.Module, str, bool]] | None = None
         self._modules: list[nn.Module] = []
@@ -440,7 +494,6 @@ class CompiledStep:
         self, tensors: list[Tensor], x: Tensor, y: Tensor, coef: Tensor
     ) -> tuple[Callable[..., Any], list[bool]]:
         from torch.func import functional_call
-        from torch.fx.experimental.proxy_tensor import make_fx
 
         assert self._slots is not None
         names = self._names()
@@ -458,17 +511,11 @@ class CompiledStep:
             return (ell.detach(), kl.detach(), *(g for g in grads if g is not None))
 
         leaves = [t.detach().requires_grad_(w) for t, w in zip(tensors, wanted, strict=True)]
-        try:
-            with step_trace(), torch.enable_grad():
-                graph = make_fx(step)(*leaves, x, y, coef)
-        except RuntimeError as err:  # e.g. a data-dependent branch: make_fx cannot record it
-            raise StepTraceError(
-                f"the ELBO step could not be traced as one graph ({type(err).__name__}: {err}); "
-                "compile_elbo compiles it through torch.compile instead"
-            ) from err
-        if self.options:  # a backend or mode of the user's: through torch.compile
-            return torch.compile(graph, **_cache_friendly(self.options)), used
-        return _inductor(graph, [*tensors, x, y, coef]), used
+        graph = _record(
+            step, [*leaves, x, y, coef], "ELBO",
+            "compile_elbo compiles it through torch.compile instead",
+        )  # fmt: skip
+        return _compile_recorded(graph, [*tensors, x, y, coef], self.options), used
 
     def __call__(
         self,
@@ -520,9 +567,7 @@ class CompiledStep:
             for t, (_, _, p) in zip(tensors, self._slots or [], strict=True)
             if p and t.requires_grad
         ]
-        it = iter(grads)
-        full: tuple[Tensor | None, ...] = tuple(next(it) if u else None for u in used)
-        loss = _StepGradients.apply(terms.loss, full, *params)
+        loss = _with_gradients(terms.loss, grads, used, params)
         return ELBOTerms(loss, terms.elbo, ell, kl, terms.kl_weight)
 
 

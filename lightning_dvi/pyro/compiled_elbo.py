@@ -22,8 +22,13 @@ from torch import Tensor, nn
 from torch.distributions import transform_to
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._tracing import step_trace
-from ..compile import StepTraceError, _cache_friendly, _inductor, _StepGradients
+from ..compile import (
+    StepTraceError,
+    _compile_recorded,
+    _record,
+    _recorded_options,
+    _with_gradients,
+)
 from ..priors import EmpiricalBayes
 from .elbo import DeterministicELBO
 from .guide import DeterministicGuide
@@ -145,9 +150,7 @@ class CompiledDeterministicELBO(DeterministicELBO):
             max_plate_nesting=max_plate_nesting,
             validate_every_step=validate_every_step,
         )
-        if compile_mode is not None:
-            options["mode"] = compile_mode
-        self.options = {"fullgraph": True, "dynamic": False, **options} if options else {}
+        self.options = _recorded_options(compile_mode, options)
         self._graphs: dict[Hashable, _Recorded] = {}
         self._uncomparable_warned = False
 
@@ -244,17 +247,12 @@ class CompiledDeterministicELBO(DeterministicELBO):
         if not math.isfinite(float(loss)):  # the eager step: with validation on it raises,
             return super().differentiable_loss(model, guide, *args, **kwargs)  # naming the site
         wanted = [p for p, w in zip(params, recorded.wanted, strict=True) if w]
-        it = iter(grads)
-        full = tuple(next(it) if used else None for used in recorded.used)
-        out: Tensor = _StepGradients.apply(loss, full, *wanted)
-        return out
+        return _with_gradients(loss, grads, recorded.used, wanted)
 
     # ------------------------------------------------------------------ recording
     def _record(
         self, model: Any, guide: DeterministicGuide, names: list[str], leaves: list[Any], spec: Any
     ) -> _Recorded:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         store = pyro.get_param_store()
         # the store's own table (get_state() would also strip the live parameters' weakrefs)
         constraints = {name: store._constraints[name] for name in names}
@@ -282,21 +280,10 @@ class CompiledDeterministicELBO(DeterministicELBO):
 
         inputs = [p.detach().requires_grad_(w) for p, w in zip(params, wanted, strict=True)]
         tensors = [leaves[i] for i in tensor_at]
-        try:
-            with step_trace(), torch.enable_grad():
-                graph = make_fx(step)(*inputs, *tensors)
-        except RuntimeError as err:
-            raise StepTraceError(
-                f"the DeterministicELBO step could not be recorded as one graph "
-                f"({type(err).__name__}: {err}); use DeterministicELBO"
-            ) from err
+        graph = _record(step, [*inputs, *tensors], "DeterministicELBO", "use DeterministicELBO")
         _refuse_trainable_constants(graph)
-        fn: Callable[..., Any]
-        if self.options:
-            fn = torch.compile(graph, **_cache_friendly(self.options))
-        else:
-            fn = _inductor(graph, [*params, *tensors])
-        return _Recorded(fn, names, params, used)
+        return _Recorded(_compile_recorded(graph, [*params, *tensors], self.options), names,
+                         params, used)  # fmt: skip
 
 
 class _Recorded:
