@@ -558,7 +558,7 @@ def _bouchard_shift(mean: Tensor, var: Tensor) -> Tensor:
     with torch.no_grad():
         # the Newton steps run on the rows as they are (dim=-1) or, while traced on a CPU, on a
         # classes-first copy (dim=0; policy.classes_first): the same arithmetic, row by row
-        rows, var_rows = policy.classes_first(mean.detach()), policy.classes_first(var.detach())
+        rows, var_rows = policy.classes_first(mean), policy.classes_first(var)  # no grad here
         if rows is None or var_rows is None:
             c = _shift_newton(mean, var, -1)
         else:

@@ -69,6 +69,7 @@ from typing import Any, Literal
 import torch
 
 from .._tracing import step_trace, tracing
+from .special import SHORT_ROW
 
 __all__ = [
     "FLAT_BUFFER_NUMEL",
@@ -267,6 +268,20 @@ def _erfc_setup(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> 
 _erfc_op.register_autograd(_erfc_backward, setup_context=_erfc_setup)
 
 
+def _opaque_here(x: torch.Tensor, numel: int) -> bool:
+    """Whether a traced CPU graph takes an opaque custom op for ``x`` (of ``numel`` or more elements).
+
+    Only while traced for a CPU (:func:`tracing`), and never in an export, whose file must run
+    without this package.
+    """
+    return (
+        x.device.type == "cpu"
+        and x.numel() >= numel
+        and tracing()
+        and not torch.compiler.is_exporting()
+    )
+
+
 FLAT_BUFFER_NUMEL = 1 << 10
 """From this many elements a traced CPU elementwise formula runs on flat buffers (:func:`flat_elementwise`)."""
 
@@ -315,13 +330,7 @@ def flat_elementwise(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> to
     the fused form.
     """
     x = args[0]
-    if (
-        x.dim() < 2
-        or x.numel() < FLAT_BUFFER_NUMEL
-        or x.device.type != "cpu"
-        or not tracing()
-        or torch.compiler.is_exporting()
-    ):
+    if x.dim() < 2 or not _opaque_here(x, FLAT_BUFFER_NUMEL):
         return None
     flat = [torch.ops.lightning_dvi.flat_buffer(a) for a in args]
     return fn(*flat).view(x.shape)
@@ -331,7 +340,8 @@ def classes_first(x: torch.Tensor) -> torch.Tensor | None:
     r"""A ``[K, N]`` copy of ``[N, K]`` rows with a short last dimension, where that is how they run.
 
     While a graph is traced (:func:`tracing`) for a CPU, for a 2-D ``x`` of at least
-    :data:`FLAT_BUFFER_NUMEL` elements whose rows are shorter than 16 (the classes of a head):
+    :data:`FLAT_BUFFER_NUMEL` elements whose rows are shorter than
+    :data:`~lightning_dvi.moments.special.SHORT_ROW` (16, the classes of a head):
     the transposed copy, a buffer of its own (``lightning_dvi::flat_buffer``), so that a loop
     of per-row reductions over it (``dim=0``) runs along ``N``, vectorised, instead of along
     the ``K`` classes of each row (10 of 16 lanes, a horizontal reduction per row). Elsewhere
@@ -340,14 +350,7 @@ def classes_first(x: torch.Tensor) -> torch.Tensor | None:
     (:func:`lightning_dvi.likelihoods.functional.categorical_tight_expected_log_prob`): the
     compiled objective on ``[1401, 10]``, 5.6 → 5.2 ms (docs/speed_current.md).
     """
-    if (
-        x.dim() != 2
-        or x.shape[-1] >= 16
-        or x.numel() < FLAT_BUFFER_NUMEL
-        or x.device.type != "cpu"
-        or not tracing()
-        or torch.compiler.is_exporting()
-    ):
+    if x.dim() != 2 or x.shape[-1] >= SHORT_ROW or not _opaque_here(x, FLAT_BUFFER_NUMEL):
         return None
     rows: torch.Tensor = torch.ops.lightning_dvi.flat_buffer(x.mT).view(x.shape[1], x.shape[0])
     return rows
@@ -366,12 +369,7 @@ def erfc(x: torch.Tensor) -> torch.Tensor:
     The values are ATen's either way; elsewhere (eager, CUDA, and an export, whose file must
     run without this package) it is ``torch.special.erfc``.
     """
-    if (
-        x.device.type == "cpu"
-        and x.numel() >= OPAQUE_ERFC_NUMEL
-        and tracing()
-        and not torch.compiler.is_exporting()
-    ):
+    if _opaque_here(x, OPAQUE_ERFC_NUMEL):
         return torch.ops.lightning_dvi.erfc(x)  # type: ignore[no-any-return]  # a registered op
     return torch.erfc(x)
 
