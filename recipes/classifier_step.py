@@ -5,8 +5,8 @@ The network, likelihood and prior of ``DVIClassifier()``'s defaults (``64 -> 128
 ``--batch`` rows of scikit-learn's digits (pixels / 16). ``--warmup`` eager Adam steps first,
 so that the head's logits spread as in training; then the step is recorded and compiled
 (``lightning_dvi.compile.CompiledStep``, what ``compile=True`` runs), and ``--rounds``
-interleaved rounds time one eager and one compiled step (value and gradient, CPU time, one
-thread). Prints the compile's CPU seconds and the median ms per step of each.
+interleaved rounds (``lightning_dvi_benchmarks.timing.interleaved``) time one eager and one
+compiled step (value and gradient, CPU time, one thread). Prints the compile's CPU seconds and the median ms per step of each.
 
 Run:  python recipes/classifier_step.py [--batch 128] [--warmup 300] [--rounds 60]
 """
@@ -25,6 +25,7 @@ from lightning_dvi.likelihoods import Categorical
 from lightning_dvi.nn import mlp
 from lightning_dvi.objective import elbo
 from lightning_dvi.priors import GaussianPrior
+from lightning_dvi_benchmarks.timing import interleaved
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -62,13 +63,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     start = time.process_time()
     compiled()  # records and compiles
     out = {"compile_s": time.process_time() - start}
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    for _ in range(args.rounds):
-        for name, fn in (("eager", eager), ("compiled", compiled)):
-            start = time.process_time()
-            fn()
-            times[name].append(1e3 * (time.process_time() - start))
-    out.update({f"{k}_ms": statistics.median(v) for k, v in times.items()})
+    times = interleaved({"eager": eager, "compiled": compiled}, args.rounds)
+    out.update({f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()})
     print(
         f"batch {args.batch}: compile {out['compile_s']:.1f} CPU s; CPU ms per step: eager "
         f"{out['eager_ms']:.2f}, compiled {out['compiled_ms']:.2f}"

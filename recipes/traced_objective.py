@@ -9,8 +9,9 @@ trace-safe paths: every branch on every row, no gathers) and compiled as
 of about 2.5), so the bound's costly branches run in eager mode too.
 
 Methods: ``tight`` (the default), ``bound``, ``softplus`` (the softplus bound on the
-covariance's diagonal, summed), ``series`` (its accelerated series alone). CPU time per call
-(``time.process_time``), the median of ``--repeats`` timings of ``--calls`` calls, one thread.
+covariance's diagonal, summed), ``series`` (its accelerated series alone). CPU time per call,
+the median of ``--repeats`` samples (``lightning_dvi_benchmarks.timing.time_call``), one
+thread.
 
 Run:  python recipes/traced_objective.py [--rows 1401] [--classes 10] [--dtype float32]
           [--methods tight,bound,softplus,series] [--repeats 5]
@@ -19,10 +20,8 @@ Run:  python recipes/traced_objective.py [--rows 1401] [--classes 10] [--dtype f
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,6 +31,7 @@ from lightning_dvi.compile import _inductor
 from lightning_dvi.likelihoods import functional as F
 from lightning_dvi.likelihoods import logistic_normal
 from lightning_dvi.moments import policy
+from lightning_dvi_benchmarks.timing import time_call
 
 
 def _diagonal(cov: Tensor) -> Tensor:
@@ -56,19 +56,8 @@ def head(rows: int, classes: int, dtype: torch.dtype, seed: int = 0) -> tuple[Te
     return mean.to(dtype), cov.to(dtype), y
 
 
-def _timed(fn: Callable[[], Any], calls: int, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        for _ in range(calls):
-            fn()
-        times.append((time.process_time() - start) / calls)
-    return 1e3 * statistics.median(times)
-
-
 def measure(
-    method: str, rows: int, classes: int, dtype: torch.dtype, calls: int, repeats: int
+    method: str, rows: int, classes: int, dtype: torch.dtype, repeats: int
 ) -> dict[str, float]:
     """Eager and compiled CPU ms per value-and-gradient call, and the compile's CPU seconds."""
     fn = METHODS[method]
@@ -89,8 +78,8 @@ def measure(
     got, want = compiled(mean, cov, y), eager()
     scale = want[0].abs().clamp_min(1.0)
     return {
-        "eager_ms": _timed(eager, calls, repeats),
-        "compiled_ms": _timed(lambda: compiled(mean, cov, y), calls, repeats),
+        "eager_ms": 1e3 * time_call(eager, repeats),
+        "compiled_ms": 1e3 * time_call(lambda: compiled(mean, cov, y), repeats),
         "compile_s": compile_s,
         "value_rel_diff": float((got[0] - want[0]).abs() / scale),
     }
@@ -103,7 +92,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -113,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     print("| method | eager | compiled | compile (CPU s) | value, relative difference |")
     print("|---|---|---|---|---|")
     for method in args.methods.split(","):
-        r = measure(method, args.rows, args.classes, dtype, args.calls, args.repeats)
+        r = measure(method, args.rows, args.classes, dtype, args.repeats)
         results[method] = r
         print(
             f"| {method} | {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} | "
