@@ -102,6 +102,47 @@ def test_a_kl_schedule_reuses_the_graph_and_a_new_signature_records_another():
     assert step.graphs == 3
 
 
+@pytest.mark.parametrize("kind", ["heteroscedastic", "homoscedastic"])
+def test_one_graph_serves_every_target_resolution_and_sees_a_new_one(kind):
+    """The resolution's variance is a graph input (a buffer), not a constant of the graph.
+
+    So a resolution set after the recording (a second fit) is used, where a constant would
+    silently keep the old one, and the fits of other splits share one compiled graph.
+    """
+    net, lik, x, y = _problem(kind)
+    prior = GaussianPrior()
+    step = CompiledStep(net, lik, prior, "diag", **FAST)
+    for resolution in (0.0, 0.5, 2.0, 0.0):  # from none to some: no new graph either
+        lik.set_target_resolution(resolution)
+        eager, want, _ = _eager(net, lik, prior, x, y, "diag", kl_weight=1.0)
+        for m in (net, lik):
+            m.zero_grad(set_to_none=True)
+        terms = step(x, y, num_data=50)
+        terms.loss.backward()
+        torch.testing.assert_close(terms.loss, eager.loss, rtol=1e-12, atol=1e-14)
+        for g, w in zip(_grads(net) + _grads(lik), want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-14)
+    assert step.graphs == 1
+
+
+def test_the_resolution_buffer_holds_the_float_in_every_dtype_and_is_not_saved():
+    from lightning_dvi.likelihoods.gaussian import dequantisation_variance
+
+    lik = HeteroscedasticGaussian(resolution=0.1)
+    exact = dequantisation_variance(0.1)
+    for cast in (
+        lambda m: m,
+        lambda m: m.float(),
+        lambda m: m.half().double(),
+        lambda m: m.to("cpu"),
+    ):
+        lik = cast(lik)  # made again after each cast, never rounded through another dtype
+        assert lik.extra_variance.dtype == torch.float64 and lik.extra_variance.item() == exact
+    lik.set_target_resolution(0.3)
+    assert lik.extra_variance.item() == dequantisation_variance(0.3)
+    assert "extra_variance" not in lik.state_dict()
+
+
 def test_gradients_accumulate_scale_and_skip_frozen_parameters():
     net, lik, x, y = _problem("heteroscedastic")
     prior = GaussianPrior()

@@ -214,8 +214,19 @@ class HeteroscedasticPredictive(torch.distributions.Distribution):
             return loc + var.sqrt() * torch.randn_like(loc)
 
 
-class _DequantisedTargets:
-    """The ``resolution`` of a Gaussian likelihood's targets (see :func:`dequantisation_variance`)."""
+class _DequantisedTargets(nn.Module):
+    r"""The ``resolution`` of a Gaussian likelihood's targets (see :func:`dequantisation_variance`).
+
+    :math:`\Delta^2/12` is held twice: as a Python float, which the eager code adds (and skips
+    for :math:`\Delta = 0`), and as the non-persistent buffer ``extra_variance``, which a traced
+    step reads instead. A buffer is an input of a recorded graph (:class:`~lightning_dvi.
+    compile.CompiledStep`), so one graph serves every resolution: the fits of other splits or
+    data sets of one network shape find it in inductor's cache, and a resolution set after the
+    recording (a second ``fit``) is seen, where a float would be a constant of the graph. The
+    buffer follows the module's device but stays float64 (float32 on MPS, which has no
+    float64): it is made again after every cast (``to``, ``float``, ...), and the traced step
+    rounds it once to the dtype of :math:`\Sigma_{mm}`, as the eager float is rounded.
+    """
 
     _resolution: float = 0.0
     _extra_variance: float = 0.0
@@ -234,9 +245,37 @@ class _DequantisedTargets:
     def resolution(self, value: float) -> None:
         self._extra_variance = dequantisation_variance(float(value))
         self._resolution = float(value)
+        self._fill_extra_variance()
+
+    def _fill_extra_variance(self, device: torch.device | None = None) -> None:
+        r"""Make the ``extra_variance`` buffer :math:`\Delta^2/12` (on ``device``, or where it is)."""
+        buffer = self._buffers.get("extra_variance")
+        if buffer is not None and device is None:
+            with torch.no_grad():  # in place: a recorded step holds the tensor it reads
+                buffer.fill_(self._extra_variance)
+            return
+        device = device or torch.device("cpu")
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        value = torch.tensor(self._extra_variance, dtype=dtype, device=device)
+        self.register_buffer("extra_variance", value, persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``to``, ``double``, ...), then the buffer made again in float64."""
+        out = super()._apply(fn, recurse)
+        buffer = self._buffers.get("extra_variance")
+        if buffer is not None:
+            self._fill_extra_variance(buffer.device)
+        return out
 
     def _dequantised(self, var_m: Tensor) -> Tensor:
-        r""":math:`\Sigma_{mm} + \Delta^2/12` (``var_m`` itself, no op, when :math:`\Delta = 0`)."""
+        r""":math:`\Sigma_{mm} + \Delta^2/12` (``var_m`` itself, no op, when :math:`\Delta = 0`).
+
+        While a graph is traced the term is the buffer, added whatever its value, so that the
+        graph holds no resolution of its own (adding an exact 0 leaves ``var_m`` unchanged).
+        """
+        buffer = self._buffers.get("extra_variance")
+        if buffer is not None and policy.tracing():
+            return var_m + buffer.to(var_m.dtype)
         return var_m + self._extra_variance if self._extra_variance else var_m
 
 
