@@ -7,11 +7,13 @@ peak memory by ``torch.cuda.max_memory_allocated``). Sections (``--sections``): 
 Lightning epoch), ``compile`` and ``net`` (:mod:`lightning_dvi_benchmarks.speed_net`), ``targets``
 (issue 28's table, CPU only: :mod:`lightning_dvi_benchmarks.speed_targets`), ``cost`` (issue 39's
 step-cost table, interleaved, with aten ops and the fixed/arithmetic split:
-:mod:`lightning_dvi_benchmarks.speed_cost`); the harness is
+:mod:`lightning_dvi_benchmarks.speed_cost`), ``anatomy`` (CPU only, not run by default: where
+each of those steps' CPU time goes, by :mod:`torch.profiler`, the compiled step kernel by kernel:
+:mod:`lightning_dvi_benchmarks.speed_anatomy`); the harness is
 :mod:`lightning_dvi_benchmarks.timing`. Results and the machine: docs/benchmarks.md.
 
 Run:  python recipes/speed_benchmark.py [--quick] [--device cuda] [--json out.json]
-          [--sections steps,layer,frontends,compile,net,targets,cost] [--widths 128,512]
+          [--sections steps,layer,frontends,compile,net,targets,cost,anatomy] [--widths 128,512]
           [--data-dir DIR]
           [--count-ops]   (net section: aten ops / non-view ops / host reads per step)
 """
@@ -44,6 +46,7 @@ from lightning_dvi_benchmarks.speed import (  # noqa: F401 - count_ops, peak_mem
     step_ratios,
     table,
 )
+from lightning_dvi_benchmarks.speed_anatomy import ANATOMY_METHODS, bench_anatomy, report_anatomy
 from lightning_dvi_benchmarks.speed_cost import (
     COMPILED_COST_METHODS,
     COST_METHODS,
@@ -91,6 +94,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="lightning_dvi.moments.policy kernel backend (A/B runs)",
     )
     p.add_argument("--memory-budget", type=int, default=None, help="moments scratch bytes")
+    p.add_argument(
+        "--malloc",
+        choices=("system", "reuse"),
+        default="system",
+        help="glibc allocator: as a bare loop gets it (system), or as the Lightning modules set it "
+        "for a fit (reuse: lightning_dvi.moments.allocator.reuse_large_allocations)",
+    )
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (default off)")
     p.add_argument("--max-cell-s", type=float, default=60.0, help="skip slower methods after")
     p.add_argument(
@@ -106,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
     from lightning_dvi.moments import policy
 
+    if args.malloc == "reuse":  # for the rest of the process, as a fit sets it
+        from lightning_dvi.moments.allocator import reuse_large_allocations
+
+        reuse_large_allocations(True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     backend, budget = policy.get_kernel_backend(), policy.get_memory_budget()
@@ -129,7 +143,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__, "python": platform.python_version(),
         "machine": platform.machine(), "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:],
-        "device": str(S.DEVICE), "kernels": args.kernels,
+        "device": str(S.DEVICE), "kernels": args.kernels, "malloc": args.malloc,
     }  # fmt: skip
     if S.DEVICE.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(S.DEVICE)
@@ -194,6 +208,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if "targets" in sections and S.DEVICE.type == "cpu":
         result["targets"] = bench_targets(3 if args.quick else args.rounds, args.quick)
         print(report_targets(result["targets"]))
+    if "anatomy" in sections and S.DEVICE.type == "cpu":
+        methods = ANATOMY_METHODS
+        if args.compiled == "on" or (args.compiled == "auto" and S.DEVICE.type == "cuda"):
+            methods = (*ANATOMY_METHODS, "dDVI compiled step")
+        rows = [(4, 3)] if args.quick else None
+        result["anatomy"] = bench_anatomy(repeats, rows, methods)
+        print(report_anatomy(result["anatomy"]))
     if "cost" in sections:
         methods = COST_METHODS
         if args.compiled == "on" or (args.compiled == "auto" and S.DEVICE.type == "cuda"):

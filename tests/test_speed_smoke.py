@@ -66,9 +66,11 @@ def test_pyro_guide_step_against_bare(bench):
 def test_cli_quick_json(bench, tmp_path):
     threads_before = torch.get_num_threads()
     out = tmp_path / "speed.json"
-    result = bench.main(["--quick", "--sections", "layer", "--repeats", "1", "--json", str(out)])
+    argv = ["--quick", "--sections", "layer", "--repeats", "1", "--malloc", "reuse"]
+    result = bench.main([*argv, "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved["threads"] == 1 and saved["layer"] == result["layer"]
+    assert saved["malloc"] == "reuse"  # the allocator a fit sets, recorded with the figures
     assert set(saved["crossover"]) == {"MCVI S=1", "MCVI S=10"}
     assert torch.get_num_threads() == threads_before
 
@@ -98,3 +100,21 @@ def test_count_ops_of_the_net_section(bench):
     assert ops["host reads"] == 1  # the input's NaN/Inf check, once per step
     assert bench.op_rows([row])[0]["dDVI"].count(" / ") == 2
     assert bench.count_ops(bench.net_step("plain MLP", 4, 3)) == row["plain MLP ops"]["aten ops"]
+
+
+def test_anatomy_splits_each_step_and_sees_the_compiled_kernels(bench):
+    methods = (*bench.ANATOMY_METHODS, "dDVI compiled step")
+    rows = bench.bench_anatomy(1, [(4, 3)], methods, calls=3, top=3)
+    assert [r["method"] for r in rows] == list(methods)
+    for r in rows:
+        parts = [r[k] for k in ("aten ms", "fused ms", "Function ms", "rest ms")]
+        assert all(p >= 0 for p in parts) and r["step ms"] > 0, r
+        # the parts share out the profiled step: at most its time, and most of it measured
+        assert sum(parts[:3]) <= r["profiled ms"] * 1.05 and parts[0] > 0, r
+        assert len(r["top"]) == 3 and all(ms > 0 for _, ms in r["top"])
+    plain, eager, compiled = rows
+    # an eager step has no generated kernels; the compiled one reports its own to the profiler
+    assert plain["fused ms"] == eager["fused ms"] == 0 < compiled["fused ms"]
+    assert eager["Function ms"] > 0  # the library's autograd Functions run in the eager step
+    report = bench.report_anatomy(rows)
+    assert "| dDVI compiled step |" in report and "top events" in report
