@@ -1,9 +1,9 @@
 """The speed benchmark's ``anatomy`` section: where one training step's CPU time goes.
 
 For the ``cost`` section's steps (plain MLP, eager dDVI, and with ``--compiled on`` the dDVI step
-compiled as one graph) at issue 39's rows, one step's CPU time (no profiler, median of
-``--repeats`` samples) is split with :mod:`torch.profiler` (self CPU time per event, averaged
-over the profiled calls) into
+compiled as one graph) at issue 39's rows: the step's CPU time without the profiler
+(``step ms``, median of ``--repeats`` samples), and its CPU time under :mod:`torch.profiler`
+(``profiled ms``) split by each event's self CPU time, averaged over the profiled calls, into
 
 * ``aten ms``: the aten ops the step dispatches (kernels, dispatch and allocation; inside a
   compiled step only the ops the generated code calls, such as matrix products and ``erfc``);
@@ -105,7 +105,7 @@ def bench_anatomy(
                 "width": width, "batch": batch, "method": method, "step ms": step_ms,
                 "profiled ms": profiled_ms, "aten ms": parts["aten"], "fused ms": parts["fused"],
                 "Function ms": parts["Function"], "rest ms": max(profiled_ms - measured, 0.0),
-                "top": [(name, ms) for name, ms in ranked],
+                "top": ranked,
             })  # fmt: skip
     return out
 
